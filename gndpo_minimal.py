@@ -1,0 +1,1021 @@
+"""GNDPO in one file: on-policy distillation of a vision-language student from a 4-bit teacher,
+with the teacher's per-token scores whitened over the whole batch (all processes together).
+
+Per step: B prompts x G samples from the student -> teacher and student log-probs of every sampled
+token -> score = clamp(teacher_lp - student_lp, -5, 5) -> advantages = scores whitened over every
+valid token of the global batch -> GSPO (or PPO-clip) update of a LoRA adapter on the student.
+The algorithm is stated in GNDPO_SPEC.md terms in the docstrings of the math section.
+
+Run (offline, tiny models shipped in assets/tiny, a task drawn with PIL; a few minutes on a CPU):
+    accelerate launch gndpo_minimal.py
+Plain OPD (unnormalized advantages) for comparison:
+    accelerate launch gndpo_minimal.py --advantage_mode none
+Real models (see README for the recipes and configs/ for multi-GPU / multi-node launch files):
+    accelerate launch gndpo_minimal.py --student_model Qwen/Qwen2.5-VL-3B-Instruct \
+        --teacher_model Qwen/Qwen2.5-VL-7B-Instruct --dataset_name hiyouga/geometry3k ...
+Any argument can also come from a YAML/JSON file: accelerate launch gndpo_minimal.py recipe.yaml
+
+Simplifications, on purpose: one optimizer step per rollout batch (so the importance ratio is 1
+at the update and no "old policy" forward pass is needed), HF `generate` for rollouts (no vLLM),
+teacher and student must share a tokenizer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    # models
+    student_model: str = field(default=os.path.join(HERE, "assets/tiny/student"),
+                               metadata={"help": "Student (policy) checkpoint: Hub id or local path."})
+    teacher_model: str = field(default=os.path.join(HERE, "assets/tiny/teacher"),
+                               metadata={"help": "Teacher checkpoint: Hub id or local path. Must share the student's tokenizer."})
+    teacher_4bit: bool = field(default=True, metadata={"help": "Load the teacher in 4-bit nf4 (bitsandbytes)."})
+    dtype: str = field(default="auto", metadata={"help": "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute student activations in backward to save memory."})
+    # LoRA
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                     metadata={"help": "Comma-separated linear layer names of the LANGUAGE model to adapt (the vision tower stays frozen)."})
+    # data
+    dataset_name: str = field(default="", metadata={"help": "Hugging Face dataset: Hub id, local folder or data file (parquet/json). Empty = the embedded shapes task."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    eval_split: str = field(default="test", metadata={"help": "Held-out split for greedy evaluation."})
+    image_column: str = field(default="image", metadata={"help": "Column with one image or a list of images."})
+    question_column: str = field(default="question", metadata={"help": "Column with the question text (may contain <image> markers)."})
+    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
+    instruction: str = field(default="", metadata={"help": "Text appended to every question (e.g. the think/boxed instruction)."})
+    require_think: bool = field(default=False, metadata={"help": "A well-formed answer must be <think>...</think> then \\boxed{}."})
+    max_train_samples: int = field(default=0, metadata={"help": "Use at most this many training rows (0 = all)."})
+    num_eval_samples: int = field(default=200, metadata={"help": "Evaluate on at most this many held-out rows (0 = skip evaluation)."})
+    # rollout
+    prompts_per_step: int = field(default=32, metadata={"help": "B: prompts per optimizer step, over all processes."})
+    num_generations: int = field(default=4, metadata={"help": "G: sampled responses per prompt."})
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts longer than this (in tokens, images included) are skipped and counted."})
+    max_new_tokens: int = field(default=8, metadata={"help": "Maximum response length in tokens."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the student's log-probs use the same)."})
+    # GNDPO
+    advantage_mode: str = field(default="global", metadata={"help": "none (plain OPD) | global (GNDPO) | sequence | group."})
+    loss_type: str = field(default="gspo", metadata={"help": "gspo (sequence-level ratio) | ppo (token-level ratio)."})
+    score_clip: float = field(default=5.0, metadata={"help": "Clamp teacher_lp - student_lp to [-clip, clip]."})
+    clip_low: float = field(default=0.2, metadata={"help": "Lower ratio clip (1 - clip_low)."})
+    clip_high: float = field(default=0.2, metadata={"help": "Upper ratio clip (1 + clip_high)."})
+    # optimization
+    learning_rate: float = field(default=2e-3, metadata={"help": "AdamW learning rate (LoRA wants a larger one than full fine-tuning)."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps, then constant."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (the pre-clip norm is logged)."})
+    max_steps: int = field(default=150, metadata={"help": "Optimizer steps."})
+    micro_batch_size: int = field(default=32, metadata={"help": "Sequences per forward pass (generate, score, train) on each process."})
+    gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer step; 0 = derived, prompts_per_step*G / (processes*micro_batch_size)."})
+    max_consecutive_skips: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row."})
+    seed: int = field(default=0, metadata={"help": "Seed; every step's sampling is seeded from (seed, step, process)."})
+    # output
+    output_dir: str = field(default="runs/gndpo", metadata={"help": "Where metrics.jsonl, checkpoints, the adapter and summary.json go."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start over in an output_dir that already holds a run."})
+    save_steps: int = field(default=50, metadata={"help": "Checkpoint every N steps (0 = only at the end)."})
+    save_total_limit: int = field(default=2, metadata={"help": "Keep this many most recent checkpoints."})
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps (0 = only before and after training)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' (the newest in output_dir)."})
+    report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."})
+    estimate_memory: bool = field(default=False, metadata={"help": "Print a memory estimate from the models' configs (no weights loaded) and exit."})
+
+
+ADVANTAGE_MODES = ("none", "global", "sequence", "group")
+LOSS_TYPES = ("gspo", "ppo")
+
+
+def check_args(args: Args, num_processes: int) -> int:
+    """Validates argument combinations; returns the gradient accumulation steps."""
+    problems = []
+    if args.advantage_mode not in ADVANTAGE_MODES:
+        problems.append(f"--advantage_mode {args.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
+    if args.loss_type not in LOSS_TYPES:
+        problems.append(f"--loss_type {args.loss_type!r} is not one of {LOSS_TYPES}")
+    if args.advantage_mode == "group" and args.num_generations < 2:
+        problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2")
+    if args.temperature <= 0:
+        problems.append("--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
+    if args.prompts_per_step % num_processes:
+        problems.append(f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: "
+                        f"use a multiple of {num_processes}")
+    seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
+    if not problems and seqs % args.micro_batch_size:
+        problems.append(f"each process holds {seqs} sequences per step (prompts_per_step*G/processes), which "
+                        f"--micro_batch_size {args.micro_batch_size} does not divide")
+    accum = seqs // args.micro_batch_size if not problems else 0
+    if not problems and args.gradient_accumulation_steps not in (0, accum):
+        problems.append(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} contradicts "
+                        f"prompts_per_step*G/(processes*micro_batch_size) = {accum}; leave it at 0")
+    if problems:
+        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    return accum
+
+
+# ---------------------------------------------------------------------------------------------
+# Math: pure functions (copy these into other codebases)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_logps(rows: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None) -> torch.Tensor:
+    """(N, V) logits of any float dtype, (N,) ids -> (N,) float32 log-probs."""
+    rows = rows.float()  # a float32 copy of N rows only
+    if ignore_ids is not None:
+        rows = rows.index_fill(1, ignore_ids, float("-inf"))
+    return rows.gather(1, ids[:, None]).squeeze(1) - rows.logsumexp(-1)
+
+
+def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
+                chunk_elements: int = 2**24) -> torch.Tensor:
+    """Log-probability of each given token.
+
+    logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
+    logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
+    Works through `chunk_elements // V` rows at a time, so it never holds a float32 copy of the
+    whole (B, T, V) tensor; under autograd each chunk is recomputed in backward instead of saved.
+    """
+    B, T, V = logits.shape
+    rows_per_chunk = max(1, chunk_elements // V)
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    pieces = []
+    for b in range(B):  # logits[b] is a view; slicing it copies nothing
+        for t in range(0, T, rows_per_chunk):
+            rows, ids = logits[b, t:t + rows_per_chunk], token_ids[b, t:t + rows_per_chunk]
+            if grad:
+                pieces.append(checkpoint(_rows_logps, rows, ids, ignore_ids, use_reentrant=False))
+            else:
+                out[b, t:t + rows_per_chunk] = _rows_logps(rows, ids, ignore_ids)
+    return torch.cat(pieces).view(B, T) if grad else out
+
+
+def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
+                   clip: float = 5.0) -> torch.Tensor:
+    """Raw per-token distillation score s = clamp(teacher_lp - student_lp, -clip, clip) (spec step 3).
+
+    All (B, T); response_mask is 1 on response tokens. The score is a one-sample estimate of
+    -KL(student || teacher) at that token: positive where the teacher likes the token more than the
+    student does. Returns (B, T) float32, exactly 0 where the mask is 0 (even if log-probs are inf there).
+    """
+    scores = (teacher_logps.float() - student_logps.float()).clamp(-clip, clip)
+    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
+            total_sq: torch.Tensor, eps: float) -> torch.Tensor:
+    """(s - mean) / sqrt(unbiased var + eps) from float64 sums broadcastable to scores; 0 off the mask."""
+    mean = total / count.clamp(min=1)
+    var = (total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)
+    adv = (scores.double() - mean) / torch.sqrt(var + eps)
+    return (adv * mask).to(scores.dtype)
+
+
+def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
+                     group_ids: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """Advantages from raw scores (spec step 4). scores, response_mask: (B, T); group_ids: (B,) int.
+
+    none:     A = s * m (plain on-policy distillation, OPD).
+    global:   A = (s - mu) / sqrt(var + eps) * m with mu and the unbiased var over EVERY valid token
+              of the batch (GNDPO). When torch.distributed is initialized, the sums (count, sum, sum of
+              squares, float64) are all-reduced in one call, so every process gets the statistics of
+              the whole global batch, however unevenly its tokens are spread.
+    sequence: the same whitening within each response (row) on its own.
+    group:    the same whitening over the responses that share a group id (the G samples of a prompt).
+    Returns (B, T) with zeros where the mask is 0. Raises ValueError when fewer than 2 valid tokens
+    exist (in the whole global batch), since a variance needs 2.
+    """
+    mask = response_mask.to(torch.float64)
+    s = scores.double() * mask
+    if mode == "none":
+        return scores * response_mask.to(scores.dtype)
+    if mode == "global":
+        stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])  # (3,)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)
+        if stats[0] < 2:
+            raise ValueError(f"global normalization needs at least 2 valid response tokens in the batch, got "
+                             f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses are not empty")
+        return _whiten(scores, mask, *stats, eps)
+    if int(mask.sum()) < 2:
+        raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(mask.sum())}")
+    if mode == "sequence":
+        return _whiten(scores, mask, mask.sum(1, keepdim=True), s.sum(1, keepdim=True), (s * s).sum(1, keepdim=True), eps)
+    if mode == "group":
+        if group_ids is None:
+            raise ValueError("group normalization needs group_ids (B,): the prompt index of each response")
+        _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
+        n_groups = int(inv.max()) + 1
+        sums = [torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, inv, x.sum(1))
+                for x in (mask, s, s * s)]  # 3 x (n_groups,)
+        return _whiten(scores, mask, *(x[inv][:, None] for x in sums), eps)
+    raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
+
+
+def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, dict]:
+    """Clipped policy-gradient loss (spec step 5). All inputs (B, T); logps carries the gradient.
+
+    gspo: sequence ratio l_i = sum_t (logp - old_logp) m / max(sum_t m, 1); per token
+          log s = logp - sg(logp) + sg(l_i), clamped at 10 (GSPO-token: the value is the sequence ratio,
+          the gradient is the token's).
+    ppo:  per-token ratio s = exp(logp - old_logp) (log clamped at 10).
+    loss_tok = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)), averaged over each sequence's
+    valid tokens, then over the sequences that have any ("seq-mean-token-mean").
+    Returns (scalar loss, metrics: clip_frac, ratio_mean, ratio_max as floats over valid tokens).
+    """
+    mask = response_mask.to(logps.dtype)
+    lengths = mask.sum(1)  # (B,)
+    if loss_type == "gspo":
+        seq_log_ratio = ((logps - old_logps) * mask).sum(1) / lengths.clamp(min=1)  # (B,)
+        log_ratio = logps - logps.detach() + seq_log_ratio.detach()[:, None]
+    elif loss_type == "ppo":
+        log_ratio = logps - old_logps
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}: use one of {LOSS_TYPES}")
+    ratio = torch.exp(log_ratio.clamp(max=10.0))  # (B, T)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    has_tokens = lengths > 0
+    seq_loss = (loss_tok * mask).sum(1) / lengths.clamp(min=1)  # (B,)
+    loss = seq_loss[has_tokens].mean() if has_tokens.any() else (loss_tok * 0).sum()
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        metrics = {"clip_frac": ((clipped > unclipped).to(mask.dtype) * mask).sum().item() / n.item(),
+                   "ratio_mean": (ratio * mask).sum().item() / n.item(),
+                   "ratio_max": ratio.masked_fill(mask == 0, 0).max().item() if mask.any() else 0.0}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers: extraction and grading
+# ---------------------------------------------------------------------------------------------
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def _strip_answer(text: str) -> str:
+    text = re.sub(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}", r"\1", text)
+    text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\circ", "").replace("°", "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
+    return re.sub(r"\s+", "", text).strip().rstrip(".").lower()
+
+
+def grade_answer(response: str, reference: str) -> bool:
+    """True when the last \\boxed{} of `response` equals `reference`.
+
+    Equal as text after light normalization (degrees, \\dfrac, spaces, case), or mathematically equal
+    according to math-verify (e.g. 8\\sqrt{3}+24 and 24+8\\sqrt{3}).
+    """
+    pred = extract_boxed(response)
+    if pred is None:
+        return False
+    if _strip_answer(pred) == _strip_answer(reference):
+        return True
+    from math_verify import parse, verify  # imported lazily: only real-data runs need it
+
+    try:
+        gold, guess = parse("$" + _strip_answer(reference) + "$"), parse("$" + _strip_answer(pred) + "$")
+        return bool(gold) and bool(guess) and bool(verify(gold, guess))
+    except Exception:  # math-verify raises many types on unparsable LaTeX; unparsable means not equal
+        return False
+
+
+def is_well_formed(response: str, require_think: bool = False) -> bool:
+    """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
+    if require_think:
+        return re.fullmatch(r"\s*<think>.*?</think>.*\\boxed\{.*\}.*", response, flags=re.DOTALL) is not None
+    return extract_boxed(response) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: rows -> chat prompts with images
+# ---------------------------------------------------------------------------------------------
+
+
+def load_image(value):
+    """One image from a dataset cell (PIL image, {'bytes', 'path'} dict or path) as an RGB PIL image.
+
+    Transparent images (RGBA, LA, P with transparency) are put on white; other modes (L, P, CMYK, I;16)
+    are converted. Raises ValueError naming the problem for missing, unreadable or truncated images.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if value is None:
+        raise ValueError("no image")
+    try:
+        if isinstance(value, dict):
+            if value.get("bytes") is not None:
+                value = Image.open(io.BytesIO(value["bytes"]))
+            elif value.get("path"):
+                value = Image.open(value["path"])
+            else:
+                raise ValueError("an image cell with neither bytes nor path")
+        elif isinstance(value, (str, os.PathLike)):
+            value = Image.open(value)
+        value.load()  # decode now, so truncated files fail here and not in the middle of a batch
+    except (OSError, UnidentifiedImageError, SyntaxError) as e:
+        raise ValueError(f"unreadable image ({type(e).__name__}: {e})") from e
+    if value.mode in ("RGBA", "LA") or (value.mode == "P" and "transparency" in value.info):
+        rgba = value.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return value.convert("RGB")
+
+
+def row_images(row: dict, image_column: str) -> list:
+    """All images of a row (the column may hold one image or a list) as RGB PIL images."""
+    value = row[image_column]
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or all(v is None for v in values):
+        raise ValueError(f"no image in column {image_column!r}")
+    return [load_image(v) for v in values]
+
+
+def build_messages(question: str, num_images: int, instruction: str = "") -> list[dict]:
+    """A one-turn chat with images placed at the question's <image> markers (or first, if it has none)."""
+    text = question + (("\n" + instruction) if instruction else "")
+    pieces = text.split("<image>")
+    content: list[dict] = []
+    if len(pieces) == 1:
+        content += [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+    else:
+        if len(pieces) - 1 != num_images:
+            raise ValueError(f"the question has {len(pieces) - 1} <image> markers but the row has {num_images} images")
+        for i, piece in enumerate(pieces):
+            if piece.strip():
+                content.append({"type": "text", "text": piece.strip()})
+            if i < num_images:
+                content.append({"type": "image"})
+    return [{"role": "user", "content": content}]
+
+
+def encode_prompts(processor, prompts: list[tuple[str, list]], instruction: str = "") -> dict:
+    """[(question, images)] -> left-padded processor batch: input_ids, attention_mask, mm_token_type_ids (n, P),
+    pixel_values (patches, D), image_grid_thw (images, 3)."""
+    texts = [processor.apply_chat_template(build_messages(q, len(imgs), instruction), add_generation_prompt=True,
+                                           tokenize=False) for q, imgs in prompts]
+    processor.tokenizer.padding_side = "left"  # generation appends on the right
+    return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True)
+
+
+def load_split(args: Args, split: str, n_embedded: int):
+    """A split of the training data as a `datasets.Dataset`, images left undecoded."""
+    import datasets
+
+    if not args.dataset_name:
+        import tiny_world
+
+        return tiny_world.make_dataset(n_embedded, seed=args.seed + (1001 if split == args.train_split else 1002))
+    name = args.dataset_name
+    try:
+        if os.path.isfile(name):  # a single data file: its extension names the builder
+            ext = os.path.splitext(name)[1].lstrip(".").replace("jsonl", "json")
+            ds = datasets.load_dataset(ext, data_files={split: name}, split=split)
+        else:
+            ds = datasets.load_dataset(name, args.dataset_config, split=split)
+    except ValueError as e:
+        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {e}") from e
+    return ds
+
+
+def check_columns(ds, args: Args, split: str) -> None:
+    """Stops with the column flags to set when a needed column is missing."""
+    for flag in ("image_column", "question_column", "answer_column"):
+        column = getattr(args, flag)
+        if column not in ds.column_names:
+            raise ValueError(f"the {split!r} split has no column {column!r} (--{flag}); its columns are "
+                             f"{ds.column_names}: pass --{flag} with one of them")
+
+
+def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print) -> tuple:
+    """Checks every row once: decodes its images and measures its prompt.
+
+    Rows without a readable image or with a prompt longer than max_prompt_length are skipped, counted and
+    logged (one bad row should not stop a long run). Returns (dataset, kept row indices, skip counts).
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    if len(ds) == 0:
+        raise ValueError(f"the {split!r} split of {args.dataset_name or 'the embedded task'} is empty")
+    check_columns(ds, args, split)
+    feature = ds.features[args.image_column]  # decode images ourselves, so a broken one can be skipped
+    if isinstance(feature, datasets.Image):
+        ds = ds.cast_column(args.image_column, datasets.Image(decode=False))
+    elif isinstance(getattr(feature, "feature", None), datasets.Image):
+        ds = ds.cast_column(args.image_column, datasets.List(datasets.Image(decode=False)))
+    n = min(len(ds), limit) if limit else len(ds)
+    keep, skipped = [], {"no_or_unreadable_image": 0, "prompt_too_long": 0}
+    for i in tqdm(range(n), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
+        row = ds[i]
+        try:
+            images = row_images(row, args.image_column)
+            length = encode_prompts(processor, [(row[args.question_column], images)], args.instruction)["input_ids"].shape[1]
+        except ValueError as e:
+            skipped["no_or_unreadable_image"] += 1
+            if log:
+                log(f"skipping {split} row {i}: {e}")
+            continue
+        if length > args.max_prompt_length:
+            skipped["prompt_too_long"] += 1
+            continue
+        keep.append(i)
+    if log and skipped["prompt_too_long"]:
+        log(f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
+            f"--max_prompt_length {args.max_prompt_length}")
+    if not keep:
+        raise ValueError(f"no usable row in the {split!r} split ({skipped}); check the image column and --max_prompt_length")
+    return ds, keep, skipped
+
+
+def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
+    """The prompts_per_step row positions of a step: a fresh seeded permutation every epoch.
+
+    A pure function of (step, seed): a resumed run draws exactly the prompts the interrupted one would have.
+    """
+    out = []
+    for pos in range(step * prompts_per_step, (step + 1) * prompts_per_step):
+        epoch, offset = divmod(pos, n_rows)
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[offset]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: LoRA student, 4-bit teacher, and the check that they speak the same tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_student(args: Args, dtype: torch.dtype):
+    """The student with a LoRA adapter on the language model's linear layers; everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
+    names = "|".join(re.escape(m.strip()) for m in args.lora_target_modules.split(",") if m.strip())
+    # Vision blocks have gate/up/down_proj layers too: the regex keeps the adapter on the language model.
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=rf".*language_model.*\.({names})$", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
+    return model
+
+
+def load_teacher(args: Args, dtype: torch.dtype, device: torch.device):
+    """The frozen teacher, in 4-bit nf4 when args.teacher_4bit (vision tower included; lm_head stays)."""
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    kwargs = {"dtype": dtype}
+    if args.teacher_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+        kwargs["device_map"] = {"": device}  # one full replica per process: the teacher is never sharded for training
+    model = AutoModelForImageTextToText.from_pretrained(args.teacher_model, **kwargs)
+    if not args.teacher_4bit:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
+    """Stops unless both tokenizers map the same text and special tokens to the same ids.
+
+    Scores compare log-probs of the *same token ids*, so a teacher that tokenizes differently would be
+    scored on tokens it never saw. Embedding tables padded to different sizes are fine.
+    """
+    s_vocab, t_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if s_vocab != t_vocab:
+        only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()), key=lambda kv: kv[1])[:5]
+        only_t = sorted(set(t_vocab.items()) - set(s_vocab.items()), key=lambda kv: kv[1])[:5]
+        raise ValueError(
+            f"teacher and student tokenizers differ ({len(t_vocab)} vs {len(s_vocab)} entries; student-only "
+            f"(token, id) e.g. {only_s}, teacher-only e.g. {only_t}). GNDPO scores the student's sampled token "
+            f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family.")
+    probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
+    for name in ("eos_token_id", "pad_token_id"):
+        if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
+            raise ValueError(f"teacher and student tokenizers disagree on {name}: "
+                             f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}")
+    if student_tokenizer(probe)["input_ids"] != teacher_tokenizer(probe)["input_ids"]:
+        raise ValueError("teacher and student tokenizers encode the same text to different ids: use a teacher "
+                         "of the student's model family")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """Ids of image/video special tokens: a sampled one would break the scoring forward, so sampling
+    suppresses them and scoring gives them -inf, keeping both distributions the same."""
+    names = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+             "<image>", "<IMG_CONTEXT>", "<img>", "</img>"]
+    unk = tokenizer.unk_token_id
+    return sorted({i for i in tokenizer.convert_tokens_to_ids(names) if i is not None and i != unk})
+
+
+def model_inputs(batch: dict, keys=("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values",
+                                    "image_grid_thw", "image_sizes", "image_attention_mask")) -> dict:
+    """The processor outputs a forward pass needs. Qwen-VL needs all of ids, mask, pixel_values, image_grid_thw
+    and mm_token_type_ids: without the last one it silently falls back to 1-D positions."""
+    return {k: batch[k] for k in keys if k in batch}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout: G samples per prompt, with the sampling policy's log-probs recorded on the fly
+# ---------------------------------------------------------------------------------------------
+
+
+class SampledTokenLogps:
+    """A generate() logits processor that records log pi(y_t) of each sampled token under the exact
+    distribution generate() samples from (after token suppression; temperature applied here, since
+    generate applies its own temperature after custom processors), holding one (n, V) step at a time.
+
+    These are the student_lp of the distillation scores: no extra student forward pass is needed.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last_scores, self.logps = temperature, None, []
+
+    def _record(self, sampled_ids: torch.Tensor) -> None:
+        if self.last_scores is not None:  # the token sampled from last step's scores is now known
+            logits = (self.last_scores / self.temperature)[:, None]  # (n, 1, V)
+            self.logps.append(token_logps(logits, sampled_ids[:, None])[:, 0])
+            self.last_scores = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._record(input_ids[:, -1])
+        self.last_scores = scores
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(n, P + R) generated sequences -> (n, R) float32 log-probs of the R sampled tokens."""
+        self._record(sequences[:, -1])
+        return torch.stack(self.logps, 1)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
+    is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
+    after_end = (is_end.cumsum(1) - is_end) > 0
+    return (~after_end).long()
+
+
+@torch.no_grad()
+def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args: Args, eos_ids: list[int]) -> dict:
+    """Samples one response per prompt (prompts are already repeated G times).
+
+    Returns the processor batch (left-padded prompts, image inputs) plus response_ids (n, R),
+    response_mask (n, R) and sampled_logps (n, R): log pi_student(y_t) of the sampling policy.
+    """
+    device = next(model.parameters()).device
+    batch = encode_prompts(processor, prompts, args.instruction).to(device)
+    capture = SampledTokenLogps(args.temperature)
+    sequences = model.generate(**model_inputs(batch), generation_config=gen_config, logits_processor=[capture])
+    response_ids = sequences[:, batch["input_ids"].shape[1]:]  # (n, R)
+    mask = response_mask_from_ids(response_ids, eos_ids)
+    batch = dict(batch)
+    batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
+                 sampled_logps=capture.finish(sequences))
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: log-probs of the sampled tokens under a model, on the same ids and images
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_inputs(chunk: dict) -> dict:
+    """Prompt + response as one forward's inputs; the response adds text-only positions (mm type 0)."""
+    inputs = model_inputs(chunk)
+    response, mask = chunk["response_ids"], chunk["response_mask"]
+    inputs["input_ids"] = torch.cat([chunk["input_ids"], response], 1)
+    inputs["attention_mask"] = torch.cat([chunk["attention_mask"], mask.to(chunk["attention_mask"].dtype)], 1)
+    if "mm_token_type_ids" in chunk:
+        inputs["mm_token_type_ids"] = torch.cat([chunk["mm_token_type_ids"], torch.zeros_like(response)], 1)
+    return inputs
+
+
+def response_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(n, R) float32 log-probs of the response tokens. Only the R + 1 last positions go through the
+    LM head (logits_to_keep), so no (n, P + R, V) logits tensor exists."""
+    R = chunk["response_ids"].shape[1]
+    logits = model(**sequence_inputs(chunk), logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (n, R, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logps(logits, chunk["response_ids"], ignore_ids)
+
+
+def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[(n_i, R_i)] -> (sum n_i, max R_i), right-padded with zeros."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, accelerator, gen_config,
+             batch_size: int = 64) -> dict:
+    """Greedy decoding on (question, images, answer) rows, sharded over processes.
+
+    Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows.
+    """
+    was_training = model.training
+    model.eval()
+    mine = rows[accelerator.process_index::accelerator.num_processes]
+    counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
+    for s in range(0, len(mine), batch_size):
+        chunk = mine[s:s + batch_size]
+        batch = encode_prompts(processor, [(q, imgs) for q, imgs, _ in chunk], args.instruction).to(accelerator.device)
+        out = model.generate(**model_inputs(batch), generation_config=gen_config)
+        texts = processor.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        counts[0] += sum(grade_answer(t, a) for t, (_, _, a) in zip(texts, chunk))
+        counts[1] += sum(is_well_formed(t, args.require_think) for t in texts)
+        counts[2] += len(chunk)
+    counts = accelerator.reduce(counts, reduction="sum")
+    model.train(was_training)
+    return {"accuracy": counts[0].item() / max(counts[2].item(), 1), "format_rate": counts[1].item() / max(counts[2].item(), 1)}
+
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints (a trainer_state.json inside, no .tmp suffix) as (step, path), oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def save_checkpoint(accelerator, student, processor, output_dir: str, step: int, state: dict, keep: int) -> str:
+    """Writes checkpoint-<step> atomically: everything goes to a .tmp folder that is renamed when complete,
+    so a crash mid-save never leaves a checkpoint that looks whole. Keeps the `keep` newest."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(student).save_pretrained(os.path.join(tmp, "adapter"))
+        processor.save_pretrained(os.path.join(tmp, "adapter"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f, indent=2)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prepare_output_dir(args: Args, is_main: bool) -> str | None:
+    """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir.
+
+    Returns the checkpoint folder to resume from, or None for a fresh start.
+    """
+    holds_run = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl")) or bool(list_checkpoints(args.output_dir))
+    if args.resume_from_checkpoint:
+        if args.resume_from_checkpoint == "latest":
+            found = list_checkpoints(args.output_dir)
+            return found[-1][1] if found else None  # nothing saved yet: start fresh
+        if not os.path.isfile(os.path.join(args.resume_from_checkpoint, "trainer_state.json")):
+            raise ValueError(f"{args.resume_from_checkpoint} is not a complete checkpoint (no trainer_state.json)")
+        return args.resume_from_checkpoint
+    if holds_run and not args.overwrite_output_dir:
+        raise ValueError(f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
+                         f"to continue it, --overwrite_output_dir to start over, or another --output_dir")
+    if holds_run and is_main:
+        for _, path in list_checkpoints(args.output_dir):
+            shutil.rmtree(path)
+        for name in ("metrics.jsonl", "summary.json"):
+            if os.path.exists(os.path.join(args.output_dir, name)):
+                os.remove(os.path.join(args.output_dir, name))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+def step_seed(seed: int, step: int, process_index: int) -> int:
+    """Every step's sampling randomness is a function of (seed, step, process): processes draw different
+    samples, and a resumed run samples exactly what the interrupted one would have."""
+    return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
+
+
+def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
+    """Sums, minima and maxima over processes, in one gather."""
+    keys = list(sums) + list(lows) + list(highs)
+    local = torch.tensor([sums[k] for k in sums] + [lows[k] for k in lows] + [highs[k] for k in highs],
+                         dtype=torch.float64, device=accelerator.device)
+    every = accelerator.gather(local[None]).double()  # (processes, K)
+    n_sum, n_low = len(sums), len(lows)
+    out = every[:, :n_sum].sum(0).tolist() + every[:, n_sum:n_sum + n_low].min(0).values.tolist() \
+        + every[:, n_sum + n_low:].max(0).values.tolist()
+    return dict(zip(keys, out))
+
+
+def main(args: Args) -> dict:
+    """Trains the student; returns the run's summary (also written to output_dir/summary.json)."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import AutoProcessor, GenerationConfig
+
+    if args.estimate_memory:
+        from estimate_memory import print_estimate
+
+        return print_estimate(args)
+    wall_start = time.time()
+    state = PartialState()
+    accum = check_args(args, state.num_processes)
+    report_to = None if args.report_to == "none" else args.report_to.split(",")
+    accelerator = Accelerator(gradient_accumulation_steps=accum, log_with=report_to, project_dir=args.output_dir)
+    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    resume_from = prepare_output_dir(args, accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    set_seed(args.seed)
+    device, dtype = accelerator.device, resolve_dtype(args.dtype, accelerator.device)
+
+    # --- models ---
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    check_same_tokenizer(processor.tokenizer, AutoProcessor.from_pretrained(args.teacher_model).tokenizer)
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
+                         "the first end token; a pad equal to it would end every padded row at once)")
+    student, teacher = load_student(args, dtype), load_teacher(args, dtype, device)
+    model_eos = accelerator.unwrap_model(student).generation_config.eos_token_id  # an int, a list or None
+    eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
+    ignore_list = vision_token_ids(tokenizer)
+    ignore_ids = torch.tensor(ignore_list, device=device) if ignore_list else None
+    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=ignore_list or None, eos_token_id=eos_ids,
+                  pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    # top_k=0 and top_p=1: sample from the full distribution that the loss assumes (checkpoints often ship top_k=50)
+    sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
+                                     repetition_penalty=1.0, **common)
+    greedy_config = GenerationConfig(do_sample=False, **common)
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable (LoRA) of "
+        f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
+        f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
+        f"{accum} micro-batch(es) of {args.micro_batch_size} per step")
+
+    # --- data ---
+    train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split, 2000), args, processor,
+                                                        args.train_split, args.max_train_samples, log)
+    eval_rows = []
+    if args.num_eval_samples:
+        eval_ds, eval_keep, _ = prepare_split(load_split(args, args.eval_split, args.num_eval_samples), args,
+                                              processor, args.eval_split, args.num_eval_samples, log)
+        eval_rows = [(eval_ds[i][args.question_column], row_images(eval_ds[i], args.image_column),
+                      str(eval_ds[i][args.answer_column])) for i in eval_keep]
+    log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
+
+    # --- optimizer ---
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    policy = accelerator.unwrap_model(student)  # for generate(): the wrapped module has no generate
+
+    start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if resume_from:
+        accelerator.load_state(resume_from)
+        with open(os.path.join(resume_from, "trainer_state.json")) as f:
+            saved = json.load(f)
+        start_step, counters = saved["step"], saved["counters"]
+        log(f"resumed from {resume_from} at step {start_step}")
+        if accelerator.is_main_process and os.path.exists(metrics_path):  # drop lines logged after the checkpoint
+            with open(metrics_path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(lines)
+    elif args.resume_from_checkpoint:
+        log(f"no checkpoint in {args.output_dir} yet: starting from step 0")
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    if report_to:
+        accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))})
+
+    summary_path = os.path.join(args.output_dir, "summary.json")
+    summary = {}
+    if resume_from and os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+    if eval_rows and "student_accuracy_before" not in summary:
+        teacher_eval = evaluate(teacher, processor, eval_rows, args, accelerator, greedy_config)
+        student_eval = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config)
+        summary.update(teacher_accuracy=teacher_eval["accuracy"], teacher_format_rate=teacher_eval["format_rate"],
+                       student_accuracy_before=student_eval["accuracy"], student_format_rate_before=student_eval["format_rate"])
+        log(f"before training: teacher accuracy {teacher_eval['accuracy']:.3f}, student accuracy "
+            f"{student_eval['accuracy']:.3f} (format {student_eval['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
+
+    # --- the loop ---
+    B_local = args.prompts_per_step // accelerator.num_processes
+    G = args.num_generations
+    student.train()
+    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        t_step = time.time()
+        # 1. rollout: this process's share of the step's prompts, G samples each
+        positions = step_prompt_indices(step, len(train_keep), args.prompts_per_step, args.seed)
+        mine = range(accelerator.process_index * B_local, (accelerator.process_index + 1) * B_local)
+        prompts, group_ids = [], []
+        for slot in mine:
+            row = train_ds[train_keep[positions[slot]]]
+            prompts += [(row[args.question_column], row_images(row, args.image_column))] * G
+            group_ids += [step * args.prompts_per_step + slot] * G
+        torch.manual_seed(step_seed(args.seed, step, accelerator.process_index))
+        mb = args.micro_batch_size
+        chunks = [rollout(policy, processor, prompts[i:i + mb], sample_config, args, eos_ids)
+                  for i in range(0, len(prompts), mb)]
+        t_generate = time.time() - t_step
+
+        # 2. teacher scoring on the same ids and images; student_lp is the sampling policy's
+        t0 = time.time()
+        with torch.no_grad():
+            for c in chunks:
+                c["teacher_logps"] = response_logps(teacher, c, ignore_ids)
+        masks = pad_cat([c["response_mask"] for c in chunks])  # (n, R)
+        teacher_lp, student_lp = pad_cat([c["teacher_logps"] for c in chunks]), pad_cat([c["sampled_logps"] for c in chunks])
+        finite = torch.isfinite(teacher_lp) & torch.isfinite(student_lp)
+        nonfinite = int(((~finite) & masks.bool()).sum())  # e.g. a broken teacher: drop those tokens, count them
+        masks = masks * finite
+        scores = distill_scores(teacher_lp, student_lp, masks, args.score_clip)
+
+        # 3. advantages: whitened over every valid token of the global batch (GNDPO), or another mode
+        advantages = normalize_scores(scores, masks, args.advantage_mode, torch.tensor(group_ids, device=device))
+        t_score = time.time() - t0
+
+        # 4. update: one optimizer step over all micro-batches; old_logps = logps.detach() (ratio 1)
+        t0 = time.time()
+        loss_sum, clip_sum, ratio_sum, mismatch_sum, row = 0.0, 0.0, 0.0, 0.0, 0
+        for c in chunks:
+            n, R = c["response_ids"].shape
+            c_adv, c_mask = advantages[row:row + n, :R], masks[row:row + n, :R]
+            row += n
+            with accelerator.accumulate(student):
+                logps = response_logps(student, c, ignore_ids, args.temperature)
+                loss, m = policy_loss(logps, logps.detach(), c_adv, c_mask, args.loss_type, args.clip_low, args.clip_high)
+                accelerator.backward(loss)
+            loss_sum += loss.item()
+            clip_sum += m["clip_frac"] * c_mask.sum().item()
+            ratio_sum += m["ratio_mean"] * c_mask.sum().item()
+            # sampling vs training log-probs of the same policy: should be ~0 (a check that scoring is right)
+            mismatch_sum += ((logps.detach() - c["sampled_logps"]).abs() * c_mask).sum().item()
+        grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if math.isfinite(grad_norm) and math.isfinite(loss_sum):
+            optimizer.step()
+            scheduler.step()
+            counters["consecutive_skips"] = 0
+        else:  # a NaN/inf would poison the adapter for good: drop this step's gradient instead
+            counters["skipped_steps"] += 1
+            counters["consecutive_skips"] += 1
+            log(f"step {step + 1}: non-finite loss or gradient (loss {loss_sum}, grad norm {grad_norm}); step skipped")
+        optimizer.zero_grad(set_to_none=True)
+        t_update = time.time() - t0
+
+        # 5. metrics, reduced over processes
+        mask_b = masks.bool()
+        kl = (student_lp - teacher_lp)[mask_b]
+        s, a = scores[mask_b], advantages[mask_b]
+        n_tok = float(mask_b.sum())
+        raw = (teacher_lp - student_lp)[mask_b]
+        r = reduce_metrics(
+            accelerator,
+            sums={"tokens": n_tok, "seqs": float(masks.shape[0]), "kl": kl.sum().item(), "s": s.sum().item(),
+                  "s2": (s.double() ** 2).sum().item(), "clamped": float((raw.abs() >= args.score_clip).sum()),
+                  "a": a.sum().item(), "a2": (a.double() ** 2).sum().item(), "clip": clip_sum, "ratio": ratio_sum,
+                  "mismatch": mismatch_sum, "loss": loss_sum, "nonfinite": float(nonfinite)},
+            lows={"a_min": a.min().item() if a.numel() else 0.0},
+            highs={"a_max": a.max().item() if a.numel() else 0.0, "t_generate": t_generate, "t_score": t_score,
+                   "t_update": t_update})
+        N = max(r["tokens"], 1.0)
+        step_time = time.time() - t_step
+        metrics = {
+            "step": step + 1, "loss": r["loss"] / accelerator.num_processes / len(chunks),
+            "reverse_kl": r["kl"] / N, "score_mean": r["s"] / N,
+            "score_std": math.sqrt(max(r["s2"] / N - (r["s"] / N) ** 2, 0.0)), "score_clamped_frac": r["clamped"] / N,
+            "adv_mean": r["a"] / N, "adv_std": math.sqrt(max(r["a2"] / N - (r["a"] / N) ** 2, 0.0)),
+            "adv_min": r["a_min"], "adv_max": r["a_max"], "clip_frac": r["clip"] / N, "ratio_mean": r["ratio"] / N,
+            "logp_mismatch": r["mismatch"] / N, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+            "response_length": r["tokens"] / max(r["seqs"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
+            "skipped_steps": counters["skipped_steps"], "time_generate": r["t_generate"], "time_score": r["t_score"],
+            "time_update": r["t_update"], "tokens_per_second": r["tokens"] / step_time,
+        }
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
+            e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config)
+            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
+        if accelerator.is_main_process:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{grad_norm:.2f}")
+            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+        accelerator.log(metrics, step=step + 1)
+        if counters["consecutive_skips"] >= args.max_consecutive_skips:
+            last = list_checkpoints(args.output_dir)
+            raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step + 1}: stopping. "
+                               f"The last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
+                               f"lower --learning_rate or check the teacher's outputs, then resume from it.")
+        if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
+            save_checkpoint(accelerator, student, processor, args.output_dir, step + 1,
+                            {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
+
+    # --- the end: final adapter, evaluation, summary ---
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(student).save_pretrained(os.path.join(args.output_dir, "adapter"))
+        processor.save_pretrained(os.path.join(args.output_dir, "adapter"))
+    if eval_rows:
+        e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config)
+        summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
+    summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
+                   advantage_mode=args.advantage_mode, seed=args.seed)
+    if accelerator.is_main_process:
+        if eval_rows:
+            log("\n          accuracy  before   after\n"
+                f"  teacher           {summary['teacher_accuracy']:.3f}\n"
+                f"  student           {summary['student_accuracy_before']:.3f}   {summary['student_accuracy_after']:.3f}")
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+        log(f"adapter, metrics.jsonl and summary.json in {args.output_dir}")
+    accelerator.end_training()
+    accelerator.wait_for_everyone()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # without it, multi-process runs often abort at exit
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """Command line flags, or one YAML/JSON file of them."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(Args)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(os.path.abspath(argv[0]))[0]
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(os.path.abspath(argv[0]))[0]
+    return parser.parse_args_into_dataclasses(argv)[0]
+
+
+if __name__ == "__main__":
+    main(parse_args())

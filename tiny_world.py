@@ -1,0 +1,326 @@
+"""The offline world that the default run of `gndpo_minimal.py` trains in.
+
+Nothing here is part of the algorithm: someone copying GNDPO never needs to read this file.
+It builds, from a seed and with no network:
+  * a visual question task drawn with PIL (1-4 shapes of one kind and one color on a
+    112x112 canvas; "how many / what color / what shape" questions; one-word answers);
+  * a byte-level BPE tokenizer trained with `tokenizers` on the task's text, carrying the
+    Qwen2.5-VL special tokens and a Qwen-style chat template;
+  * tiny Qwen2.5-VL student and teacher models made from configs, trained by plain SFT,
+    written with `save_pretrained` and later loaded back with `from_pretrained`, exactly
+    the path a real checkpoint takes.
+
+The shipped weights in `assets/tiny/` are regenerated with:
+
+    python tiny_world.py --out assets/tiny --seed 0
+
+The teacher learns the task. The student learns to *see* the task but with a systematic
+misconception: it is pre-trained on answers whose color and shape names are swapped
+(red<->blue, ...), with label smoothing, so it answers in the right format, starts well below
+50% accuracy, and its vision tower already encodes what matters. Distillation then has to fix
+the language side only, which a LoRA on the language model can do (a student whose vision
+sees nothing useful cannot be fixed by such a LoRA; see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+from PIL import Image, ImageDraw
+
+# ---------------------------------------------------------------------------------------------
+# The task
+# ---------------------------------------------------------------------------------------------
+
+IMAGE_SIZE = 112
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
+SHAPES = ("circle", "square", "triangle")
+COUNTS = ("one", "two", "three", "four")
+QUESTIONS = {
+    "count": "How many shapes are in the image?",
+    "color": "What color are the shapes?",
+    "shape": "What shape are they?",
+}
+# The misconception the student is pre-trained with: a derangement of colors and of shapes.
+STUDENT_SWAP = {"red": "blue", "blue": "green", "green": "yellow", "yellow": "red",
+                "circle": "square", "square": "triangle", "triangle": "circle"}
+SYSTEM_FREE_INSTRUCTION = "Answer with one word in \\boxed{}."
+
+
+def format_answer(word: str) -> str:
+    """The response the task expects: the answer word inside \\boxed{}."""
+    return "\\boxed{" + word + "}"
+
+
+def draw_shapes(rng: random.Random, shape: str, color: str, count: int) -> Image.Image:
+    """Draws `count` non-overlapping shapes of one kind and color at random sizes and places."""
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (245, 245, 245))
+    draw = ImageDraw.Draw(img)
+    boxes: list[tuple[int, int, int, int]] = []
+    while len(boxes) < count:
+        size = rng.randint(14, 24)
+        x, y = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
+        box = (x, y, x + size, y + size)
+        if any(not (box[2] + 3 < b[0] or b[2] + 3 < box[0] or box[3] + 3 < b[1] or b[3] + 3 < box[1]) for b in boxes):
+            continue
+        boxes.append(box)
+        fill = COLORS[color]
+        if shape == "circle":
+            draw.ellipse(box, fill=fill)
+        elif shape == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=fill)
+    return img
+
+
+def make_rows(n: int, seed: int) -> list[dict]:
+    """n task rows {'image', 'question', 'answer', 'kind'} drawn from a seeded RNG."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 4)
+        kind = rng.choice(list(QUESTIONS))
+        answer = {"count": COUNTS[count - 1], "color": color, "shape": shape}[kind]
+        rows.append({"image": draw_shapes(rng, shape, color, count), "question": QUESTIONS[kind],
+                     "answer": answer, "kind": kind})
+    return rows
+
+
+def make_dataset(n: int, seed: int):
+    """The task as a `datasets.Dataset` with columns image (PIL), question, answer, kind."""
+    import datasets
+
+    rows = make_rows(n, seed)
+    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
+                                  "answer": datasets.Value("string"), "kind": datasets.Value("string")})
+    return datasets.Dataset.from_list(rows, features=features)
+
+
+def text_only_accuracy(rows: list[dict]) -> float:
+    """Accuracy of the best guess that reads the question but not the image (majority answer per question)."""
+    from collections import Counter
+
+    by_q: dict[str, Counter] = {}
+    for r in rows:
+        by_q.setdefault(r["question"], Counter())[r["answer"]] += 1
+    return sum(c.most_common(1)[0][1] for c in by_q.values()) / len(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and processor
+# ---------------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen-style chat template: images become <|vision_start|><|image_pad|><|vision_end|>, which the
+# processor expands to one <|image_pad|> per merged image patch.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Text beyond the task's so that other prompts (e.g. a Geometry3K-shaped test set) tokenize compactly.
+EXTRA_CORPUS = [
+    "Find x. Find the area of the figure. Round to the nearest tenth. Find the measure of angle 1.",
+    "Think step by step inside <think> </think> and put the final answer in \\boxed{}.",
+    "\\frac{40}{3} \\sqrt{3} 60^\\circ 24+8\\sqrt{3} 0123456789 + - * / = ( ) [ ] { } . , ; : ? !",
+    "the a an of in on is are and or to with what which how many shapes image color shape",
+]
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on the task's text, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = list(QUESTIONS.values()) + [format_answer(w) for w in (*COLORS, *SHAPES, *COUNTS)]
+    corpus += ["system", "user", "assistant", SYSTEM_FREE_INSTRUCTION] + EXTRA_CORPUS
+    corpus = corpus * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL_TOKENS[1:], padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_processor(tokenizer):
+    """A Qwen2.5-VL processor whose image processor keeps 112x112 images at 112x112 (16 image tokens)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    pixels = IMAGE_SIZE * IMAGE_SIZE
+    image_processor = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
+    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+# (text hidden, text layers, text heads, vision hidden, vision depth)
+SIZES = {"teacher": (256, 4, 4, 128, 3), "student": (128, 2, 4, 96, 2)}
+
+
+def build_model(tokenizer, size: str, seed: int):
+    """A randomly initialized tiny Qwen2.5-VL of the given size, ids wired to the tokenizer."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    hidden, layers, heads, v_hidden, v_depth = SIZES[size]
+    head_dim = hidden // heads
+    third = head_dim // 2 // 4  # mrope sections (temporal, height, width) must sum to head_dim / 2
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [head_dim // 2 - 2 * (3 * third // 2), 3 * third // 2, 3 * third // 2]},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
+                           out_hidden_size=hidden, window_size=IMAGE_SIZE, fullatt_block_indexes=[v_depth - 1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised pre-training of the tiny models
+# ---------------------------------------------------------------------------------------------
+
+
+def chat_prompt(processor, question: str) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def sft_batch(processor, rows: list[dict], answers: list[str]) -> dict:
+    """Prompt + answer sequences with labels on the answer tokens only (-100 elsewhere)."""
+    tok = processor.tokenizer
+    prompts = [chat_prompt(processor, r["question"]) for r in rows]
+    full = [p + format_answer(a) + tok.eos_token for p, a in zip(prompts, answers)]
+    batch = processor(text=full, images=[[r["image"]] for r in rows], return_tensors="pt", padding=True)
+    prompt_lens = [len(x) for x in processor(text=prompts, images=[[r["image"]] for r in rows])["input_ids"]]
+    labels = torch.full_like(batch["input_ids"], -100)
+    for i, n_prompt in enumerate(prompt_lens):
+        n_valid = int(batch["attention_mask"][i].sum())
+        start = batch["input_ids"].shape[1] - n_valid + n_prompt  # left padding
+        labels[i, start:] = batch["input_ids"][i, start:]
+    batch["labels"] = labels
+    return batch
+
+
+@torch.no_grad()
+def greedy_accuracy(model, processor, rows: list[dict], answers: list[str] | None = None, batch_size: int = 64) -> float:
+    """Share of rows whose greedy response is exactly \\boxed{answer}."""
+    from gndpo_minimal import extract_boxed
+
+    model.eval()
+    tok = processor.tokenizer
+    answers = answers or [r["answer"] for r in rows]
+    correct = 0
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s:s + batch_size]
+        batch = processor(text=[chat_prompt(processor, r["question"]) for r in chunk],
+                          images=[[r["image"]] for r in chunk], return_tensors="pt", padding=True)
+        out = model.generate(**batch, do_sample=False, max_new_tokens=8)
+        texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(extract_boxed(t) == a for t, a in zip(texts, answers[s:s + batch_size]))
+    return correct / len(rows)
+
+
+def sft(model, processor, rows: list[dict], eval_rows: list[dict], *, swap: dict | None = None, steps: int,
+        lr: float, batch_size: int = 32, label_smoothing: float = 0.0, seed: int = 0, target: float = 1.01,
+        log_every: int = 50) -> float:
+    """Plain SFT on the answer tokens. `swap` renames answers (the student's misconception).
+
+    Stops early once greedy accuracy on `eval_rows` (against the same renamed answers) reaches `target`.
+    """
+    swap = swap or {}
+    rename = lambda rs: [swap.get(r["answer"], r["answer"]) for r in rs]  # noqa: E731
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    acc, t0 = 0.0, time.time()
+    for step in range(steps):
+        model.train()
+        chunk = rng.sample(rows, batch_size)
+        batch = sft_batch(processor, chunk, rename(chunk))
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100, label_smoothing=label_smoothing)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if (step + 1) % log_every == 0 or step == steps - 1:
+            acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows))
+            print(f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)", flush=True)
+            if acc >= target:
+                break
+    return acc
+
+
+def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_steps: int = 800) -> dict:
+    """Builds tokenizer, processor, teacher and student under `out` and returns a report of accuracies."""
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    processor = build_processor(tokenizer)
+    rows, eval_rows = make_rows(4000, seed + 1), make_rows(200, seed + 2)
+    report = {"seed": seed, "text_only_guess_accuracy": text_only_accuracy(make_rows(2000, seed + 3))}
+    for name in ("teacher", "student"):
+        print(f"training the {name} ...", flush=True)
+        model = build_model(tokenizer, name, seed)
+        if name == "teacher":
+            sft(model, processor, rows, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97)
+        else:
+            sft(model, processor, rows, eval_rows, swap=STUDENT_SWAP, steps=student_steps, lr=2e-3,
+                label_smoothing=0.1, seed=seed, target=0.95)
+        report[f"{name}_accuracy"] = greedy_accuracy(model, processor, eval_rows)
+        report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
+        path = os.path.join(out, name)
+        model.save_pretrained(path)
+        processor.save_pretrained(path)
+        print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
+    with open(os.path.join(out, "world.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="assets/tiny", help="folder for teacher/, student/ and world.json")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--teacher_steps", type=int, default=1500)
+    parser.add_argument("--student_steps", type=int, default=800)
+    a = parser.parse_args()
+    print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps), indent=2))
