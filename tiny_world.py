@@ -290,6 +290,16 @@ def sft(model, processor, rows: list[dict], eval_rows: list[dict], *, swap: dict
     return acc
 
 
+def save_untrained(out: str, seed: int = 0, sizes: tuple[str, ...] = ("teacher", "student")) -> str:
+    """Random-init models with the world's tokenizer and processor under out/<size>: fast fixtures for tests."""
+    tokenizer = build_tokenizer()
+    processor = build_processor(tokenizer)
+    for name in sizes:
+        build_model(tokenizer, name, seed).save_pretrained(os.path.join(out, name))
+        processor.save_pretrained(os.path.join(out, name))
+    return out
+
+
 def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_steps: int = 800) -> dict:
     """Builds tokenizer, processor, teacher and student under `out` and returns a report of accuracies."""
     torch.manual_seed(seed)

@@ -1,0 +1,222 @@
+"""The four math functions against the spec, on random tensors."""
+
+import pytest
+import torch
+
+from gndpo_minimal import distill_scores, normalize_scores, policy_loss, token_logps
+
+
+def random_mask(B, T, gen, min_len=1):
+    lengths = torch.randint(min_len, T + 1, (B,), generator=gen)
+    return (torch.arange(T)[None] < lengths[:, None]).long()
+
+
+# --- token_logps -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_token_logps_equals_naive_gather(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 7, 101, generator=gen) * 4).to(dtype)
+    ids = torch.randint(0, 101, (3, 7), generator=gen)
+    naive = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
+    # tiny chunks force the chunked path through several pieces per row
+    got = token_logps(logits, ids, chunk_elements=101 * 2)
+    assert got.dtype == torch.float32 and got.shape == (3, 7)
+    torch.testing.assert_close(got, naive, atol=1e-5, rtol=1e-5)
+
+
+def test_token_logps_gradient_matches_naive():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 33, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 33, (2, 5), generator=gen)
+    token_logps(logits, ids, chunk_elements=33 * 3).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    torch.log_softmax(logits, -1).gather(-1, ids[..., None]).sum().backward()
+    torch.testing.assert_close(ours, logits.grad)
+
+
+def test_token_logps_ignore_ids_renormalizes_without_them():
+    logits = torch.randn(1, 4, 10)
+    ids = torch.tensor([[0, 1, 2, 3]])
+    ignore = torch.tensor([7, 9])
+    masked = logits.clone()
+    masked[..., ignore] = float("-inf")
+    naive = torch.log_softmax(masked, -1).gather(-1, ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logps(logits, ids, ignore), naive)
+
+
+def test_token_logps_never_copies_whole_tensor_to_float32(monkeypatch):
+    """The float32 copies made inside must each be a small slice, not (B, T, V)."""
+    import gndpo_minimal
+
+    sizes = []
+    original = gndpo_minimal._rows_logps
+
+    def spy(rows, ids, ignore_ids):
+        sizes.append(rows.numel())
+        return original(rows, ids, ignore_ids)
+
+    monkeypatch.setattr(gndpo_minimal, "_rows_logps", spy)
+    logits = torch.randn(4, 16, 1000).to(torch.bfloat16)
+    gndpo_minimal.token_logps(logits, torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
+    assert max(sizes) <= 8 * 1000 < logits.numel()
+
+
+# --- distill_scores ----------------------------------------------------------------------------
+
+def test_identical_teacher_and_student_give_zero_scores_and_zero_gradient():
+    gen = torch.Generator().manual_seed(2)
+    student_logits = torch.randn(4, 6, 20, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 20, (4, 6), generator=gen)
+    mask = random_mask(4, 6, gen)
+    logps = token_logps(student_logits, ids)
+    scores = distill_scores(logps.detach(), logps.detach(), mask)
+    assert torch.all(scores == 0)
+    for mode in ("none", "global", "sequence", "group"):
+        adv = normalize_scores(scores, mask, mode, group_ids=torch.tensor([0, 0, 1, 1]))
+        assert torch.all(adv == 0), mode
+        loss, _ = policy_loss(logps, logps.detach(), adv, mask)
+        student_logits.grad = None
+        loss.backward(retain_graph=True)
+        assert torch.all(student_logits.grad == 0), mode
+
+
+def test_distill_scores_clamp_and_mask():
+    t = torch.tensor([[0.0, -20.0, -1.0, float("-inf")]])
+    s = torch.tensor([[-10.0, -1.0, -0.5, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = distill_scores(t, s, mask, clip=5.0)
+    assert out.tolist() == [[5.0, -5.0, -0.5, 0.0]]  # inf in a masked slot still gives 0, never NaN
+
+
+# --- normalize_scores --------------------------------------------------------------------------
+
+def spec_global(scores, mask, eps=1e-8):
+    """A direct transcription of spec step 4 (two-pass, float64)."""
+    s, m = scores.double(), mask.double()
+    n = m.sum()
+    mu = (s * m).sum() / n
+    var = ((s - mu) ** 2 * m).sum() / n * n / (n - 1)
+    return ((s - mu) / torch.sqrt(var + eps) * m).float()
+
+
+def test_global_matches_spec_and_has_unit_scale():
+    gen = torch.Generator().manual_seed(3)
+    scores, mask = torch.randn(8, 9, generator=gen) * 3 + 1, random_mask(8, 9, gen)
+    scores = scores * mask
+    adv = normalize_scores(scores, mask, "global")
+    torch.testing.assert_close(adv, spec_global(scores, mask))
+    valid = adv[mask.bool()].double()
+    assert abs(valid.mean()) < 1e-6 and abs(valid.std() - 1) < 1e-4  # std() is unbiased, as in the spec
+    assert torch.all(adv[~mask.bool()] == 0)
+
+
+def test_global_from_two_halves_through_summed_statistics():
+    """What the all-reduce does across processes: sums of the halves give the whole batch's advantages."""
+    gen = torch.Generator().manual_seed(4)
+    scores, mask = torch.randn(6, 10, generator=gen), random_mask(6, 10, gen)
+    whole = normalize_scores(scores, mask, "global")
+    halves = [(scores[:2], mask[:2]), (scores[2:], mask[2:])]  # uneven token counts
+    n, s1, s2 = (sum(x) for x in zip(*[(m.sum().double(), (s * m).sum().double(), (s * s * m).sum().double())
+                                          for s, m in halves]))
+    mu = s1 / n
+    var = (s2 - n * mu**2) / (n - 1)
+    combined = torch.cat([((s.double() - mu) / torch.sqrt(var + 1e-8) * m).float() for s, m in halves])
+    torch.testing.assert_close(whole, combined)
+
+
+def test_padding_never_changes_results():
+    gen = torch.Generator().manual_seed(5)
+    scores, mask = torch.randn(4, 5, generator=gen), random_mask(4, 5, gen)
+    padded_scores = torch.cat([scores, torch.randn(4, 3, generator=gen) * 100], 1)  # garbage in padding
+    padded_mask = torch.cat([mask, torch.zeros(4, 3, dtype=torch.long)], 1)
+    logps = torch.randn(4, 5, generator=gen)
+    padded_logps = torch.cat([logps, torch.randn(4, 3, generator=gen) * 50], 1)
+    for mode in ("none", "global", "sequence", "group"):
+        g = torch.tensor([0, 0, 1, 1])
+        a = normalize_scores(scores * mask, mask, mode, g)
+        b = normalize_scores(padded_scores * padded_mask, padded_mask, mode, g)
+        torch.testing.assert_close(a, b[:, :5])
+        la, _ = policy_loss(logps, logps - 0.1, a, mask)
+        lb, _ = policy_loss(padded_logps, padded_logps - 0.1, b, padded_mask)
+        torch.testing.assert_close(la, lb)
+
+
+def test_sequence_and_group_modes():
+    gen = torch.Generator().manual_seed(6)
+    scores, mask = torch.randn(4, 6, generator=gen) * 2, random_mask(4, 6, gen, min_len=2)
+    seq = normalize_scores(scores, mask, "sequence")
+    for i in range(4):
+        torch.testing.assert_close(seq[i:i + 1], spec_global(scores[i:i + 1], mask[i:i + 1]))
+    groups = torch.tensor([7, 3, 7, 3])  # any ids; rows 0 and 2 form one group
+    grp = normalize_scores(scores, mask, "group", groups)
+    for rows in ([0, 2], [1, 3]):
+        torch.testing.assert_close(grp[rows], spec_global(scores[rows], mask[rows]))
+
+
+def test_none_mode_is_plain_opd():
+    scores, mask = torch.randn(3, 4), torch.ones(3, 4, dtype=torch.long)
+    mask[0, 2:] = 0
+    torch.testing.assert_close(normalize_scores(scores, mask, "none"), scores * mask)
+
+
+def test_too_few_tokens_is_a_clear_error():
+    mask = torch.zeros(2, 3, dtype=torch.long)
+    mask[0, 0] = 1
+    with pytest.raises(ValueError, match="at least 2 valid"):
+        normalize_scores(torch.randn(2, 3), mask, "global")
+
+
+# --- policy_loss -------------------------------------------------------------------------------
+
+def spec_gspo(logp_new, logp_old, A, m, cl=0.2, ch=0.2):
+    """Spec step 5, transcribed line by line with plain loops over sequences."""
+    losses = []
+    for i in range(logp_new.shape[0]):
+        mi = m[i].bool()
+        if not mi.any():
+            continue
+        l_i = (logp_new[i][mi] - logp_old[i][mi]).sum() / max(mi.sum(), 1)
+        log_s = torch.clamp(logp_new[i] - logp_new[i].detach() + l_i.detach(), max=10)
+        s = torch.exp(log_s)
+        tok = torch.maximum(-A[i] * s, -A[i] * torch.clamp(s, 1 - cl, 1 + ch))
+        losses.append(tok[mi].mean())
+    return torch.stack(losses).mean()
+
+
+def test_gspo_equals_spec_transcription_with_clipping_active():
+    gen = torch.Generator().manual_seed(7)
+    B, T = 6, 8
+    old = torch.randn(B, T, generator=gen) - 2
+    new = (old + torch.randn(B, T, generator=gen) * 0.6).requires_grad_(True)  # ratios far from 1
+    A, mask = torch.randn(B, T, generator=gen), random_mask(B, T, gen)
+    mask[2] = 0  # a sequence without tokens is left out of the mean
+    loss, metrics = policy_loss(new, old, A, mask, "gspo", 0.2, 0.2)
+    ref = spec_gspo(new, old, A, mask)
+    torch.testing.assert_close(loss, ref)
+    g1, = torch.autograd.grad(loss, new)
+    g2, = torch.autograd.grad(ref, new)
+    torch.testing.assert_close(g1, g2)
+    assert 0 < metrics["clip_frac"] < 1 and metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+
+
+def test_ppo_is_token_level_clip():
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_(True)
+    A = torch.tensor([[1.0, -1.0, 1.0]])
+    loss, metrics = policy_loss(new, old, A, torch.ones(1, 3), "ppo", 0.2, 0.2)
+    # max(-A r, -A clip(r)): tok0 -> -1.2 (clipped), tok1 -> max(0.5, 0.8) = 0.8 (clipped), tok2 -> -1.1
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 1.1) / 3, abs=1e-6)
+    assert metrics["clip_frac"] == pytest.approx(2 / 3)
+
+
+def test_ratio_one_gradient_is_minus_advantage_over_length():
+    """With old == new (one step per batch), d loss / d logp_t = -A_t / len_i / n_seqs."""
+    logps = torch.randn(2, 4, requires_grad=True)
+    A = torch.randn(2, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    loss, _ = policy_loss(logps, logps.detach(), A, mask)
+    loss.backward()
+    expected = -A * mask / mask.sum(1, keepdim=True) / 2
+    torch.testing.assert_close(logps.grad, expected.float())
