@@ -22,6 +22,7 @@ teacher and student must share a tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -332,8 +333,9 @@ def is_well_formed(response: str, require_think: bool = False) -> bool:
 def load_image(value):
     """One image from a dataset cell (PIL image, {'bytes', 'path'} dict or path) as an RGB PIL image.
 
-    Transparent images (RGBA, LA, P with transparency) are put on white; other modes (L, P, CMYK, I;16)
-    are converted. Raises ValueError naming the problem for missing, unreadable or truncated images.
+    Transparent images (RGBA, LA, PA, P with transparency) are put on white; other modes (L, P, CMYK, 1)
+    are converted, 16-bit grey (I;16) scaled to 8 bits. Raises ValueError naming the problem for missing,
+    unreadable or truncated images.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -352,10 +354,12 @@ def load_image(value):
         value.load()  # decode now, so truncated files fail here and not in the middle of a batch
     except (OSError, UnidentifiedImageError, SyntaxError) as e:
         raise ValueError(f"unreadable image ({type(e).__name__}: {e})") from e
-    if value.mode in ("RGBA", "LA") or (value.mode == "P" and "transparency" in value.info):
+    if value.mode in ("RGBA", "LA", "PA") or (value.mode == "P" and "transparency" in value.info):
         rgba = value.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
+    if value.mode.startswith("I;16"):  # 16-bit grey: a plain convert clips every value above 255 to white
+        value = value.convert("I").point(lambda v: v / 257)
     return value.convert("RGB")
 
 
@@ -405,13 +409,22 @@ def load_split(args: Args, split: str, n_embedded: int):
         return tiny_world.make_dataset(n_embedded, seed=args.seed + (1001 if split == args.train_split else 1002))
     name = args.dataset_name
     try:
-        if os.path.isfile(name):  # a single data file: its extension names the builder
+        if os.path.isfile(name):  # a single data file: its extension names the builder; it serves every split
             ext = os.path.splitext(name)[1].lstrip(".").replace("jsonl", "json")
             ds = datasets.load_dataset(ext, data_files={split: name}, split=split)
+        elif any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
+            # a save_to_disk folder (load_dataset refuses a single saved Dataset); a saved Dataset has no
+            # splits and, like a single file, serves every split
+            ds = datasets.load_from_disk(name)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ValueError(f"Unknown split {split!r}. Should be one of {list(ds)}.")
+                ds = ds[split]
         else:
             ds = datasets.load_dataset(name, args.dataset_config, split=split)
     except ValueError as e:
-        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {e}") from e
+        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {e} (--train_split and "
+                         f"--eval_split name the splits to use; --num_eval_samples 0 needs no eval split)") from e
     return ds
 
 
@@ -427,8 +440,9 @@ def check_columns(ds, args: Args, split: str) -> None:
 def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print) -> tuple:
     """Checks every row once: decodes its images and measures its prompt.
 
-    Rows without a readable image or with a prompt longer than max_prompt_length are skipped, counted and
-    logged (one bad row should not stop a long run). Returns (dataset, kept row indices, skip counts).
+    Rows without a readable image, with no question text or <image> markers that do not match the images, or
+    with a prompt longer than max_prompt_length are skipped, counted and logged (one bad row should not
+    stop a long run). Returns (dataset, kept row indices, skip counts).
     """
     import datasets
     from tqdm.auto import tqdm
@@ -442,21 +456,33 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
     elif isinstance(getattr(feature, "feature", None), datasets.Image):
         ds = ds.cast_column(args.image_column, datasets.List(datasets.Image(decode=False)))
     n = min(len(ds), limit) if limit else len(ds)
-    keep, skipped = [], {"no_or_unreadable_image": 0, "prompt_too_long": 0}
-    for i in tqdm(range(n), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
-        row = ds[i]
-        try:
-            images = row_images(row, args.image_column)
-            length = encode_prompts(processor, [(row[args.question_column], images)], args.instruction)["input_ids"].shape[1]
-        except ValueError as e:
-            skipped["no_or_unreadable_image"] += 1
-            if log:
-                log(f"skipping {split} row {i}: {e}")
+    keep, skipped = [], {"no_or_unreadable_image": 0, "unusable_prompt": 0, "prompt_too_long": 0}
+    chunk_size = 64  # rows decoded and measured together: one processor call per chunk, not per row
+    for start in tqdm(range(0, n, chunk_size), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
+        good = []  # (row index, question, images)
+        for i in range(start, min(start + chunk_size, n)):
+            row = ds[i]
+            reason = "no_or_unreadable_image"
+            try:
+                images = row_images(row, args.image_column)
+                reason = "unusable_prompt"  # no question text, <image> markers that do not match the images, ...
+                if not isinstance(row[args.question_column], str):
+                    raise ValueError(f"the question is {row[args.question_column]!r}, not text")
+                build_messages(row[args.question_column], len(images), args.instruction)
+            except ValueError as e:
+                skipped[reason] += 1
+                if log:
+                    log(f"skipping {split} row {i}: {e}")
+                continue
+            good.append((i, row[args.question_column], images))
+        if not good:
             continue
-        if length > args.max_prompt_length:
-            skipped["prompt_too_long"] += 1
-            continue
-        keep.append(i)
+        lengths = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)["attention_mask"].sum(1)
+        for (i, _, _), length in zip(good, lengths.tolist()):
+            if length > args.max_prompt_length:
+                skipped["prompt_too_long"] += 1
+            else:
+                keep.append(i)
     if log and skipped["prompt_too_long"]:
         log(f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
             f"--max_prompt_length {args.max_prompt_length}")
@@ -466,16 +492,35 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
-    """The prompts_per_step row positions of a step: a fresh seeded permutation every epoch.
+    """The prompts_per_step distinct row positions (0..n_rows-1) of a step.
 
-    A pure function of (step, seed): a resumed run draws exactly the prompts the interrupted one would have.
+    Every epoch is a fresh seeded permutation cut into n_rows // prompts_per_step whole steps; the
+    n_rows % prompts_per_step rows left at its end are dropped for that epoch (like DataLoader's
+    drop_last) and reshuffled into the next. So a step never straddles two epochs and never holds a
+    row twice. A pure function of (step, seed), one permutation per call: a resumed run draws exactly
+    the prompts the interrupted one would have.
     """
-    out = []
-    for pos in range(step * prompts_per_step, (step + 1) * prompts_per_step):
-        epoch, offset = divmod(pos, n_rows)
-        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        out.append(int(perm[offset]))
-    return out
+    if not 0 < prompts_per_step <= n_rows:
+        raise ValueError(f"{prompts_per_step} distinct prompts per step need at least that many usable rows, "
+                         f"got {n_rows}: lower --prompts_per_step or add data")
+    epoch, k = divmod(step, n_rows // prompts_per_step)
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return perm[k * prompts_per_step:(k + 1) * prompts_per_step].tolist()
+
+
+def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, num_processes: int,
+                    process_index: int) -> list[tuple[int, int]]:
+    """This process's share of a step: (group id, row position) for each of its prompts.
+
+    The step's prompts_per_step prompts (the global batch) are cut into num_processes contiguous
+    blocks, one per process, so no prompt is rolled out twice in a step. A prompt and all its G samples
+    live on one process, which is what `normalize_scores(mode="group")` needs (it whitens locally).
+    Group ids (step * prompts_per_step + slot) are unique over the whole run.
+    """
+    positions = step_prompt_indices(step, n_rows, prompts_per_step, seed)
+    per_process = prompts_per_step // num_processes  # check_args made it divide
+    slots = range(process_index * per_process, (process_index + 1) * per_process)
+    return [(step * prompts_per_step + slot, positions[slot]) for slot in slots]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,6 +641,24 @@ class SampledTokenLogps:
         return torch.stack(self.logps, 1)
 
 
+def generation_configs(tokenizer, model, args: Args) -> tuple:
+    """(sampling config, greedy config) for rollouts and evaluation.
+
+    Sampling uses top_k=0, top_p=1 and no repetition penalty: the loss assumes samples from the full
+    distribution, and checkpoints often ship top_k=50 or a low top_p. Both suppress the vision special
+    tokens and stop at any of the tokenizer's or the model's end tokens (eos_token_id: a sorted list).
+    """
+    from transformers import GenerationConfig
+
+    model_eos = model.generation_config.eos_token_id  # an int, a list or None
+    eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
+    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer) or None,
+                  eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    sample = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
+                              repetition_penalty=1.0, **common)
+    return sample, GenerationConfig(do_sample=False, **common)
+
+
 def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
     is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
@@ -604,21 +667,28 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
 
 
 @torch.no_grad()
-def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args: Args, eos_ids: list[int]) -> dict:
+def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args: Args, eos_ids: list[int],
+            synced_gpus: bool = False) -> dict:
     """Samples one response per prompt (prompts are already repeated G times).
 
     Returns the processor batch (left-padded prompts, image inputs) plus response_ids (n, R),
     response_mask (n, R) and sampled_logps (n, R): log pi_student(y_t) of the sampling policy.
+    synced_gpus: keep running forwards until every process is done (needed when weights are sharded).
     """
     device = next(model.parameters()).device
     batch = encode_prompts(processor, prompts, args.instruction).to(device)
     capture = SampledTokenLogps(args.temperature)
-    sequences = model.generate(**model_inputs(batch), generation_config=gen_config, logits_processor=[capture])
+    sequences = model.generate(**model_inputs(batch), generation_config=gen_config, logits_processor=[capture],
+                               synced_gpus=synced_gpus)
     response_ids = sequences[:, batch["input_ids"].shape[1]:]  # (n, R)
     mask = response_mask_from_ids(response_ids, eos_ids)
     batch = dict(batch)
     batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
                  sampled_logps=capture.finish(sequences))
+    # A step keeps all B*G/processes rollouts until its update; their float32 pixels (~19 KB per image token
+    # for Qwen-VL) would fill a 24 GB GPU, so they wait in host memory and each forward moves back its own.
+    if "pixel_values" in batch:
+        batch["pixel_values"] = batch["pixel_values"].cpu()
     return batch
 
 
@@ -642,7 +712,8 @@ def response_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: fl
     """(n, R) float32 log-probs of the response tokens. Only the R + 1 last positions go through the
     LM head (logits_to_keep), so no (n, P + R, V) logits tensor exists."""
     R = chunk["response_ids"].shape[1]
-    logits = model(**sequence_inputs(chunk), logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (n, R, V)
+    inputs = {k: v.to(chunk["response_ids"].device) for k, v in sequence_inputs(chunk).items()}  # pixels: from the host
+    logits = model(**inputs, logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (n, R, V)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, chunk["response_ids"], ignore_ids)
@@ -661,20 +732,27 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, accelerator, gen_config,
-             batch_size: int = 64) -> dict:
-    """Greedy decoding on (question, images, answer) rows, sharded over processes.
+             batch_size: int = 0, synced_gpus: bool = False) -> dict:
+    """Greedy decoding on (question, images, answer) rows, sharded over processes, batch_size rows per
+    generate() (0 = args.micro_batch_size, the batch whose KV cache the memory budget allows).
 
     Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows.
     """
     was_training = model.training
     model.eval()
     mine = rows[accelerator.process_index::accelerator.num_processes]
+    n_mine = len(mine)
+    # With sharded weights (synced_gpus) every process must run as many generate() calls as the others:
+    # shorter shares are topped up with a repeated row whose answer is not counted.
+    mine = mine + rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)
     counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
+    batch_size = batch_size or args.micro_batch_size
     for s in range(0, len(mine), batch_size):
         chunk = mine[s:s + batch_size]
         batch = encode_prompts(processor, [(q, imgs) for q, imgs, _ in chunk], args.instruction).to(accelerator.device)
-        out = model.generate(**model_inputs(batch), generation_config=gen_config)
+        out = model.generate(**model_inputs(batch), generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts, chunk = texts[:max(n_mine - s, 0)], chunk[:max(n_mine - s, 0)]  # drop the top-up rows
         counts[0] += sum(grade_answer(t, a) for t, (_, _, a) in zip(texts, chunk))
         counts[1] += sum(is_well_formed(t, args.require_think) for t in texts)
         counts[2] += len(chunk)
@@ -699,6 +777,25 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def weights_are_sharded(accelerator) -> bool:
+    """True when no process holds the student's whole weights: FSDP, or DeepSpeed ZeRO-3."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+def save_adapter(accelerator, student, processor, path: str) -> None:
+    """Writes the LoRA adapter and the processor to `path` (main process). Every process must call it:
+    with sharded weights, collecting the full state dict is a collective operation (ZeRO-3 needs
+    zero3_save_16bit_model: true in its config for that)."""
+    state_dict = accelerator.get_state_dict(student) if weights_are_sharded(accelerator) else None
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)  # keeps the adapter keys only
+        processor.save_pretrained(path)
+
+
 def save_checkpoint(accelerator, student, processor, output_dir: str, step: int, state: dict, keep: int) -> str:
     """Writes checkpoint-<step> atomically: everything goes to a .tmp folder that is renamed when complete,
     so a crash mid-save never leaves a checkpoint that looks whole. Keeps the `keep` newest."""
@@ -708,9 +805,8 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
+    save_adapter(accelerator, student, processor, os.path.join(tmp, "adapter"))
     if accelerator.is_main_process:
-        accelerator.unwrap_model(student).save_pretrained(os.path.join(tmp, "adapter"))
-        processor.save_pretrained(os.path.join(tmp, "adapter"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
@@ -772,19 +868,30 @@ def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], 
 def main(args: Args) -> dict:
     """Trains the student; returns the run's summary (also written to output_dir/summary.json)."""
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
+    from torch.distributed.fsdp import register_fsdp_forward_method
     from tqdm.auto import tqdm
-    from transformers import AutoProcessor, GenerationConfig
+    from transformers import AutoProcessor
 
     if args.estimate_memory:
         from estimate_memory import print_estimate
 
         return print_estimate(args)
     wall_start = time.time()
-    state = PartialState()
+    # Accelerate joins processes over gloo on CPU only when told cpu=True; without it, processes started on
+    # a machine without GPUs (accelerate launch --multi_gpu, torchrun) would each train alone, all of them
+    # writing the same output_dir.
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
+    state = PartialState(cpu=cpu)
+    if state.num_processes != int(os.environ.get("WORLD_SIZE", state.num_processes)):
+        raise RuntimeError(f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
+                           f"{state.num_processes} ({state.distributed_type}): check the launch command")
     accum = check_args(args, state.num_processes)
     report_to = None if args.report_to == "none" else args.report_to.split(",")
-    accelerator = Accelerator(gradient_accumulation_steps=accum, log_with=report_to, project_dir=args.output_dir)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, log_with=report_to, project_dir=args.output_dir)
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
+                         "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     resume_from = prepare_output_dir(args, accelerator.is_main_process)
     accelerator.wait_for_everyone()
@@ -798,17 +905,15 @@ def main(args: Args) -> dict:
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
                          "the first end token; a pad equal to it would end every padded row at once)")
-    student, teacher = load_student(args, dtype), load_teacher(args, dtype, device)
-    model_eos = accelerator.unwrap_model(student).generation_config.eos_token_id  # an int, a list or None
-    eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-    ignore_list = vision_token_ids(tokenizer)
-    ignore_ids = torch.tensor(ignore_list, device=device) if ignore_list else None
-    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=ignore_list or None, eos_token_id=eos_ids,
-                  pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    # top_k=0 and top_p=1: sample from the full distribution that the loss assumes (checkpoints often ship top_k=50)
-    sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
-                                     repetition_penalty=1.0, **common)
-    greedy_config = GenerationConfig(do_sample=False, **common)
+    student = load_student(args, dtype)
+    ds_plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    # Under ZeRO-3, from_pretrained would partition the teacher too (zero.Init), and only models passed to
+    # prepare() get the hooks that gather partitions back: load it as one whole replica per process.
+    with ds_plugin.zero3_init_context_manager(enable=False) if ds_plugin else contextlib.nullcontext():
+        teacher = load_teacher(args, dtype, device)
+    sample_config, greedy_config = generation_configs(tokenizer, accelerator.unwrap_model(student), args)
+    eos_ids = sample_config.eos_token_id
+    ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device) if sample_config.suppress_tokens else None
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable (LoRA) of "
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
@@ -816,22 +921,39 @@ def main(args: Args) -> dict:
         f"{accum} micro-batch(es) of {args.micro_batch_size} per step")
 
     # --- data ---
+    split_log = log if accelerator.is_main_process else None  # None also hides the progress bar elsewhere
     train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split, 2000), args, processor,
-                                                        args.train_split, args.max_train_samples, log)
+                                                        args.train_split, args.max_train_samples, split_log)
     eval_rows = []
     if args.num_eval_samples:
         eval_ds, eval_keep, _ = prepare_split(load_split(args, args.eval_split, args.num_eval_samples), args,
-                                              processor, args.eval_split, args.num_eval_samples, log)
+                                              processor, args.eval_split, args.num_eval_samples, split_log)
         eval_rows = [(eval_ds[i][args.question_column], row_images(eval_ds[i], args.image_column),
                       str(eval_ds[i][args.answer_column])) for i in eval_keep]
     log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
+    step_prompt_indices(0, len(train_keep), args.prompts_per_step, args.seed)  # fails now if rows < prompts_per_step
 
     # --- optimizer ---
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
-    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    if ds_plugin:  # DeepSpeed reads its micro-batch size from a DataLoader, and there is none here
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+        if ds_plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":  # the engine clips, not us
+            ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)  # the teacher is never prepared
+    if accelerator.gradient_accumulation_steps != accum:  # e.g. a DeepSpeed config that sets its own value
+        raise ValueError(f"the Accelerate/DeepSpeed config sets gradient_accumulation_steps="
+                         f"{accelerator.gradient_accumulation_steps}, but one step here is {accum} micro-batches: "
+                         f"remove it from the config (this script derives it)")
     policy = accelerator.unwrap_model(student)  # for generate(): the wrapped module has no generate
+    # generate() calls the model's inner modules, never the FSDP2 root's forward, so the root's own
+    # parameters (embeddings, vision merger, ...) would stay sharded: run the root's unshard hooks around
+    # generate too (a no-op unless FSDP2). Inner wrapped layers gather themselves in their own forward.
+    register_fsdp_forward_method(policy, "generate")
+    # With sharded weights each forward gathers parameters from every process, so all of them must keep
+    # stepping generate() until the last one is done.
+    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
 
     start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -843,7 +965,11 @@ def main(args: Args) -> dict:
         log(f"resumed from {resume_from} at step {start_step}")
         if accelerator.is_main_process and os.path.exists(metrics_path):  # drop lines logged after the checkpoint
             with open(metrics_path) as f:
-                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= start_step]
+                lines = []
+                for ln in f:  # a half-written last line (crash mid-write) has no newline: drop it too
+                    logged = re.match(r'\{"step": (\d+)', ln)
+                    if logged and ln.endswith("\n") and int(logged.group(1)) <= start_step:
+                        lines.append(ln)
             with open(metrics_path, "w") as f:
                 f.writelines(lines)
     elif args.resume_from_checkpoint:
@@ -860,14 +986,13 @@ def main(args: Args) -> dict:
             summary = json.load(f)
     if eval_rows and "student_accuracy_before" not in summary:
         teacher_eval = evaluate(teacher, processor, eval_rows, args, accelerator, greedy_config)
-        student_eval = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config)
+        student_eval = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config, synced_gpus=synced_gpus)
         summary.update(teacher_accuracy=teacher_eval["accuracy"], teacher_format_rate=teacher_eval["format_rate"],
                        student_accuracy_before=student_eval["accuracy"], student_format_rate_before=student_eval["format_rate"])
         log(f"before training: teacher accuracy {teacher_eval['accuracy']:.3f}, student accuracy "
             f"{student_eval['accuracy']:.3f} (format {student_eval['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
 
     # --- the loop ---
-    B_local = args.prompts_per_step // accelerator.num_processes
     G = args.num_generations
     student.train()
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
@@ -875,16 +1000,15 @@ def main(args: Args) -> dict:
     for step in progress:
         t_step = time.time()
         # 1. rollout: this process's share of the step's prompts, G samples each
-        positions = step_prompt_indices(step, len(train_keep), args.prompts_per_step, args.seed)
-        mine = range(accelerator.process_index * B_local, (accelerator.process_index + 1) * B_local)
         prompts, group_ids = [], []
-        for slot in mine:
-            row = train_ds[train_keep[positions[slot]]]
+        for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
+                                                  accelerator.num_processes, accelerator.process_index):
+            row = train_ds[train_keep[position]]
             prompts += [(row[args.question_column], row_images(row, args.image_column))] * G
-            group_ids += [step * args.prompts_per_step + slot] * G
+            group_ids += [group_id] * G
         torch.manual_seed(step_seed(args.seed, step, accelerator.process_index))
         mb = args.micro_batch_size
-        chunks = [rollout(policy, processor, prompts[i:i + mb], sample_config, args, eos_ids)
+        chunks = [rollout(policy, processor, prompts[i:i + mb], sample_config, args, eos_ids, synced_gpus)
                   for i in range(0, len(prompts), mb)]
         t_generate = time.time() - t_step
 
@@ -901,7 +1025,13 @@ def main(args: Args) -> dict:
         scores = distill_scores(teacher_lp, student_lp, masks, args.score_clip)
 
         # 3. advantages: whitened over every valid token of the global batch (GNDPO), or another mode
-        advantages = normalize_scores(scores, masks, args.advantage_mode, torch.tensor(group_ids, device=device))
+        try:
+            advantages = normalize_scores(scores, masks, args.advantage_mode, torch.tensor(group_ids, device=device))
+        except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
+            log(f"step {step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
+            # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
+            # non-finite: all processes then skip this step together through the check below
+            advantages = torch.full_like(scores, float("nan"))
         t_score = time.time() - t0
 
         # 4. update: one optimizer step over all micro-batches; old_logps = logps.detach() (ratio 1)
@@ -920,9 +1050,14 @@ def main(args: Args) -> dict:
             ratio_sum += m["ratio_mean"] * c_mask.sum().item()
             # sampling vs training log-probs of the same policy: should be ~0 (a check that scoring is right)
             mismatch_sum += ((logps.detach() - c["sampled_logps"]).abs() * c_mask).sum().item()
+        # Under DeepSpeed the engine already clipped and stepped inside the last accelerator.backward and this
+        # returns the norm it saw: a non-finite step is counted below but can no longer be dropped.
         grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        if math.isfinite(grad_norm) and math.isfinite(loss_sum):
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses
+        # every process must take the same decision, or the replicas drift apart
+        bad_loss = accelerator.reduce(torch.tensor(float(not math.isfinite(loss_sum)), device=device), reduction="sum")
+        if math.isfinite(grad_norm) and bad_loss.item() == 0:
             optimizer.step()
             scheduler.step()
             counters["consecutive_skips"] = 0
@@ -956,13 +1091,13 @@ def main(args: Args) -> dict:
             "score_std": math.sqrt(max(r["s2"] / N - (r["s"] / N) ** 2, 0.0)), "score_clamped_frac": r["clamped"] / N,
             "adv_mean": r["a"] / N, "adv_std": math.sqrt(max(r["a2"] / N - (r["a"] / N) ** 2, 0.0)),
             "adv_min": r["a_min"], "adv_max": r["a_max"], "clip_frac": r["clip"] / N, "ratio_mean": r["ratio"] / N,
-            "logp_mismatch": r["mismatch"] / N, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+            "logp_mismatch": r["mismatch"] / N, "grad_norm": grad_norm, "lr": lr,
             "response_length": r["tokens"] / max(r["seqs"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
             "skipped_steps": counters["skipped_steps"], "time_generate": r["t_generate"], "time_score": r["t_score"],
             "time_update": r["t_update"], "tokens_per_second": r["tokens"] / step_time,
         }
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
-            e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config)
+            e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config, synced_gpus=synced_gpus)
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
@@ -981,14 +1116,13 @@ def main(args: Args) -> dict:
 
     # --- the end: final adapter, evaluation, summary ---
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(student).save_pretrained(os.path.join(args.output_dir, "adapter"))
-        processor.save_pretrained(os.path.join(args.output_dir, "adapter"))
+    save_adapter(accelerator, student, processor, os.path.join(args.output_dir, "adapter"))
     if eval_rows:
-        e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config)
+        e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config, synced_gpus=synced_gpus)
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
     summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
-                   advantage_mode=args.advantage_mode, seed=args.seed)
+                   advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
+                   skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"])
     if accelerator.is_main_process:
         if eval_rows:
             log("\n          accuracy  before   after\n"
@@ -997,8 +1131,8 @@ def main(args: Args) -> dict:
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"adapter, metrics.jsonl and summary.json in {args.output_dir}")
-    accelerator.end_training()
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # closes trackers and (accelerate >= 1.x) destroys the process group itself
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # without it, multi-process runs often abort at exit
     return summary

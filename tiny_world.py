@@ -32,6 +32,7 @@ import random
 import time
 
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def draw_shapes(rng: random.Random, shape: str, color: str, count: int) -> Image
     draw = ImageDraw.Draw(img)
     boxes: list[tuple[int, int, int, int]] = []
     while len(boxes) < count:
-        size = rng.randint(14, 24)
+        size = rng.randint(22, 34)
         x, y = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
         box = (x, y, x + size, y + size)
         if any(not (box[2] + 3 < b[0] or b[2] + 3 < box[0] or box[3] + 3 < b[1] or b[3] + 3 < box[1]) for b in boxes):
@@ -89,7 +90,7 @@ def make_rows(n: int, seed: int) -> list[dict]:
         kind = rng.choice(list(QUESTIONS))
         answer = {"count": COUNTS[count - 1], "color": color, "shape": shape}[kind]
         rows.append({"image": draw_shapes(rng, shape, color, count), "question": QUESTIONS[kind],
-                     "answer": answer, "kind": kind})
+                     "answer": answer, "kind": kind, "attributes": (count - 1, list(COLORS).index(color), SHAPES.index(shape))})
     return rows
 
 
@@ -97,7 +98,7 @@ def make_dataset(n: int, seed: int):
     """The task as a `datasets.Dataset` with columns image (PIL), question, answer, kind."""
     import datasets
 
-    rows = make_rows(n, seed)
+    rows = [{k: v for k, v in r.items() if k != "attributes"} for r in make_rows(n, seed)]
     features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
                                   "answer": datasets.Value("string"), "kind": datasets.Value("string")})
     return datasets.Dataset.from_list(rows, features=features)
@@ -256,6 +257,37 @@ def greedy_accuracy(model, processor, rows: list[dict], answers: list[str] | Non
     return correct / len(rows)
 
 
+def pretrain_vision(model, processor, rows: list[dict], *, steps: int, lr: float = 2e-3, batch_size: int = 32,
+                    seed: int = 0, log_every: int = 50) -> list[float]:
+    """Trains the vision tower (and merger) alone to predict count, color and shape from mean-pooled image
+    features with three linear heads that are thrown away afterwards.
+
+    A language model learning to read an untrained vision tower from one answer token per image sits on a
+    long plateau; with features that already separate the attributes, SFT afterwards takes minutes on a CPU.
+    Returns the heads' training accuracies (count, color, shape) of the last logged step.
+    """
+    hidden = model.config.text_config.hidden_size
+    heads = torch.nn.Linear(hidden, len(COUNTS) + len(COLORS) + len(SHAPES))
+    splits = (len(COUNTS), len(COLORS), len(SHAPES))
+    opt = torch.optim.AdamW(list(model.model.visual.parameters()) + list(heads.parameters()), lr=lr)
+    rng, acc, t0 = random.Random(seed), [0.0, 0.0, 0.0], time.time()
+    for step in range(steps):
+        chunk = rng.sample(rows, batch_size)
+        pix = processor.image_processor([r["image"] for r in chunk], return_tensors="pt")
+        feats = model.model.visual(pix["pixel_values"], grid_thw=pix["image_grid_thw"]).pooler_output  # (B*16, H)
+        logits = heads(feats.view(batch_size, -1, hidden).mean(1)).split(splits, dim=1)
+        targets = torch.tensor([r["attributes"] for r in chunk]).T  # (3, B)
+        loss = sum(F.cross_entropy(lg, y) for lg, y in zip(logits, targets))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % log_every == 0 or step == steps - 1:
+            acc = [(lg.argmax(1) == y).float().mean().item() for lg, y in zip(logits, targets)]
+            print(f"  vision step {step + 1:4d}  loss {loss.item():.3f}  acc count/color/shape "
+                  f"{acc[0]:.2f}/{acc[1]:.2f}/{acc[2]:.2f}  ({time.time() - t0:.0f}s)", flush=True)
+    return acc
+
+
 def sft(model, processor, rows: list[dict], eval_rows: list[dict], *, swap: dict | None = None, steps: int,
         lr: float, batch_size: int = 32, label_smoothing: float = 0.0, seed: int = 0, target: float = 1.01,
         log_every: int = 50) -> float:
@@ -300,7 +332,15 @@ def save_untrained(out: str, seed: int = 0, sizes: tuple[str, ...] = ("teacher",
     return out
 
 
-def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_steps: int = 800) -> dict:
+def reloaded_accuracy(path: str, processor, eval_rows: list[dict]) -> float:
+    """Greedy accuracy of the model as saved, loaded back the way gndpo_minimal.py loads it."""
+    from transformers import AutoModelForImageTextToText
+
+    return greedy_accuracy(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), processor, eval_rows)
+
+
+def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_steps: int = 800, vision_steps: int = 300,
+                teacher_polish_steps: int = 600) -> dict:
     """Builds tokenizer, processor, teacher and student under `out` and returns a report of accuracies."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
@@ -310,16 +350,19 @@ def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_step
     for name in ("teacher", "student"):
         print(f"training the {name} ...", flush=True)
         model = build_model(tokenizer, name, seed)
+        pretrain_vision(model, processor, rows, steps=vision_steps, seed=seed)
         if name == "teacher":
             sft(model, processor, rows, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97)
+            # a second, gentler pass on fresh batches lifts the teacher from ~0.84 to above 0.85
+            sft(model, processor, rows, eval_rows, steps=teacher_polish_steps, lr=3e-4, seed=seed + 1, target=0.97)
         else:
             sft(model, processor, rows, eval_rows, swap=STUDENT_SWAP, steps=student_steps, lr=2e-3,
                 label_smoothing=0.1, seed=seed, target=0.95)
-        report[f"{name}_accuracy"] = greedy_accuracy(model, processor, eval_rows)
-        report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
         path = os.path.join(out, name)
         model.save_pretrained(path)
         processor.save_pretrained(path)
+        report[f"{name}_accuracy"] = reloaded_accuracy(path, processor, eval_rows)
+        report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
         print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
     with open(os.path.join(out, "world.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -332,5 +375,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--teacher_steps", type=int, default=1500)
     parser.add_argument("--student_steps", type=int, default=800)
+    parser.add_argument("--vision_steps", type=int, default=300)
+    parser.add_argument("--teacher_polish_steps", type=int, default=600)
     a = parser.parse_args()
-    print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps), indent=2))
+    print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps, a.teacher_polish_steps), indent=2))

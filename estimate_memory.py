@@ -1,0 +1,227 @@
+"""How much GPU memory a GNDPO run needs, from the models' config.json alone: no weights are loaded.
+
+    python estimate_memory.py recipes/geometry3k_qwen2.5vl_3b.yaml          # a recipe
+    python gndpo_minimal.py --estimate_memory --student_model DIR ...       # any flags (DIR: a folder with config.json)
+
+Both models are built on the meta device (shapes, no storage), so parameter counts are exact. The teacher is
+put through the same bitsandbytes replacement that a 4-bit load does, so the quantized layers are exactly the
+ones a real load quantizes. Everything after the weights is a bound at the longest lengths (every prompt
+max_prompt_length tokens, every response max_new_tokens), one micro-batch at a time, per process:
+
+  rollout     the student's KV cache while generating a micro-batch (teacher: while evaluating)
+  scoring     the teacher's forward on prompt + response; logits only for the R + 1 kept positions
+  update      the student's forward/backward: saved activations (one hidden state per layer with gradient
+              checkpointing) and the kept logits with their gradient
+
+The per-token activation sizes are counts of the tensors a Qwen-style decoder layer keeps for backward
+(tests/test_recipe.py checks them against what autograd really saves on a tiny model); the CUDA context and
+allocator slack are a rule of thumb. Real runs are usually lower: most micro-batches are shorter than the bound.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+import torch
+
+GiB = 2**30
+GPU_GIB = 23.6  # what an RTX 3090/4090 (24 GB) reports to torch; L4 and A10G (also "24 GB") report ~22 GiB
+CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces, allocator fragmentation: a rule of thumb
+CHUNK_ELEMENTS = 2**24  # token_logps' default chunk: float32 copies of this many logits at a time
+# token_logps holds float32 chunks: up to 3 at once in a forward (copy, exp, ...), up to 6 when its backward
+# recomputes one and builds its gradient; and the gradient of the logits arrives as full-size tensors that
+# are summed, up to 3 of them alive at once (measured on CPU: 1-3, plus ~320 MB of chunks).
+CHUNK_COPIES_FORWARD, CHUNK_COPIES_BACKWARD, LOGIT_GRAD_COPIES = 3, 6, 3
+NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes 4-bit block sizes (weights, then the absmax constants)
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of --dtype on a GPU (auto = bf16 there)."""
+    return {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}[name]
+
+
+def meta_model(name_or_path: str):
+    """The model of a Hub id or a local folder with config.json, on the meta device (no memory, no download of weights)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)
+
+
+def text_shape(model) -> dict:
+    """Sizes of the language model that activations and caches scale with."""
+    c = model.config.get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": heads, "head_dim": head_dim,
+            "kv_heads": getattr(c, "num_key_value_heads", None) or heads, "intermediate": c.intermediate_size,
+            "vocab": model.get_output_embeddings().weight.shape[0]}
+
+
+def vision_shape(model) -> dict:
+    """Vision tower sizes, and the float32 pixel bytes the processor makes per image token of the prompt."""
+    c, v = model.config, model.config.vision_config
+    patch = v.patch_size[0] if isinstance(v.patch_size, (list, tuple)) else v.patch_size
+    if hasattr(v, "temporal_patch_size"):  # Qwen-VL: rows of 3 x t x p x p values, merge^2 rows per image token
+        pixels = 3 * v.temporal_patch_size * patch**2 * v.spatial_merge_size**2
+    else:  # InternVL-style: 448 x 448 tiles, (448 / p * downsample)^2 tokens per tile
+        pixels = 3 * round(patch / getattr(c, "downsample_ratio", 0.5)) ** 2
+    return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "pixel_bytes_per_token": 4 * pixels}
+
+
+def lora_layers(model, target_modules: str) -> list[tuple[str, int, int]]:
+    """(name, in, out) of the linear layers that load_student puts LoRA on: the language model's layers named
+    in target_modules (the same regex as load_student, which peft matches against the full module name)."""
+    names = "|".join(re.escape(m.strip()) for m in target_modules.split(",") if m.strip())
+    pattern = re.compile(rf".*language_model.*\.({names})$")
+    return [(n, m.in_features, m.out_features) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and pattern.fullmatch(n)]
+
+
+def nf4_weights(model, double_quant: bool = True, other_bytes: int = 2) -> dict:
+    """Bytes of the model loaded with BitsAndBytesConfig(load_in_4bit, nf4): quantized linear weights take half a
+    byte per parameter plus their block constants; everything else (embeddings, lm_head, norms, biases, convs)
+    stays in the compute dtype. Replaces the meta model's layers exactly as a 4-bit load does."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations import replace_with_bnb_linear
+    from transformers.quantizers.base import HfQuantizer
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant)
+    skip = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules, model._keep_in_fp32_modules)
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config)
+    quantized, constants, layers = 0, 0, 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            n = module.in_features * module.out_features
+            blocks = math.ceil(n / NF4_BLOCK)
+            quantized += n
+            layers += 1
+            if double_quant:  # absmax as uint8, plus float32 absmax of those per 256 blocks, a 256-entry code, an offset
+                constants += blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * 256 + 4
+            else:
+                constants += 4 * blocks
+            constants += 4 * 16  # the nf4 code book
+    packed = {id(m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
+    other = sum(p.numel() for p in model.parameters() if id(p) not in packed)
+    return {"quantized_params": quantized, "quantized_layers": layers, "other_params": other,
+            "bytes": math.ceil(quantized / 2) + constants + other * other_bytes}
+
+
+# Bytes per token of one decoder layer (dtype size b), counting the tensors named in each comment.
+def layer_forward_peak(s: dict, b: int) -> int:
+    """Inference: the residual stream, the layer input and the MLP's gate, up and product held at once."""
+    return b * (3 * s["hidden"] + 3 * s["intermediate"])
+
+
+def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], lora_r: int, T: int) -> int:
+    """Training without checkpointing: what autograd keeps for one layer, per token of a T-token sequence.
+
+    The norms' float32 inputs (2 x 4h); q, k, v (k, v repeated to all heads) and the attention output (4q) and
+    its log-sum-exp; the padding mask as a (T, T) float per sequence; the MLP's gate, up and activation (3i).
+    Frozen linear layers keep nothing but their weight; LoRA adapters (float32, as peft keeps them) keep a
+    float32 copy of their layer's input and their rank-r projection. Checked against autograd in the tests.
+    """
+    h, q, i, layers = s["hidden"], s["heads"] * s["head_dim"], s["intermediate"], s["layers"]
+    adapters = sum(4 * (n_in + lora_r) for _, n_in, _ in lora) // max(layers, 1)
+    return 4 * 2 * h + b * (4 * q + 3 * i) + 4 * s["heads"] + b * T + adapters
+
+
+def estimate(args, num_processes: int = 1) -> dict:
+    """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring."""
+    b = dtype_bytes(args.dtype)
+    P, R, mb = args.max_prompt_length, args.max_new_tokens, args.micro_batch_size
+    T = P + R
+    student, teacher = meta_model(args.student_model), meta_model(args.teacher_model)
+    s, t = text_shape(student), text_shape(teacher)
+    sv, tv = vision_shape(student), vision_shape(teacher)
+
+    student_params = sum(p.numel() for p in student.parameters())
+    lora = lora_layers(student, args.lora_target_modules)
+    lora_params = sum(args.lora_r * (i + o) for _, i, o in lora)
+    teacher_params = sum(p.numel() for p in teacher.parameters())
+    teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
+
+    def kv_cache(shape):  # keys and values of every layer for mb sequences of T tokens
+        return mb * T * shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+
+    def vision(shape):  # one vision layer over a micro-batch: <= 4 patches per image token, image tokens <= P
+        return mb * 4 * P * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
+
+    pixels = mb * P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # a micro-batch's images
+    chunk_forward, chunk_backward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4, CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
+    logits_s, logits_t = mb * (R + 1) * s["vocab"] * b, mb * (R + 1) * t["vocab"] * b
+    if args.gradient_checkpointing:  # one hidden state per layer kept; one layer recomputed, with its gradients
+        activations = mb * T * (s["layers"] * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, T))
+    else:
+        activations = mb * T * s["layers"] * layer_saved_for_backward(s, b, lora, args.lora_r, T)
+
+    out = {
+        "student_params": student_params, "student_weights": student_params * b,
+        "lora_params": lora_params,
+        "lora_train_state": lora_params * 16,  # float32 weight, gradient and two AdamW moments
+        "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"],
+        "teacher_quantized_params": teacher_w.get("quantized_params", 0),
+        "cuda_context": int(CUDA_CONTEXT_GIB * GiB),
+        "kv_cache_student": kv_cache(s), "kv_cache_teacher": kv_cache(t),
+        "logits_scoring": logits_t, "logits_update": logits_s * (1 + LOGIT_GRAD_COPIES),
+        "activations_update": activations,
+        "host_pixels_per_step": args.prompts_per_step * args.num_generations // num_processes * pixels // mb,
+    }
+    phases = {
+        "rollout": out["kv_cache_student"] + mb * P * layer_forward_peak(s, b) + vision(sv) + pixels,
+        "teacher_eval": out["kv_cache_teacher"] + mb * P * layer_forward_peak(t, b) + vision(tv) + pixels,
+        "scoring": mb * T * (layer_forward_peak(t, b) + 2 * t["hidden"] * b) + logits_t + chunk_forward + vision(tv) + pixels,
+        "update": activations + out["logits_update"] + chunk_backward + vision(sv) + pixels,
+    }
+    resident = out["student_weights"] + out["lora_train_state"] + out["teacher_weights"] + out["cuda_context"]
+    out.update({f"phase_{k}": v for k, v in phases.items()})
+    out["peak_phase"] = max(phases, key=phases.get)
+    out["resident"] = resident
+    out["peak"] = resident + max(phases.values())
+    out["fits_24gb"] = out["peak"] <= GPU_GIB * GiB
+    out["sequences_per_step"] = args.prompts_per_step * args.num_generations // num_processes
+    return out
+
+
+def print_estimate(args, num_processes: int = 1) -> dict:
+    """Prints the estimate as a table (GiB) and returns it (bytes)."""
+    e = estimate(args, num_processes)
+    g = lambda x: f"{x / GiB:7.2f} GiB"  # noqa: E731
+    P, R, mb = args.max_prompt_length, args.max_new_tokens, args.micro_batch_size
+    lines = [
+        f"memory estimate, one process: micro-batch {mb}, prompt <= {P} + response <= {R} tokens, "
+        f"{e['sequences_per_step']} sequences per step, {args.dtype} (auto = bf16 on GPU), "
+        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}",
+        f"  student weights      {g(e['student_weights'])}   {e['student_params'] / 1e9:.2f}B params ({args.student_model})",
+        f"  LoRA + AdamW state   {g(e['lora_train_state'])}   {e['lora_params'] / 1e6:.1f}M params, rank {args.lora_r}, float32",
+        f"  teacher weights      {g(e['teacher_weights'])}   {e['teacher_params'] / 1e9:.2f}B params"
+        + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if args.teacher_4bit else "")
+        + f" ({args.teacher_model})",
+        f"  CUDA context, slack  {g(e['cuda_context'])}",
+        f"  = resident           {g(e['resident'])}",
+        "  + the largest phase (bounds at full length):",
+        f"    rollout            {g(e['phase_rollout'])}   student KV cache {g(e['kv_cache_student'])}",
+        f"    teacher eval       {g(e['phase_teacher_eval'])}   teacher KV cache {g(e['kv_cache_teacher'])}",
+        f"    scoring            {g(e['phase_scoring'])}   teacher logits {g(e['logits_scoring'])}",
+        f"    update             {g(e['phase_update'])}   logits + gradients {g(e['logits_update'])}, "
+        f"activations {g(e['activations_update'])}",
+        f"  = peak               {g(e['peak'])}   ({e['peak_phase']}); "
+        + (f"fits a 24 GB GPU ({GPU_GIB} GiB)" if e["fits_24gb"] else f"does NOT fit a 24 GB GPU ({GPU_GIB} GiB): "
+           "lower --micro_batch_size or --max_new_tokens"
+           + ("" if args.gradient_checkpointing else ", or turn on --gradient_checkpointing")),
+        f"  host memory for the step's images: up to {g(e['host_pixels_per_step'])}",
+    ]
+    print("\n".join(lines))
+    return e
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gndpo_minimal import parse_args
+
+    print_estimate(parse_args())

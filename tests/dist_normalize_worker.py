@@ -1,0 +1,64 @@
+"""One rank of the multi-process normalization check in test_distributed.py (run it with torchrun, gloo).
+
+Every rank rebuilds the same seeded global batch, keeps its own very uneven share of it, calls
+normalize_scores on that share in "global" and "group" mode, counts the collective calls made, and
+saves what it got to OUT_DIR/rank<r>.pt for the test to compare with one process holding everything.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gndpo_minimal import normalize_scores  # noqa: E402
+
+
+def global_batch(seed: int = 0, G: int = 2) -> dict:
+    """12 responses (6 prompts x G=2) of up to 9 tokens; rows 0-1 hold 3 valid tokens, rows 2-11 many more
+    on other scales, so rank 0's tokens are few and unlike rank 1's."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = 12, 9
+    lengths = torch.tensor([2, 1] + [int(x) for x in torch.randint(5, T + 1, (B - 2,), generator=gen)])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()  # (B, T)
+    scores = torch.randn(B, T, generator=gen) * torch.linspace(0.5, 4.0, B)[:, None] + torch.arange(B)[:, None] * 0.3
+    scores = scores * mask  # (B, T), 0 off the mask
+    group_ids = torch.arange(B) // G  # (B,): G consecutive responses share a prompt
+    return {"scores": scores, "mask": mask, "group_ids": group_ids}
+
+
+# rank 0 holds 2 responses (3 valid tokens), rank 1 the other 10; both hold whole groups of G = 2
+SHARES = {0: slice(0, 2), 1: slice(2, 12)}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    batch = global_batch()
+    mine = {k: v[SHARES[rank]] for k, v in batch.items()}
+
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(str(tensor.dtype))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    out = {}
+    for name, mask, mode in [("global", mine["mask"], "global"),
+                             # this rank holds no valid token at all: it must still join the reduction
+                             ("global_empty_rank0", mine["mask"] * (rank != 0), "global"),
+                             ("group", mine["mask"], "group")]:
+        calls.clear()
+        out[name] = normalize_scores(mine["scores"], mask, mode, mine["group_ids"])
+        out[name + "_calls"] = list(calls)
+    dist.all_reduce = all_reduce
+    torch.save(out, os.path.join(os.environ["OUT_DIR"], f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

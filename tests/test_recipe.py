@@ -1,0 +1,399 @@
+"""The real-model recipes (recipes/*.yaml) and what they rely on, checked offline on stand-ins of the same shape:
+the Geometry3K grader, data in Geometry3K's exact layout run end to end through the recipe's data settings,
+gradient checkpointing under LoRA, and estimate_memory.py on the published configs (tests/fixtures/configs)
+and against what the tiny models really allocate.
+"""
+
+import dataclasses
+import glob
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import gndpo_minimal as g
+from estimate_memory import (CHUNK_COPIES_BACKWARD, CHUNK_ELEMENTS, GiB, LOGIT_GRAD_COPIES, estimate,
+                             layer_saved_for_backward, lora_layers, meta_model, nf4_weights, text_shape)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+CONFIGS = os.path.join(ROOT, "tests", "fixtures", "configs")
+QWEN_RECIPE = os.path.join(ROOT, "recipes", "geometry3k_qwen2.5vl_3b.yaml")
+GB = 1e9
+
+
+def with_fixture_configs(args: g.Args) -> g.Args:
+    """The recipe with its Hub ids replaced by the shipped config.json folders of the same names."""
+    return dataclasses.replace(args, student_model=os.path.join(CONFIGS, os.path.basename(args.student_model)),
+                               teacher_model=os.path.join(CONFIGS, os.path.basename(args.teacher_model)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The grader: Geometry3K answers are LaTeX, written many ways
+# ---------------------------------------------------------------------------------------------
+
+EQUIVALENT = [  # (what the model boxed, the dataset's answer)
+    (r"\dfrac{40}{3}", r"\frac{40}{3}"), (r"8\sqrt{3}+24", r"24+8\sqrt{3}"), (r"60^\circ", "60"),
+    ("60", r"60^{\circ}"), ("60°", "60"), (r"2 \sqrt 3", r"2\sqrt{3}"), ("12.5", r"\frac{25}{2}"),
+    (r"\frac{25}{2}", "12.5"), (r"\sqrt{18}", r"3\sqrt{2}"), ("0.5", r"\frac12"), ("x = 5", "5"),
+    (r"5 \text{ cm}", "5"), (r"14 \sqrt { 3 }", r"14\sqrt{3}"), (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt 3}{2}"),
+    (r"4\pi", r"4 \pi"), ("25.0", "25"),
+]
+DIFFERENT = [
+    ("13", r"\frac{40}{3}"), (r"24-8\sqrt{3}", r"24+8\sqrt{3}"), ("61", "60"), ("-3", "3"), ("77", "7"),
+    ("8.49", "8.5"), (r"\sqrt{3}", "1.732"), ("37.7", r"12\pi"), ("", "5"),
+]
+
+
+@pytest.mark.parametrize("boxed,reference", EQUIVALENT)
+def test_grader_accepts_equivalent_forms(boxed, reference):
+    response = "<think>angles on a line add to 180</think> So the answer is \\boxed{" + boxed + "}."
+    assert g.grade_answer(response, reference)
+    assert g.is_well_formed(response, require_think=True)
+
+
+@pytest.mark.parametrize("boxed,reference", DIFFERENT)
+def test_grader_rejects_wrong_answers(boxed, reference):
+    assert not g.grade_answer("<think>...</think> \\boxed{" + boxed + "}", reference)
+
+
+def test_grader_reads_the_last_box_and_needs_one():
+    assert g.grade_answer(r"first \boxed{3}, then corrected: \boxed{\frac{40}{3}}", r"\frac{40}{3}")
+    assert not g.grade_answer(r"\boxed{\frac{40}{3}} no wait \boxed{3}", r"\frac{40}{3}")
+    assert not g.grade_answer(r"the answer is \frac{40}{3}", r"\frac{40}{3}")
+    assert not g.is_well_formed(r"no think block \boxed{3}", require_think=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_there_is_a_recipe_per_setup():
+    names = {os.path.basename(r) for r in RECIPES}
+    assert names >= {"geometry3k_qwen2.5vl_3b.yaml", "geometry3k_internvl3.5_1b.yaml", "geometry3k_internvl3.5_2b.yaml"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
+def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
+    with open(recipe) as f:
+        raw = yaml.safe_load(f)
+    fields = {f.name: f for f in dataclasses.fields(g.Args)}
+    assert set(raw) <= set(fields), f"not Args fields: {set(raw) - set(fields)}"
+    args = g.parse_args([recipe])
+    defaults = g.Args()
+    for name in raw:  # YAML reads 1e-5 as a string and 1 as an int: each value must have its field's type
+        value, default = getattr(args, name), getattr(defaults, name)
+        if default is not None:
+            assert type(value) is type(default), f"{name}: {value!r} is {type(value).__name__}, not {type(default).__name__}"
+    assert g.check_args(args, num_processes=1) == 32 * 16 // args.micro_batch_size
+    # the paper's setup (GNDPO_SPEC.md)
+    assert (args.prompts_per_step, args.num_generations, args.temperature) == (32, 16, 1.0)
+    assert (args.score_clip, args.max_grad_norm, args.weight_decay) == (5.0, 1.0, 0.01)
+    assert (args.advantage_mode, args.loss_type, args.clip_low, args.clip_high) == ("global", "gspo", 0.2, 0.2)
+    assert 1e-5 <= args.learning_rate <= 1e-4  # LoRA: about 10x the paper's full fine-tuning 1e-6
+    # one 24 GB GPU
+    assert args.teacher_4bit and args.gradient_checkpointing and args.dtype == "auto"
+    assert args.lora_dropout == 0.0  # the training forward must be the sampling policy
+    # Geometry3K
+    assert args.dataset_name == "hiyouga/geometry3k"
+    assert (args.train_split, args.eval_split) == ("train", "test")
+    assert (args.image_column, args.question_column, args.answer_column) == ("images", "problem", "answer")
+    assert "<think> </think>" in args.instruction and "\\boxed{}" in args.instruction and args.require_think
+    assert 1024 <= args.max_new_tokens <= 4096 and args.max_prompt_length >= 1024
+    assert args.max_steps == 2101 // 32  # one epoch
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
+def test_recipe_fits_24gb_and_its_micro_batch_is_the_largest_that_does(recipe):
+    args = with_fixture_configs(g.parse_args([recipe]))
+    e = estimate(args)
+    assert e["fits_24gb"], f"{os.path.basename(recipe)}: {e['peak'] / GiB:.2f} GiB"
+    assert not estimate(dataclasses.replace(args, micro_batch_size=2 * args.micro_batch_size))["fits_24gb"]
+    assert not estimate(dataclasses.replace(args, gradient_checkpointing=False))["fits_24gb"]
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate_memory.py on the published configs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_estimate_of_the_qwen_recipe_in_the_expected_ranges():
+    args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
+    e = estimate(args)
+    assert 3.7e9 < e["student_params"] < 3.8e9 and 8.2e9 < e["teacher_params"] < 8.35e9  # 3.75B and 8.29B
+    assert 6 * GB < e["student_weights"] < 8.5 * GB  # bf16
+    assert 4 * GB < e["teacher_weights"] < 6 * GB  # nf4 (+ bf16 embeddings and lm_head)
+    # LoRA by hand: 36 layers of q, k, v, o (hidden 2048, 2 KV heads of 128), gate, up, down (11008)
+    h, kv, i, r = 2048, 256, 11008, args.lora_r
+    assert e["lora_params"] == 36 * r * ((h + h) + 2 * (h + kv) + (h + h) + 3 * (h + i))
+    T = args.max_prompt_length + args.max_new_tokens
+    assert e["kv_cache_student"] == args.micro_batch_size * T * 36 * 2 * 2 * 128 * 2
+    assert e["logits_update"] == (1 + LOGIT_GRAD_COPIES) * args.micro_batch_size * (args.max_new_tokens + 1) * 151936 * 2
+    assert e["peak"] > e["resident"] > e["student_weights"] + e["teacher_weights"]
+
+
+def test_estimate_of_the_internvl_configs_in_the_expected_ranges():
+    e1 = estimate(with_fixture_configs(g.parse_args([os.path.join(ROOT, "recipes", "geometry3k_internvl3.5_1b.yaml")])))
+    e2 = estimate(with_fixture_configs(g.parse_args([os.path.join(ROOT, "recipes", "geometry3k_internvl3.5_2b.yaml")])))
+    assert 0.8e9 < e1["student_params"] < 1.2e9 and 1.9e9 < e2["student_params"] < 2.4e9
+    assert 8.3e9 < e1["teacher_params"] < 8.7e9  # InternVL3.5-8B: InternViT-300M + Qwen3-8B
+    assert 4.5 * GB < e1["teacher_weights"] < 7 * GB
+    assert e1["teacher_weights"] == e2["teacher_weights"] and e1["student_weights"] < e2["student_weights"]
+
+
+def test_estimate_memory_flag_of_the_script_takes_local_config_folders(capsys):
+    args = dataclasses.replace(with_fixture_configs(g.parse_args([QWEN_RECIPE])), estimate_memory=True,
+                               output_dir="/nonexistent/never-written")
+    result = g.main(args)  # returns before anything is loaded or written
+    printed = capsys.readouterr().out
+    assert result["fits_24gb"] and "fits a 24 GB GPU" in printed
+    assert f"{result['peak'] / GiB:7.2f} GiB" in printed and "teacher weights" in printed
+    assert not os.path.exists("/nonexistent")
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate_memory.py against what the tiny models really hold
+# ---------------------------------------------------------------------------------------------
+
+
+def real_4bit_bytes(model) -> int:
+    """Bytes a loaded 4-bit model holds: packed weights, their quantization constants, every other parameter."""
+    from bitsandbytes.nn import Linear4bit
+
+    total = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Linear4bit):
+            qs = m.weight.quant_state
+            parts = [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+            total += sum(t.numel() * t.element_size() for t in parts)
+    return total
+
+
+def test_estimate_equals_the_real_4bit_teacher_and_lora_student(untrained_models):
+    from bitsandbytes.nn import Linear4bit
+
+    args = g.Args(student_model=os.path.join(untrained_models, "student"),
+                  teacher_model=os.path.join(untrained_models, "teacher"))
+    teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
+    estimated = nf4_weights(meta_model(args.teacher_model), other_bytes=4)  # float32 on CPU
+    assert estimated["quantized_layers"] == sum(isinstance(m, Linear4bit) for m in teacher.modules())
+    assert estimated["bytes"] == pytest.approx(real_4bit_bytes(teacher), rel=0.01)
+
+    student = g.load_student(args, torch.float32)
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    lora = lora_layers(meta_model(args.student_model), args.lora_target_modules)
+    assert trainable == sum(args.lora_r * (i + o) for _, i, o in lora)
+    frozen = sum(p.numel() for p in student.parameters() if not p.requires_grad)
+    assert frozen == sum(p.numel() for p in meta_model(args.student_model).parameters())
+
+
+def rollout_chunk(untrained_models, n=4, max_new_tokens=16, seed=0):
+    """Prompts of the tiny task and one rollout of the untrained student, as main() makes them."""
+    import tiny_world
+    from transformers import AutoProcessor
+
+    args = g.Args(student_model=os.path.join(untrained_models, "student"),
+                  teacher_model=os.path.join(untrained_models, "teacher"), max_new_tokens=max_new_tokens)
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    student = g.load_student(args, torch.float32)
+    sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
+    sample_config.min_new_tokens = max_new_tokens  # full-length responses: every position counts
+    prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(n, seed)]
+    torch.manual_seed(seed)
+    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
+    return args, chunk, torch.tensor(sample_config.suppress_tokens)
+
+
+def saved_for_backward(model, chunk, ignore_ids) -> int:
+    """Bytes of the distinct tensors autograd keeps during response_logps, weights not counted."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        g.response_logps(model, chunk, ignore_ids)
+    return sum(seen.values())
+
+
+def test_activation_bound_matches_what_autograd_saves(untrained_models):
+    args, chunk, ignore_ids = rollout_chunk(untrained_models)
+    n, R = chunk["response_ids"].shape
+    T = chunk["input_ids"].shape[1] + R
+    shape = text_shape(meta_model(args.student_model))
+    lora = lora_layers(meta_model(args.student_model), args.lora_target_modules)
+    logits = n * (R + 1) * shape["vocab"] * 2
+    saved = {}
+    for checkpointing in (False, True):
+        student = g.load_student(dataclasses.replace(args, gradient_checkpointing=checkpointing), torch.bfloat16)
+        student.train()
+        bf16_chunk = dict(chunk, pixel_values=chunk["pixel_values"].bfloat16())
+        saved[checkpointing] = saved_for_backward(student, bf16_chunk, ignore_ids) - logits
+    per_layer = layer_saved_for_backward(shape, 2, lora, args.lora_r, T)
+    # without checkpointing: the per-token count of estimate_memory is what autograd keeps, to within 20%
+    assert saved[False] == pytest.approx(n * T * shape["layers"] * per_layer, rel=0.2)
+    # with it: far less, and below the bound used for the update phase
+    assert saved[True] < saved[False] / 3
+    assert saved[True] < n * T * (shape["layers"] * shape["hidden"] * 2 + 2 * per_layer)
+
+
+LOGITS_PEAK_SCRIPT = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from gndpo_minimal import token_logps
+torch.manual_seed(0)
+B, T, V = 4, 1501, 25000
+ids = torch.randint(0, V, (B, T - 1))
+x = torch.randn(B, T, V).bfloat16()
+bias = torch.zeros((), dtype=torch.bfloat16, requires_grad=True)
+logits = x + bias  # like lm_head's output: bf16, (B, T, V), in the graph
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+token_logps(logits[:, :-1], ids).sum().backward()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(after - before, logits.numel() * 2)
+"""
+
+
+def test_logits_gradient_memory_stays_within_the_update_bound():
+    """token_logps' backward on bf16 logits: the peak above the logits is within the estimate's allowance."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", LOGITS_PEAK_SCRIPT.format(root=ROOT)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    above, logits = map(int, out.stdout.split())
+    assert above <= LOGIT_GRAD_COPIES * logits + CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient checkpointing on the LoRA student
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_gives_the_same_lora_gradients(untrained_models):
+    args, chunk, ignore_ids = rollout_chunk(untrained_models, seed=1)
+    mask = chunk["response_mask"]
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    grads, layer_calls = {}, {}
+    for checkpointing in (False, True):
+        student = g.load_student(dataclasses.replace(args, gradient_checkpointing=checkpointing), torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        for name, p in sorted(student.named_parameters()):  # LoRA B starts at 0, which would leave A without gradient
+            if "lora_B" in name:
+                p.data = torch.randn(p.shape, generator=gen) * 0.1
+        student.train()
+        layer = next(m for m in student.modules() if type(m).__name__.endswith("DecoderLayer"))
+        calls = []
+        layer.register_forward_hook(lambda *_: calls.append(1))
+        logps = g.response_logps(student, chunk, ignore_ids)
+        loss, _ = g.policy_loss(logps, logps.detach(), advantages, mask)
+        loss.backward()
+        grads[checkpointing] = {n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad}
+        layer_calls[checkpointing] = len(calls)
+    assert layer_calls == {False: 1, True: 2}  # with checkpointing, backward ran the layer again
+    assert grads[False].keys() == grads[True].keys() and len(grads[True]) > 0
+    assert any(n.endswith("lora_A.default.weight") and gr.abs().sum() > 0 for n, gr in grads[True].items())
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data in Geometry3K's layout, through the recipe's data settings
+# ---------------------------------------------------------------------------------------------
+
+MODES = ("RGB", "RGBA", "P", "L", "RGB")
+
+
+def diagram(mode: str, size: tuple[int, int]):
+    """A small line drawing in the given PIL mode (P with a palette, RGBA with transparent background)."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGBA", size, (0, 0, 0, 0))
+    ImageDraw.Draw(img).polygon([(5, size[1] - 5), (size[0] - 5, size[1] - 5), (size[0] // 2, 5)],
+                                outline=(20, 20, 20, 255), fill=(200, 220, 255, 255))
+    if mode == "RGBA":
+        return img
+    img = img.convert("RGB")
+    return img.quantize(16) if mode == "P" else img.convert(mode)
+
+
+@pytest.fixture(scope="module")
+def geometry3k_dir(tmp_path_factory):
+    """A local dataset laid out like hiyouga/geometry3k on the Hub: data/{train,test}-00000-of-00001.parquet,
+    columns images (a list of images), problem (text with an <image> marker) and answer (LaTeX). The last
+    train row's problem is too long for max_prompt_length 120."""
+    import datasets
+
+    features = datasets.Features({"images": datasets.List(datasets.Image()), "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    problems = ["<image>Find x.", "<image>Find the area of the figure. Round to the nearest tenth.",
+                "<image>Find the measure of angle 1.", "<image>Find y.", "<image>Find x. Round to the nearest tenth."]
+    answers = [r"\frac{40}{3}", "12.5", "60", r"24+8\sqrt{3}", r"2\sqrt{3}"]
+    train = [{"images": [diagram(m, (90 + 20 * k, 70 + 10 * k))], "problem": p, "answer": a}
+             for k, (m, p, a) in enumerate(zip(MODES, problems, answers))]
+    train.append({"images": [diagram("RGB", (100, 80))], "problem": "<image>" + "Find the measure of angle 1. " * 20,
+                  "answer": "30"})
+    test = [dict(row, images=[diagram(m, (80, 60))]) for row, m in zip(train[:4], MODES[1:])]
+    root = tmp_path_factory.mktemp("geometry3k")
+    os.makedirs(root / "data")
+    for split, rows in (("train", train), ("test", test)):
+        datasets.Dataset.from_list(rows, features=features).to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    return str(root)
+
+
+def recipe_on(dataset_dir: str, untrained_models: str, output_dir: str) -> g.Args:
+    """The Qwen recipe with tiny models and sizes, on the local Geometry3K-shaped folder."""
+    return dataclasses.replace(
+        g.parse_args([QWEN_RECIPE]), dataset_name=dataset_dir, student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"), max_prompt_length=120, max_new_tokens=8,
+        prompts_per_step=4, num_generations=2, micro_batch_size=4, num_eval_samples=4, max_steps=1, save_steps=0,
+        output_dir=output_dir)
+
+
+def test_geometry3k_layout_loads_with_every_image_mode_and_long_prompts_are_counted(geometry3k_dir, untrained_models,
+                                                                                   tmp_path):
+    import datasets
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    args = recipe_on(geometry3k_dir, untrained_models, str(tmp_path))
+    train = g.load_split(args, "train", 0)
+    assert len(train) == 6 and len(g.load_split(args, "test", 0)) == 4
+    assert isinstance(train.features["images"], datasets.List) and isinstance(train.features["images"].feature, datasets.Image)
+    raw = train.cast_column("images", datasets.List(datasets.Image(decode=False)))
+    assert [Image.open(io.BytesIO(r["images"][0]["bytes"])).mode for r in raw.select(range(5))] == list(MODES)
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    messages = []
+    ds, keep, skipped = g.prepare_split(train, args, processor, "train", log=messages.append)
+    assert keep == [0, 1, 2, 3, 4] and skipped["prompt_too_long"] == 1 and skipped["no_or_unreadable_image"] == 0
+    assert any("1 train rows" in m and "--max_prompt_length 120" in m for m in messages)
+    assert all(im.mode == "RGB" for i in keep for im in g.row_images(ds[i], "images"))
+
+
+def test_recipe_data_settings_run_one_step_end_to_end(geometry3k_dir, untrained_models, tmp_path, capsys):
+    """One GNDPO step with the Qwen recipe's settings (LoRA + gradient checkpointing, 4-bit teacher, the
+    think/boxed instruction, Geometry3K columns) on tiny models and the local Geometry3K-shaped data."""
+    args = recipe_on(geometry3k_dir, untrained_models, str(tmp_path / "run"))
+    assert args.gradient_checkpointing and args.teacher_4bit and args.require_think
+    summary = g.main(args)
+    printed = capsys.readouterr().out
+    assert "skipping 1 train rows whose prompt is longer than --max_prompt_length 120" in printed
+    assert "train rows: 5 usable" in printed and "eval rows: 4" in printed
+    with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == 1 and lines[0]["step"] == 1
+    assert all(math.isfinite(lines[0][k]) for k in ("loss", "reverse_kl", "grad_norm", "adv_std"))
+    assert lines[0]["response_length"] > 0
+    for key in ("teacher_accuracy", "student_accuracy_before", "student_accuracy_after", "student_format_rate_after"):
+        assert 0.0 <= summary[key] <= 1.0
+    assert os.path.isfile(os.path.join(args.output_dir, "adapter", "adapter_config.json"))

@@ -1,0 +1,172 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Rollout: G samples per prompt from the student
+#
+# On-policy distillation learns from the student's **own** samples. Each step, every prompt is repeated G times
+# and the student samples G responses at temperature 1 from its full distribution. `rollout()` returns the
+# sampled token ids, a mask of the real response tokens, and the student's log-probability of every sampled token,
+# recorded during generation. Those log-probs are the `student_lp` of the distillation score in the next notebook.
+
+# %%
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
+sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from transformers import AutoProcessor, GenerationConfig
+
+from gndpo_minimal import (Args, grade_answer, load_split, load_student, prepare_split, response_logps, rollout,
+                           row_images, step_seed, vision_token_ids)
+
+torch.set_num_threads(2)
+args = Args()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
+device, dtype = torch.device("cpu"), torch.float32
+processor = AutoProcessor.from_pretrained(args.student_model)
+tokenizer = processor.tokenizer
+student = load_student(args, dtype)  # the base student + a LoRA adapter that starts at zero: it samples like the base
+print(f"G = {args.num_generations}, temperature = {args.temperature}, max_new_tokens = {args.max_new_tokens}")
+student.print_trainable_parameters()
+
+# %% [markdown]
+# ## The sampling configuration, as `main()` builds it
+#
+# Three details make the samples come from the policy that the loss assumes:
+# * `top_k=0, top_p=1.0` and no repetition penalty: the **full** distribution (checkpoints often ship `top_k=50`,
+#   which would sample from a truncated one);
+# * `suppress_tokens`: image special tokens can never be sampled (one would crash the scoring forward);
+#   scoring gives the same ids -inf, so sampling and scoring see the same distribution;
+# * the end tokens stop a response; padding after them is masked out.
+
+# %%
+model_eos = student.generation_config.eos_token_id  # an int, a list or None
+eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
+ignore_list = vision_token_ids(tokenizer)
+ignore_ids = torch.tensor(ignore_list, device=device)
+sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
+                                 repetition_penalty=1.0, max_new_tokens=args.max_new_tokens,
+                                 suppress_tokens=ignore_list, eos_token_id=eos_ids,
+                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)
+print("end tokens:", tokenizer.convert_ids_to_tokens(eos_ids), "| pad:", tokenizer.pad_token)
+print("suppressed:", tokenizer.convert_ids_to_tokens(ignore_list))
+
+# %% [markdown]
+# ## Sampling G responses per prompt
+#
+# Three training prompts, each repeated G times. In `main()` the random seed of each step is
+# `step_seed(seed, step, process)`, so a resumed run samples exactly what the interrupted one would have.
+
+# %%
+train_ds = load_split(args, args.train_split, n_embedded=16)
+train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
+G = args.num_generations
+rows = [train_ds[i] for i in keep[4:7]]
+prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
+references = [r[args.answer_column] for r in rows for _ in range(G)]
+
+torch.manual_seed(step_seed(args.seed, 0, 0))
+chunk = rollout(student, processor, prompts, sample_config, args, eos_ids)
+for key in ("input_ids", "response_ids", "response_mask", "sampled_logps"):
+    print(f"{key:14s} {tuple(chunk[key].shape)}  {chunk[key].dtype}")
+
+# %% [markdown]
+# `input_ids` are the left-padded prompts (n = prompts x G rows); `response_ids` are the R newly sampled positions.
+# The **response mask** is 1 up to and including the first end token `<|im_end|>` and 0 after it: the end token
+# is a decision the student made (stopping), so it is scored and trained like any other token; the padding after
+# it is not.
+
+# %%
+texts = tokenizer.batch_decode(chunk["response_ids"], skip_special_tokens=True)
+table = pd.DataFrame({
+    "question": [q for q, _ in prompts],
+    "reference": references,
+    "sampled response": texts,
+    "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
+    "tokens (mask sum)": chunk["response_mask"].sum(1).tolist(),
+    "log p(response)": (chunk["sampled_logps"] * chunk["response_mask"]).sum(1).round(decimals=2).tolist(),
+})
+table
+
+# %% [markdown]
+# The G samples of one prompt differ: that spread is what on-policy distillation learns from. Below, every
+# sampled token with its log-probability under the student; grey cells are masked out (after the end token).
+
+# %%
+def token_label(token_id):
+    """A token as readable text: the decoded string, or its vocabulary entry when that is not printable."""
+    if token_id in eos_ids:
+        return "<end>"
+    text = tokenizer.decode([token_id])
+    return text if text.isprintable() and text.strip() else tokenizer.convert_ids_to_tokens(token_id)
+
+
+def token_grid(ax, ids, mask, values, title, cmap, vmin, vmax, label):
+    """Heatmap of per-token values, each cell labelled with its token; masked cells grey."""
+    shown = np.ma.masked_where(mask.numpy() == 0, values.numpy())
+    colormap = plt.get_cmap(cmap).copy()
+    colormap.set_bad("#e6e6e6")
+    im = ax.imshow(shown, cmap=colormap, vmin=vmin, vmax=vmax, aspect="auto")
+    for (i, t), token_id in np.ndenumerate(ids.numpy()):
+        if mask[i, t]:
+            r, g, b, _ = im.cmap(im.norm(shown[i, t]))
+            ax.text(t, i, token_label(int(token_id)), ha="center", va="center", fontsize=8,
+                    color="black" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "white")
+    ax.set_xlabel("response position")
+    ax.set_ylabel("sample (prompt x G)")
+    ax.set_title(title)
+    plt.colorbar(im, ax=ax, label=label)
+
+
+fig, ax = plt.subplots(figsize=(11, 5))
+token_grid(ax, chunk["response_ids"], chunk["response_mask"], chunk["sampled_logps"],
+           "Student log-prob of each sampled token (grey = masked out)", "viridis", -6, 0, "log p_student(token)")
+for g in range(1, len(rows)):
+    ax.axhline(g * G - 0.5, color="white", lw=2)  # separates the prompts' groups of G samples
+plt.show()
+
+# %% [markdown]
+# ## Are the recorded log-probs right?
+#
+# `rollout()` records log p(token) from the very logits `generate()` sampled from (a logits processor, so no
+# extra forward pass is needed). The training forward (`response_logps`) recomputes them from scratch on
+# prompt + response. The two must agree, or the importance ratio of the update would not be 1 and the
+# distillation score would be biased. A useful check, and `main()` logs it every step as `logp_mismatch`.
+
+# %%
+with torch.no_grad():
+    recomputed = response_logps(student, chunk, ignore_ids, args.temperature)
+valid = chunk["response_mask"].bool()
+gap = (recomputed - chunk["sampled_logps"]).abs()[valid]
+print(f"max |recomputed - sampled| over {int(valid.sum())} response tokens: {gap.max():.2e}")
+
+# The same forward without mm_token_type_ids: Qwen2.5-VL then uses 1-D positions for the image tokens.
+without_types = {k: v for k, v in chunk.items() if k != "mm_token_type_ids"}
+with torch.no_grad():
+    drifted = response_logps(student, without_types, ignore_ids, args.temperature)
+print(f"...and without mm_token_type_ids: {(drifted - chunk['sampled_logps']).abs()[valid].max():.2e}")
+
+# %% [markdown]
+# **What just happened and why it matters.** The student produced G = 4 samples per prompt from its full
+# distribution, the mask marks which positions are real response tokens, and the log-probs recorded while
+# sampling match a fresh forward pass to float precision (while a forward that forgets the image token types
+# drifts). Next, the teacher scores these exact token ids, and the difference of the two log-probs becomes the
+# per-token distillation score.

@@ -1,0 +1,199 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 3. Teacher scoring: where teacher and student disagree, token by token
+#
+# The teacher never generates anything. It reads the student's sampled responses (the same token ids, the same
+# images) and gives the log-probability it would have assigned to each sampled token. The per-token score is
+#
+# $$s_t = \mathrm{clamp}\big(\log \pi_\text{teacher}(y_t) - \log \pi_\text{student}(y_t),\ -5,\ 5\big),$$
+#
+# a one-sample estimate of $-\mathrm{KL}(\text{student}\,\|\,\text{teacher})$ at that token: positive where the
+# teacher likes the sampled token more than the student does, negative where the student is confidently wrong.
+# This notebook computes it with the script's `response_logps` and `distill_scores`, draws it over the response
+# text, and checks how much the 4-bit teacher the script loads by default differs from the full-precision one.
+
+# %%
+import dataclasses
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
+sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from transformers import AutoProcessor, GenerationConfig
+
+from gndpo_minimal import (Args, distill_scores, grade_answer, load_split, load_student, load_teacher, prepare_split,
+                           response_logps, rollout, row_images, step_seed, vision_token_ids)
+
+torch.set_num_threads(2)
+args = Args()
+device, dtype = torch.device("cpu"), torch.float32
+processor = AutoProcessor.from_pretrained(args.student_model)
+tokenizer = processor.tokenizer
+student = load_student(args, dtype)
+teacher = load_teacher(args, dtype, device)  # args.teacher_4bit is True by default: nf4 weights
+print(f"teacher_4bit = {args.teacher_4bit}; teacher weights in memory: {teacher.get_memory_footprint() / 1e6:.2f} MB")
+
+# %% [markdown]
+# ## Sample from the student (as in notebook 2)
+
+# %%
+model_eos = student.generation_config.eos_token_id
+eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
+ignore_list = vision_token_ids(tokenizer)
+ignore_ids = torch.tensor(ignore_list, device=device)
+sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
+                                 repetition_penalty=1.0, max_new_tokens=args.max_new_tokens,
+                                 suppress_tokens=ignore_list, eos_token_id=eos_ids,
+                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)
+
+train_ds = load_split(args, args.train_split, n_embedded=16)
+train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
+G = args.num_generations
+rows = [train_ds[i] for i in keep[:4]]
+prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
+references = [r[args.answer_column] for r in rows for _ in range(G)]
+torch.manual_seed(step_seed(args.seed, 0, 0))
+chunk = rollout(student, processor, prompts, sample_config, args, eos_ids)
+mask = chunk["response_mask"]
+print(f"{len(prompts)} responses of up to {mask.shape[1]} tokens, {int(mask.sum())} valid tokens")
+
+# %% [markdown]
+# ## Score every sampled token with the teacher
+#
+# `response_logps` runs one forward pass of prompt + response and keeps only the response positions' logits.
+# The student's side needs no forward pass: `rollout()` already recorded `sampled_logps` while sampling.
+
+# %%
+with torch.no_grad():
+    teacher_logps = response_logps(teacher, chunk, ignore_ids)  # (n, R)
+student_logps = chunk["sampled_logps"]  # (n, R)
+scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)  # (n, R), 0 off the mask
+
+texts = tokenizer.batch_decode(chunk["response_ids"], skip_special_tokens=True)
+valid = mask.bool()
+per_response = pd.DataFrame({
+    "question": [q for q, _ in prompts],
+    "reference": references,
+    "response": texts,
+    "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
+    "log p student": (student_logps * mask).sum(1).round(decimals=2).tolist(),
+    "log p teacher": (teacher_logps * mask).sum(1).round(decimals=2).tolist(),
+    "mean score": ((scores * mask).sum(1) / mask.sum(1)).round(decimals=2).tolist(),
+})
+per_response
+
+# %% [markdown]
+# ## The scores over the response text
+#
+# Each cell is a sampled token. Top: how likely the student found it; middle: how likely the teacher finds it;
+# bottom: the clamped score. Red tokens are those the student likes far more than the teacher (where the student is
+# wrong); they pull the update hardest. Tokens both models agree on (the answer format) score near 0.
+
+# %%
+def token_label(token_id):
+    """A token as readable text: the decoded string, or its vocabulary entry when that is not printable."""
+    if token_id in eos_ids:
+        return "<end>"
+    text = tokenizer.decode([token_id])
+    return text if text.isprintable() and text.strip() else tokenizer.convert_ids_to_tokens(token_id)
+
+
+def token_grid(ax, ids, mask, values, title, cmap, vmin, vmax, label):
+    """Heatmap of per-token values, each cell labelled with its token; masked cells grey."""
+    shown = np.ma.masked_where(mask.numpy() == 0, values.numpy())
+    colormap = plt.get_cmap(cmap).copy()
+    colormap.set_bad("#e6e6e6")
+    im = ax.imshow(shown, cmap=colormap, vmin=vmin, vmax=vmax, aspect="auto")
+    for (i, t), token_id in np.ndenumerate(ids.numpy()):
+        if mask[i, t]:
+            r, g, b, _ = im.cmap(im.norm(shown[i, t]))
+            ax.text(t, i, token_label(int(token_id)), ha="center", va="center", fontsize=8,
+                    color="black" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "white")
+    ax.set_xlabel("response position")
+    ax.set_ylabel("sample (prompt x G)")
+    ax.set_title(title)
+    plt.colorbar(im, ax=ax, label=label)
+
+
+show = slice(0, 2 * G)  # the first two prompts' samples
+ids, m = chunk["response_ids"][show], mask[show]
+fig, axes = plt.subplots(3, 1, figsize=(11, 13))
+token_grid(axes[0], ids, m, student_logps[show], "Student: log p of each sampled token", "viridis", -6, 0, "log p")
+token_grid(axes[1], ids, m, teacher_logps[show], "Teacher (4-bit): log p of the same tokens", "viridis", -6, 0, "log p")
+token_grid(axes[2], ids, m, scores[show], f"Score = clamp(teacher - student, -{args.score_clip:g}, {args.score_clip:g})",
+           "RdBu", -args.score_clip, args.score_clip, "score")
+fig.tight_layout()
+plt.show()
+
+# %%
+flat = scores[valid]
+print(f"valid tokens: {flat.numel()}  mean score {flat.mean():.3f} (= minus the sampled reverse KL)  "
+      f"std {flat.std():.3f}  min {flat.min():.2f}  max {flat.max():.2f}")
+raw = (teacher_logps - student_logps)[valid]
+print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((raw.abs() >= args.score_clip).sum())}")
+
+# %% [markdown]
+# ## The 4-bit teacher against its full-precision self
+#
+# By default the script loads the teacher in 4-bit nf4 (bitsandbytes; every linear layer but `lm_head`, the vision
+# tower's too), the usual way to fit a large teacher next to the student. Quantization perturbs every weight a
+# little: does it change the scores? Load the same checkpoint at full precision and score the same tokens.
+
+# %%
+teacher_full = load_teacher(dataclasses.replace(args, teacher_4bit=False), dtype, device)
+print(f"full-precision teacher weights: {teacher_full.get_memory_footprint() / 1e6:.2f} MB "
+      f"(4-bit: {teacher.get_memory_footprint() / 1e6:.2f} MB; the embeddings and lm_head stay full precision)")
+with torch.no_grad():
+    teacher_full_logps = response_logps(teacher_full, chunk, ignore_ids)
+scores_full = distill_scores(teacher_full_logps, student_logps, mask, args.score_clip)
+
+diff = (teacher_logps - teacher_full_logps)[valid].abs()
+print(f"|log p 4-bit - log p full| over {diff.numel()} tokens: mean {diff.mean():.4f}, "
+      f"median {diff.median():.4f}, max {diff.max():.4f} nats")
+print(f"score std: 4-bit {scores[valid].std():.4f}, full {scores_full[valid].std():.4f}; "
+      f"same sign of score on {(scores[valid].sign() == scores_full[valid].sign()).float().mean():.1%} of tokens")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+x, y = teacher_full_logps[valid].numpy(), teacher_logps[valid].numpy()
+axes[0].scatter(x, y, s=12, alpha=0.6)
+lo = min(x.min(), y.min())
+axes[0].plot([lo, 0], [lo, 0], color="grey", lw=1, ls="--", label="y = x")
+axes[0].set_xlabel("teacher log p, full precision")
+axes[0].set_ylabel("teacher log p, 4-bit nf4")
+axes[0].set_title("Per-token teacher log-probs: 4-bit vs full precision")
+axes[0].legend()
+axes[1].hist(diff.numpy(), bins=30, color="#4c72b0")
+axes[1].set_xlabel("|log p 4-bit - log p full| (nats)")
+axes[1].set_ylabel("tokens")
+axes[1].set_title("How far quantization moves each token's log-prob")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **What just happened and why it matters.** The teacher scored every token the student sampled, and the clamped
+# difference of log-probs is a dense, per-token signal: it says *which* tokens to push up or down, not only
+# whether the whole answer was right. The 4-bit teacher's log-probs stay close to full precision, small
+# next to the spread of the scores themselves. These raw scores, though, have no fixed scale: it depends on how
+# far apart the two models are, and a few tokens sit far out at the clamp. The next notebook shows what GNDPO's
+# global normalization does about that.
