@@ -144,11 +144,11 @@ def check_args(args: Args, num_processes: int) -> int:
 
 
 def _rows_logps(rows: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None) -> torch.Tensor:
-    """(N, V) logits of any float dtype, (N,) ids -> (N,) float32 log-probs."""
-    rows = rows.float()  # a float32 copy of N rows only
+    """(..., V) logits of any float dtype, (...) ids -> (...) float32 log-probs."""
+    rows = rows.float()  # a float32 copy of this chunk only
     if ignore_ids is not None:
-        rows = rows.index_fill(1, ignore_ids, float("-inf"))
-    return rows.gather(1, ids[:, None]).squeeze(1) - rows.logsumexp(-1)
+        rows = rows.index_fill(-1, ignore_ids, float("-inf"))
+    return rows.gather(-1, ids[..., None]).squeeze(-1) - rows.logsumexp(-1)
 
 
 def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
@@ -157,22 +157,23 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch
 
     logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
     logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
-    Works through `chunk_elements // V` rows at a time, so it never holds a float32 copy of the
-    whole (B, T, V) tensor; under autograd each chunk is recomputed in backward instead of saved.
+    Works through chunks of at most `chunk_elements` logits (whole rows when they fit, else pieces of a
+    row), so it never holds a float32 copy of the whole (B, T, V) tensor; under autograd each chunk is
+    recomputed in backward instead of saved. Chunks come from split(), whose backward is one cat:
+    indexing instead would build a full-size gradient per chunk.
     """
     B, T, V = logits.shape
-    rows_per_chunk = max(1, chunk_elements // V)
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    pieces = []
-    for b in range(B):  # logits[b] is a view; slicing it copies nothing
-        for t in range(0, T, rows_per_chunk):
-            rows, ids = logits[b, t:t + rows_per_chunk], token_ids[b, t:t + rows_per_chunk]
-            if grad:
-                pieces.append(checkpoint(_rows_logps, rows, ids, ignore_ids, use_reentrant=False))
-            else:
-                out[b, t:t + rows_per_chunk] = _rows_logps(rows, ids, ignore_ids)
-    return torch.cat(pieces).view(B, T) if grad else out
+    if T * V <= chunk_elements:  # several whole rows per chunk
+        n = max(1, chunk_elements // (T * V))
+        pieces = list(zip(logits.split(n, 0), token_ids.split(n, 0)))  # [(b, T, V), (b, T)]
+    else:  # long rows: pieces of one row at a time
+        n = max(1, chunk_elements // V)
+        pieces = [p for lg, ids in zip(logits.unbind(0), token_ids.unbind(0)) for p in zip(lg.split(n, 0), ids.split(n, 0))]
+    if torch.is_grad_enabled() and logits.requires_grad:
+        out = [checkpoint(_rows_logps, lg, ids, ignore_ids, use_reentrant=False) for lg, ids in pieces]
+    else:
+        out = [_rows_logps(lg, ids, ignore_ids) for lg, ids in pieces]
+    return torch.cat([o.reshape(-1) for o in out]).view(B, T)
 
 
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
@@ -922,7 +923,7 @@ def main(args: Args) -> dict:
 
     # --- data ---
     split_log = log if accelerator.is_main_process else None  # None also hides the progress bar elsewhere
-    train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split, 2000), args, processor,
+    train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split, args.max_train_samples or 2000), args, processor,
                                                         args.train_split, args.max_train_samples, split_log)
     eval_rows = []
     if args.num_eval_samples:

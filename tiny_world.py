@@ -340,7 +340,7 @@ def reloaded_accuracy(path: str, processor, eval_rows: list[dict]) -> float:
 
 
 def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_steps: int = 800, vision_steps: int = 300,
-                teacher_polish_steps: int = 600) -> dict:
+                teacher_polish_steps: int = 300) -> dict:
     """Builds tokenizer, processor, teacher and student under `out` and returns a report of accuracies."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
@@ -376,6 +376,6 @@ if __name__ == "__main__":
     parser.add_argument("--teacher_steps", type=int, default=1500)
     parser.add_argument("--student_steps", type=int, default=800)
     parser.add_argument("--vision_steps", type=int, default=300)
-    parser.add_argument("--teacher_polish_steps", type=int, default=600)
+    parser.add_argument("--teacher_polish_steps", type=int, default=300)
     a = parser.parse_args()
     print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps, a.teacher_polish_steps), indent=2))

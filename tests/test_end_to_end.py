@@ -180,15 +180,6 @@ def test_student_lora_on_language_model_only(args):
     assert trainable and all("lora_" in n for n in trainable)
 
 
-def sample_config(tokenizer, ignore_ids, eos_ids, max_new_tokens, temperature):
-    """The sampling settings main() uses: full distribution, vision tokens suppressed."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None,
-                            repetition_penalty=1.0, max_new_tokens=max_new_tokens, suppress_tokens=ignore_ids,
-                            eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logps_match_full_forward(args, temperature):
     from transformers import AutoProcessor
@@ -198,7 +189,9 @@ def test_rollout_logps_match_full_forward(args, temperature):
     tokenizer = processor.tokenizer
     student = g.load_student(args, torch.float32)
     student.train()  # as in main(): rollouts come from the training-mode policy
-    ignore_list, eos_ids = g.vision_token_ids(tokenizer), [tokenizer.eos_token_id]
+    config, _ = g.generation_configs(tokenizer, student, args)  # the sampling settings main() uses
+    ignore_list, eos_ids = g.vision_token_ids(tokenizer), config.eos_token_id
+    assert config.suppress_tokens == ignore_list and config.top_k == 0 and config.temperature == temperature
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") in ignore_list
     ignore_ids = torch.tensor(ignore_list)
     # Tilt the random model so that the checks bite: vision tokens would take most of the mass if they
@@ -210,7 +203,6 @@ def test_rollout_logps_match_full_forward(args, temperature):
 
     rows = tiny_world.make_rows(4, seed=3)
     prompts = [(r["question"], [r["image"]]) for r in rows for _ in range(2)]
-    config = sample_config(tokenizer, ignore_list, eos_ids, args.max_new_tokens, temperature)
     torch.manual_seed(0)
     chunk = g.rollout(student, processor, prompts, config, args, eos_ids)
     ids, mask, sampled = chunk["response_ids"], chunk["response_mask"], chunk["sampled_logps"]

@@ -252,27 +252,26 @@ LOGITS_PEAK_SCRIPT = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 from gndpo_minimal import token_logps
-torch.manual_seed(0)
-B, T, V = 4, 1501, 25000
+B, T, V = 2, 801, 25000
 ids = torch.randint(0, V, (B, T - 1))
-x = torch.randn(B, T, V).bfloat16()
 bias = torch.zeros((), dtype=torch.bfloat16, requires_grad=True)
-logits = x + bias  # like lm_head's output: bf16, (B, T, V), in the graph
+logits = torch.zeros(B, T, V, dtype=torch.bfloat16) + bias  # like lm_head's output: bf16, (B, T, V), in the graph
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-token_logps(logits[:, :-1], ids).sum().backward()
+token_logps(logits[:, :-1], ids, chunk_elements={chunk}).sum().backward()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(after - before, logits.numel() * 2)
 """
 
 
 def test_logits_gradient_memory_stays_within_the_update_bound():
-    """token_logps' backward on bf16 logits: the peak above the logits is within the estimate's allowance."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", LOGITS_PEAK_SCRIPT.format(root=ROOT)], capture_output=True,
-                         text=True, timeout=300, env=env)
+    """token_logps' backward on bf16 logits (80 MB; chunks 16x smaller than the default, so that the logits'
+    gradients dominate): the peak above the logits is within the allowance of the estimate's update phase."""
+    chunk = CHUNK_ELEMENTS // 16
+    out = subprocess.run([sys.executable, "-c", LOGITS_PEAK_SCRIPT.format(root=ROOT, chunk=chunk)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     above, logits = map(int, out.stdout.split())
-    assert above <= LOGIT_GRAD_COPIES * logits + CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
+    assert logits <= above <= LOGIT_GRAD_COPIES * logits + CHUNK_COPIES_BACKWARD * chunk * 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +292,8 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(untrained_models):
                 p.data = torch.randn(p.shape, generator=gen) * 0.1
         student.train()
         layer = next(m for m in student.modules() if type(m).__name__.endswith("DecoderLayer"))
-        calls = []
-        layer.register_forward_hook(lambda *_: calls.append(1))
+        calls = []  # the layer's MLP: checkpointing replays the layer's forward, hooks of the layer itself excluded
+        layer.mlp.register_forward_hook(lambda *_: calls.append(1))
         logps = g.response_logps(student, chunk, ignore_ids)
         loss, _ = g.policy_loss(logps, logps.detach(), advantages, mask)
         loss.backward()

@@ -52,16 +52,22 @@ settings = dict(
     eval_steps=5,            # ... measured every 5 steps
     save_steps=0,            # only the final checkpoint
 )
-print({k: getattr(Args(), k) for k in ("student_model", "teacher_model", "teacher_4bit", "learning_rate",
-                                       "max_grad_norm", "loss_type")} | settings)
+defaults = Args()  # everything not in `settings` keeps the script's default
+print(f"student {os.path.relpath(defaults.student_model)}, teacher {os.path.relpath(defaults.teacher_model)} "
+      f"(4-bit: {defaults.teacher_4bit}), LoRA r={defaults.lora_r}, learning rate {defaults.learning_rate:g}, "
+      f"max_grad_norm {defaults.max_grad_norm:g}, loss {defaults.loss_type}")
 
 
 def train(mode):
     """Runs gndpo_minimal.main() with the given advantage mode; returns (summary, per-step metrics)."""
     out = os.path.join("runs", "tutorial", mode)  # runs/ is git-ignored
-    log = io.StringIO()  # main() prints one long line per step: keep them out of the notebook
-    with contextlib.redirect_stdout(log):
-        summary = main(Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings))
+    log, progress = io.StringIO(), io.StringIO()  # main() prints one long line per step: keep them out of the page
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
+            summary = main(Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings))
+    except Exception:
+        print(log.getvalue()[-4000:], progress.getvalue()[-4000:], sep="\n")
+        raise
     root = os.path.dirname(os.getcwd()) + os.sep
     print("\n".join(line.replace(root, "") for line in log.getvalue().splitlines() if not line.startswith("step=")))
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -109,7 +115,7 @@ for label, (summary, metrics, color) in runs.items():
     axes[2].plot(*accuracy_curve(summary, metrics), "o-", color=color, label=label)
 axes[0].set_title("Reverse KL(student || teacher) on the sampled tokens")
 axes[0].set_ylabel("reverse KL (nats per token)")
-axes[1].axhline(Args().max_grad_norm, color="black", ls="--", lw=1, label="clipped to this")
+axes[1].axhline(defaults.max_grad_norm, color="black", ls="--", lw=1, label="clipped to this")
 axes[1].set_yscale("log")
 axes[1].set_title("Gradient norm before clipping")
 axes[1].set_ylabel("pre-clip gradient norm")
@@ -133,8 +139,7 @@ pd.DataFrame({
         "reverse KL, last 5 steps": metrics["reverse_kl"].tail(5).mean(),
         "grad norm median": metrics["grad_norm"].median(),
         "grad norm max / median": metrics["grad_norm"].max() / metrics["grad_norm"].median(),
-        "steps clipped (grad norm > max_grad_norm)": int((metrics["grad_norm"] > Args().max_grad_norm).sum()),
-        "wall seconds": summary["wall_seconds"],
+        "steps clipped (grad norm > max_grad_norm)": int((metrics["grad_norm"] > defaults.max_grad_norm).sum()),
     } for label, (summary, metrics, _) in runs.items()
 }).round(3)
 

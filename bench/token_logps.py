@@ -1,0 +1,142 @@
+"""`token_logps` (chunked, float32 a few rows at a time) against the naive
+`torch.log_softmax(logits.float(), -1).gather(...)`, on bf16 logits of a real vocabulary (151,936 rows,
+Qwen2.5): peak extra memory and time, without autograd (scoring) and with a backward (training).
+
+    python bench/token_logps.py             # 4 x 1024 response tokens (1.2 GB of bf16 logits); backward at 4 x 256
+    python bench/token_logps.py --quick     # 2 x 64 tokens: a few seconds
+    python bench/token_logps.py --batch 2 --tokens 512 --grad_tokens 512
+
+Peak extra memory: each (side, mode) runs in a fresh Python process that allocates the logits, then resets
+the process's RSS high-water mark (Linux /proc/self/clear_refs) and runs the op once: extra = peak RSS
+- RSS before the op. (torch's CPU allocations are invisible to tracemalloc; RSS sees them.) With
+autograd, logits.grad (bf16, as large as the logits) is part of both sides' extra memory.
+Time: median of --repeats runs in this process, the two sides interleaved (A, B, A, B, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table  # noqa: E402
+
+import torch  # noqa: E402
+
+from gndpo_minimal import token_logps  # noqa: E402
+
+VOCAB = 151_936  # Qwen2 / Qwen2.5 (-VL) embedding rows
+SIDES = ("naive", "token_logps")
+MODES = ("no autograd", "with backward")
+
+
+def naive_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The usual one-liner: a float32 copy of all (B, T, V) logits and a (B, T, V) log-softmax output."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, token_ids[..., None]).squeeze(-1)
+
+
+SIDE_FN = {"naive": naive_logps, "token_logps": token_logps}
+
+
+def make_inputs(batch: int, tokens: int, vocab: int, grad: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, V) bf16 logits with a realistic spread (std 3) and (B, T) token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.empty(batch, tokens, vocab, dtype=torch.bfloat16).normal_(0.0, 3.0, generator=gen)
+    ids = torch.randint(0, vocab, (batch, tokens), generator=gen)
+    return logits.requires_grad_(grad), ids
+
+
+def run_once(side: str, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs (B, T); with a backward of their sum when the logits require grad."""
+    if logits.requires_grad:
+        logits.grad = None
+        out = SIDE_FN[side](logits, ids)
+        out.sum().backward()
+        return out.detach()
+    with torch.no_grad():
+        return SIDE_FN[side](logits, ids)
+
+
+def worker(side: str, mode: str, batch: int, tokens: int, vocab: int) -> dict:
+    """In a fresh process: the extra resident memory one call needs on top of its inputs."""
+    logits, ids = make_inputs(batch, tokens, vocab, grad=mode == "with backward")
+    before = rss_bytes()
+    reset_peak_rss()
+    run_once(side, logits, ids)
+    return {"side": side, "mode": mode, "extra_bytes": peak_rss_bytes() - before, "input_bytes": logits.nbytes}
+
+
+def peak_extra_memory(side: str, mode: str, batch: int, tokens: int, vocab: int) -> int:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--mode", mode, "--batch", str(batch),
+           "--tokens", str(tokens), "--vocab", str(vocab)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
+
+
+def run(quick: bool = False, batch: int | None = None, tokens: int | None = None, grad_tokens: int | None = None,
+        vocab: int = VOCAB, repeats: int | None = None, verbose: bool = True) -> dict:
+    """Returns {mode: {"shape", "naive": {"extra_bytes", "seconds"}, "token_logps": {...}, "max_abs_diff"}}."""
+    batch = batch or (2 if quick else 4)
+    shapes = {"no autograd": (batch, tokens or (64 if quick else 1024), vocab),
+              "with backward": (batch, grad_tokens or (64 if quick else 256), vocab)}
+    repeats = repeats or (2 if quick else 3)
+    out = {"threads": torch.get_num_threads()}
+    for mode in MODES:
+        grad = mode == "with backward"
+        logits, ids = make_inputs(*shapes[mode], grad)
+        seconds = {side: [] for side in SIDES}
+        results, grads = {}, {}
+        for _ in range(repeats):
+            for side in SIDES:  # interleaved: naive, chunked, naive, chunked, ...
+                t0 = time.perf_counter()
+                results[side] = run_once(side, logits, ids)
+                seconds[side].append(time.perf_counter() - t0)
+                if grad:
+                    grads[side] = logits.grad
+        del logits
+        out[mode] = {side: {"seconds": median(seconds[side]), "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])}
+                     for side in SIDES}
+        out[mode]["shape"] = shapes[mode]
+        out[mode]["max_abs_diff"] = (results["naive"] - results["token_logps"]).abs().max().item()
+        if grad:
+            out[mode]["max_abs_grad_diff"] = (grads["naive"].float() - grads["token_logps"].float()).abs().max().item()
+    if verbose:
+        print(f"log-probs of the given tokens from bf16 logits (vocabulary {vocab}), {out['threads']} thread(s); "
+              f"time = median of {repeats} runs, sides interleaved")
+        rows = []
+        for mode in MODES:
+            r = out[mode]
+            naive, chunked = r["naive"], r["token_logps"]
+            B, T, V = r["shape"]
+            rows.append([mode, f"{B} x {T}", f"{mib(B * T * V * 2):.0f}", f"{mib(naive['extra_bytes']):.0f}", f"{mib(chunked['extra_bytes']):.0f}",
+                         f"{naive['extra_bytes'] / max(chunked['extra_bytes'], 1):.1f}x less",
+                         naive["seconds"], chunked["seconds"], f"{chunked['seconds'] / naive['seconds']:.2f}",
+                         f"{r['max_abs_diff']:.1e}"])
+        print(table(["mode", "tokens", "logits MiB", "naive peak extra MiB", "token_logps peak extra MiB", "memory", "naive s",
+                     "token_logps s", "time ratio (token_logps / naive)", "max abs diff"], rows))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 x 64 tokens, 2 repeats: a few seconds.")
+    p.add_argument("--batch", type=int, help="Sequences (default 4; 2 with --quick).")
+    p.add_argument("--tokens", type=int, help="Response tokens per sequence without autograd (default 1024; 64 with --quick).")
+    p.add_argument("--grad_tokens", type=int, help="Response tokens per sequence with backward (default 256; 64 with --quick).")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="Vocabulary size (default 151936).")
+    p.add_argument("--repeats", type=int, help="Timed runs per side (default 3; 2 with --quick).")
+    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.mode, a.batch, a.tokens, a.vocab)))
+        return None
+    return run(a.quick, a.batch, a.tokens, a.grad_tokens, a.vocab, a.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Seconds per step and peak memory of gndpo_minimal.main() against TRL's DistillationTrainer, on the same
+tiny Qwen2.5-VL student and teacher, the same image questions, batch, G and response length.
+
+    pip install -r bench/requirements-trl.txt     # TRL for this benchmark only
+    python bench/vs_trl.py                        # B = 8 prompts x G = 4, 8 new tokens, 2 + 4 steps, 2 rounds
+    python bench/vs_trl.py --quick                # a few seconds of steps: B = 2 x G = 2, 1 + 1 steps, 1 round
+
+TRL's closest trainer is `trl.DistillationTrainer` (on-policy distillation, Agarwal et al. 2024; it takes a
+processor and images, so the vision-language path is compared as is). One step on each side:
+
+| | gndpo_minimal.main() | TRL DistillationTrainer (beta = 1, reverse KL) |
+| --- | --- | --- |
+| rollout | B x G samples with generate(); the sampled tokens' log-probs are recorded while sampling | B x G samples with generate() (each prompt repeated G times in the data) |
+| prompts | tokenized and image-processed once | tokenized and image-processed twice (for generate, then for the forwards) |
+| teacher | one forward, no grad, LM head on the response positions only | one backbone forward, no grad |
+| student | one forward + backward, LM head on the response positions only | one backbone forward + backward |
+| loss | sampled-token scores, GNDPO whitening, GSPO clipped policy gradient | full-vocabulary reverse KL(student, teacher) per response position, chunked: both LM heads projected over the whole vocabulary in the forward and again in the backward |
+| update | AdamW on the LoRA adapter, grad-norm clip 1 | the same |
+
+Both use the same LoRA adapter (built by gndpo_minimal.load_student), float32 weights, no gradient
+checkpointing, constant learning rate, no evaluation and no checkpoint inside the measured steps, one
+metrics line per step. Each side runs in a fresh Python process; the sides alternate (ours, TRL, ours,
+TRL, ...). Seconds per step: time between consecutive step ends after the warm-up steps, median over all
+measured steps of all rounds. Peak RSS: the process's resident-memory high-water mark over the measured
+steps (reset after warm-up), median over rounds; at these sizes it is mostly the Python libraries, so the
+memory that the libraries and models hold before training is shown too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table, tiny_models  # noqa: E402
+
+SIDES = ("ours", "trl")
+LABELS = {"ours": "gndpo_minimal.main()", "trl": "TRL DistillationTrainer"}
+RESULT_TAG = "BENCH_RESULT "
+
+
+class StepClock:
+    """Step-end timestamps; resets the RSS high-water mark after the warm-up steps and reads it after the last."""
+
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.total, self.marks, self.tokens = warmup, warmup + steps, [], []
+        self.rss_at_start = self.peak_rss = 0
+
+    def step_end(self, response_tokens: float) -> None:
+        self.marks.append(time.perf_counter())
+        if len(self.marks) > self.warmup:
+            self.tokens.append(response_tokens)
+        if len(self.marks) == self.warmup:
+            self.rss_at_start = rss_bytes()
+            reset_peak_rss()
+        if len(self.marks) == self.total:
+            self.peak_rss = peak_rss_bytes()
+
+    def result(self, side: str, libraries_rss: int, loaded_rss: int) -> dict:
+        if len(self.marks) < self.total:
+            raise RuntimeError(f"{side}: saw {len(self.marks)} step ends, expected {self.total}")
+        seconds = [b - a for a, b in zip(self.marks[self.warmup - 1:], self.marks[self.warmup:])]
+        return {"side": side, "step_seconds": seconds, "peak_rss": self.peak_rss, "rss_at_start": self.rss_at_start,
+                "libraries_rss": libraries_rss, "loaded_rss": loaded_rss,
+                "response_tokens_per_step": sum(self.tokens) / len(self.tokens)}
+
+
+def gndpo_args(cfg: dict):
+    import gndpo_minimal as g
+
+    return g.Args(student_model=cfg["student"], teacher_model=cfg["teacher"], teacher_4bit=cfg["teacher_4bit"],
+                  dataset_name=cfg["dataset"], num_eval_samples=0, prompts_per_step=cfg["prompts"],
+                  num_generations=cfg["G"], max_new_tokens=cfg["max_new_tokens"],
+                  micro_batch_size=cfg["prompts"] * cfg["G"], max_steps=cfg["warmup"] + cfg["steps"], save_steps=0,
+                  output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"])
+
+
+def ours_worker(cfg: dict) -> dict:
+    """gndpo_minimal.main() as is; step ends are taken from its one accelerator.log() call per step."""
+    import accelerate
+    import peft  # noqa: F401  (imported by main(): counted with the libraries)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import gndpo_minimal as g
+
+    libraries_rss = rss_bytes()
+    clock = StepClock(cfg["warmup"], cfg["steps"])
+    original_log = accelerate.Accelerator.log
+
+    def log(self, values, *a, **k):
+        clock.step_end(values["response_length"] * cfg["prompts"] * cfg["G"])
+        return original_log(self, values, *a, **k)
+
+    accelerate.Accelerator.log = log
+    g.main(gndpo_args(cfg))
+    return clock.result("ours", libraries_rss, 0)
+
+
+def trl_worker(cfg: dict) -> dict:
+    """trl.DistillationTrainer.train() on the same student (LoRA), teacher, rows and lengths."""
+    import datasets
+    import torch
+    from transformers import AutoProcessor, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    import gndpo_minimal as g
+
+    libraries_rss = rss_bytes()
+    args = gndpo_args(cfg)
+    rows = datasets.load_from_disk(cfg["dataset"])
+    G = cfg["G"]
+    # each prompt G times in a row, no shuffling: every step holds B prompts x G samples, as ours does
+    data = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}],
+             "image": r["image"]} for r in rows for _ in range(G)]
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    student = g.load_student(args, torch.float32)  # the same LoRA adapter as main() trains
+    teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
+    clock = StepClock(cfg["warmup"], cfg["steps"])
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, train_args, state, control, **kwargs):
+            lengths = trainer._metrics["train"]["completions/mean_length"]
+            clock.step_end(lengths[-1] * cfg["prompts"] * G)
+
+    config = DistillationConfig(
+        output_dir=cfg["output_dir"], per_device_train_batch_size=cfg["prompts"] * G, gradient_accumulation_steps=1,
+        max_steps=cfg["warmup"] + cfg["steps"], max_completion_length=args.max_new_tokens, beta=1.0,
+        temperature=args.temperature, top_k=0, top_p=1.0, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, bf16=False, gradient_checkpointing=False,
+        shuffle_dataset=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
+        generation_kwargs={"suppress_tokens": g.vision_token_ids(processor.tokenizer)})  # the ids ours suppresses
+    loaded_rss = rss_bytes()
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config,
+                                  train_dataset=datasets.Dataset.from_list(data), processing_class=processor,
+                                  callbacks=[Clock()])
+    trainer.train()
+    return clock.result("trl", libraries_rss, loaded_rss)
+
+
+def run_worker(side: str, cfg: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--config", json.dumps(cfg)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if done.returncode or not lines:
+        raise RuntimeError(f"the {side} worker failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
+        max_new_tokens: int | None = None, warmup: int | None = None, steps: int | None = None,
+        rounds: int | None = None, teacher_4bit: bool = False, student: str | None = None, teacher: str | None = None,
+        verbose: bool = True) -> dict:
+    """Alternates fresh ours / TRL processes `rounds` times; returns each side's medians and ours / TRL ratios."""
+    import tiny_world
+
+    student_dir, teacher_dir, which = tiny_models(student, teacher)
+    cfg = {"student": student_dir, "teacher": teacher_dir, "teacher_4bit": teacher_4bit,
+           "prompts": prompts or (2 if quick else 8), "G": generations or (2 if quick else 4),
+           "max_new_tokens": max_new_tokens or (4 if quick else 8), "warmup": warmup or (1 if quick else 2),
+           "steps": steps or (1 if quick else 4), "seed": 0}
+    rounds = rounds or (1 if quick else 2)
+    per_side = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory(prefix="gndpo-vs-trl-") as tmp:
+        cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for both sides
+        tiny_world.make_dataset(cfg["prompts"] * (cfg["warmup"] + cfg["steps"]), seed=1).save_to_disk(cfg["dataset"])
+        for r in range(rounds):
+            for side in SIDES:
+                cfg["output_dir"] = os.path.join(tmp, f"{side}-{r}")
+                per_side[side].append(run_worker(side, cfg))
+    out = {"config": cfg, "rounds": rounds, "models": which, "runs": per_side}
+    for side in SIDES:
+        runs = per_side[side]
+        out[side] = {"seconds_per_step": median([s for run in runs for s in run["step_seconds"]]),
+                     "round_medians": [median(run["step_seconds"]) for run in runs],
+                     "peak_rss": median([run["peak_rss"] for run in runs]),
+                     "libraries_rss": median([run["libraries_rss"] for run in runs]),
+                     "response_tokens_per_step": median([run["response_tokens_per_step"] for run in runs])}
+    out["time_ratio"] = out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"]
+    out["peak_rss_ratio"] = out["ours"]["peak_rss"] / out["trl"]["peak_rss"]
+    if verbose:
+        print(f"{which}; B={cfg['prompts']} x G={cfg['G']}, max_new_tokens={cfg['max_new_tokens']}, teacher "
+              f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
+              f"{rounds} round(s), sides alternating in fresh processes; threads: OMP_NUM_THREADS="
+              f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
+        rows = [[LABELS[side], out[side]["seconds_per_step"], ", ".join(f"{x:.3g}" for x in out[side]["round_medians"]),
+                 f"{mib(out[side]['peak_rss']):.0f}", f"{mib(out[side]['libraries_rss']):.0f}",
+                 f"{out[side]['response_tokens_per_step']:.0f}"] for side in SIDES]
+        rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
+        print(table(["side", "median s/step", "round medians", "peak RSS MiB (steps)", "RSS MiB after imports",
+                     "response tokens/step"], rows))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="B=2 x G=2, 4 new tokens, 1 + 1 steps, 1 round.")
+    p.add_argument("--prompts", type=int, help="B, prompts per step (default 8).")
+    p.add_argument("--generations", type=int, help="G, samples per prompt (default 4).")
+    p.add_argument("--max_new_tokens", type=int, help="Response length limit (default 8).")
+    p.add_argument("--warmup", type=int, help="Unmeasured steps per process (default 2, at least 1).")
+    p.add_argument("--steps", type=int, help="Measured steps per process (default 4).")
+    p.add_argument("--rounds", type=int, help="Times each side runs, alternating (default 2).")
+    p.add_argument("--teacher_4bit", action="store_true", help="Both sides with the 4-bit nf4 teacher (default fp32).")
+    p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
+    p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
+    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        result = (ours_worker if a.worker == "ours" else trl_worker)(json.loads(a.config))
+        print(RESULT_TAG + json.dumps(result), flush=True)
+        return None
+    return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.warmup, a.steps, a.rounds, a.teacher_4bit,
+               a.student_model, a.teacher_model)
+
+
+if __name__ == "__main__":
+    main()
