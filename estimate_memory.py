@@ -32,8 +32,8 @@ GPU_GIB = 23.6  # what an RTX 3090/4090 (24 GB) reports to torch; L4 and A10G (a
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces, allocator fragmentation: a rule of thumb
 CHUNK_ELEMENTS = 2**24  # token_logps' default chunk: float32 copies of this many logits at a time
 # token_logps holds float32 chunks: up to 3 at once in a forward (copy, exp, ...), up to 6 when its backward
-# recomputes one and builds its gradient; and the gradient of the logits arrives as full-size tensors that
-# are summed, up to 3 of them alive at once (measured on CPU: 1-3, plus ~320 MB of chunks).
+# recomputes one and builds its gradient. The gradient of the logits arrives as full-size tensors that are
+# summed: 2 of them alive at once (live tensor bytes, measured in the tests), 3 allowed for allocator slack.
 CHUNK_COPIES_FORWARD, CHUNK_COPIES_BACKWARD, LOGIT_GRAD_COPIES = 3, 6, 3
 NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes 4-bit block sizes (weights, then the absmax constants)
 

@@ -4,6 +4,7 @@ tiny Qwen2.5-VL student and teacher, the same image questions, batch, G and resp
     pip install -r bench/requirements-trl.txt     # TRL for this benchmark only
     python bench/vs_trl.py                        # B = 8 prompts x G = 4, 8 new tokens, 2 + 4 steps, 2 rounds
     python bench/vs_trl.py --quick                # a few seconds of steps: B = 2 x G = 2, 1 + 1 steps, 1 round
+    python bench/vs_trl.py --vocab 151936         # both models' vocabulary padded to Qwen2.5's
 
 TRL's closest trainer is `trl.DistillationTrainer` (on-policy distillation, Agarwal et al. 2024; it takes a
 processor and images, so the vision-language path is compared as is). One step on each side:
@@ -144,6 +145,19 @@ def trl_worker(cfg: dict) -> dict:
     return clock.result("trl", libraries_rss, loaded_rss)
 
 
+def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
+    """A copy of the model at `src` whose (tied) embedding table and LM head have `vocab` rows, the extra rows
+    randomly initialized: the tiny models' cost structure with a real model's vocabulary (the tokenizer is
+    unchanged; the extra ids are sampled and scored like any other, never decoded)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    model.save_pretrained(dst)
+    AutoProcessor.from_pretrained(src).save_pretrained(dst)
+
+
 def run_worker(side: str, cfg: dict) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--config", json.dumps(cfg)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -155,8 +169,8 @@ def run_worker(side: str, cfg: dict) -> dict:
 
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, warmup: int | None = None, steps: int | None = None,
-        rounds: int | None = None, teacher_4bit: bool = False, student: str | None = None, teacher: str | None = None,
-        verbose: bool = True) -> dict:
+        rounds: int | None = None, teacher_4bit: bool = False, vocab: int = 0, student: str | None = None,
+        teacher: str | None = None, verbose: bool = True) -> dict:
     """Alternates fresh ours / TRL processes `rounds` times; returns each side's medians and ours / TRL ratios."""
     import tiny_world
 
@@ -170,6 +184,11 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
     with tempfile.TemporaryDirectory(prefix="gndpo-vs-trl-") as tmp:
         cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for both sides
         tiny_world.make_dataset(cfg["prompts"] * (cfg["warmup"] + cfg["steps"]), seed=1).save_to_disk(cfg["dataset"])
+        if vocab:
+            for name in ("student", "teacher"):
+                pad_vocabulary(cfg[name], os.path.join(tmp, name), vocab)
+                cfg[name] = os.path.join(tmp, name)
+            which += f", vocabulary padded to {vocab}"
         for r in range(rounds):
             for side in SIDES:
                 cfg["output_dir"] = os.path.join(tmp, f"{side}-{r}")
@@ -208,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--steps", type=int, help="Measured steps per process (default 4).")
     p.add_argument("--rounds", type=int, help="Times each side runs, alternating (default 2).")
     p.add_argument("--teacher_4bit", action="store_true", help="Both sides with the 4-bit nf4 teacher (default fp32).")
+    p.add_argument("--vocab", type=int, default=0, help="Pad both models' vocabulary to this size (e.g. 151936, "
+                   "Qwen2.5's) to see the cost of the loss at a real vocabulary; 0 = keep the tiny one.")
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
     p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
@@ -218,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(RESULT_TAG + json.dumps(result), flush=True)
         return None
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.warmup, a.steps, a.rounds, a.teacher_4bit,
-               a.student_model, a.teacher_model)
+               a.vocab, a.student_model, a.teacher_model)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,11 @@ warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without
 sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
 
 import matplotlib.pyplot as plt
-import torch
 from matplotlib.colors import ListedColormap
 from transformers import AutoProcessor
 
 from gndpo_minimal import Args, build_messages, encode_prompts, load_split, prepare_split, row_images
 
-torch.set_num_threads(2)
 args = Args()  # the script's defaults: the embedded shapes task and the tiny models in assets/tiny
 processor = AutoProcessor.from_pretrained(args.student_model)
 print("student:", os.path.relpath(args.student_model), "| teacher:", os.path.relpath(args.teacher_model))

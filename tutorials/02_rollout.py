@@ -33,12 +33,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from transformers import AutoProcessor, GenerationConfig
+from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, grade_answer, load_split, load_student, prepare_split, response_logps, rollout,
-                           row_images, step_seed, vision_token_ids)
+from gndpo_minimal import (Args, generation_configs, grade_answer, load_split, load_student, prepare_split,
+                           response_logps, rollout, row_images, step_seed)
 
-torch.set_num_threads(2)
 args = Args()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
@@ -48,9 +47,10 @@ print(f"G = {args.num_generations}, temperature = {args.temperature}, max_new_to
 student.print_trainable_parameters()
 
 # %% [markdown]
-# ## The sampling configuration, as `main()` builds it
+# ## The sampling configuration
 #
-# Three details make the samples come from the policy that the loss assumes:
+# `generation_configs()` builds it, as `main()` does. Three details make the samples come from the policy that the
+# loss assumes:
 # * `top_k=0, top_p=1.0` and no repetition penalty: the **full** distribution (checkpoints often ship `top_k=50`,
 #   which would sample from a truncated one);
 # * `suppress_tokens`: image special tokens can never be sampled (one would crash the scoring forward);
@@ -58,28 +58,28 @@ student.print_trainable_parameters()
 # * the end tokens stop a response; padding after them is masked out.
 
 # %%
-model_eos = student.generation_config.eos_token_id  # an int, a list or None
-eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-ignore_list = vision_token_ids(tokenizer)
-ignore_ids = torch.tensor(ignore_list, device=device)
-sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
-                                 repetition_penalty=1.0, max_new_tokens=args.max_new_tokens,
-                                 suppress_tokens=ignore_list, eos_token_id=eos_ids,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)
+sample_config, greedy_config = generation_configs(tokenizer, student, args)  # greedy is for evaluation
+eos_ids = sample_config.eos_token_id  # a sorted list: the tokenizer's and the model's end tokens
+ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)  # scoring gives these -inf
+print({k: getattr(sample_config, k) for k in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+                                              "max_new_tokens")})
 print("end tokens:", tokenizer.convert_ids_to_tokens(eos_ids), "| pad:", tokenizer.pad_token)
-print("suppressed:", tokenizer.convert_ids_to_tokens(ignore_list))
+print("suppressed:", tokenizer.convert_ids_to_tokens(sample_config.suppress_tokens))
 
 # %% [markdown]
 # ## Sampling G responses per prompt
 #
-# Three training prompts, each repeated G times. In `main()` the random seed of each step is
-# `step_seed(seed, step, process)`, so a resumed run samples exactly what the interrupted one would have.
+# Three training prompts (one per question of the task), each repeated G times. In `main()` the random seed of
+# each step is `step_seed(seed, step, process)`, so a resumed run samples exactly what the interrupted one would have.
 
 # %%
 train_ds = load_split(args, args.train_split, n_embedded=16)
 train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
 G = args.num_generations
-rows = [train_ds[i] for i in keep[4:7]]
+first_of_question = {}  # one prompt per question of the task
+for i in keep:
+    first_of_question.setdefault(train_ds[i][args.question_column], i)
+rows = [train_ds[i] for i in first_of_question.values()]
 prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
 references = [r[args.answer_column] for r in rows for _ in range(G)]
 
@@ -133,7 +133,7 @@ def token_grid(ax, ids, mask, values, title, cmap, vmin, vmax, label):
     ax.set_xlabel("response position")
     ax.set_ylabel("sample (prompt x G)")
     ax.set_title(title)
-    plt.colorbar(im, ax=ax, label=label)
+    plt.colorbar(im, ax=ax, label=label, extend="both")  # colors saturate beyond [vmin, vmax]
 
 
 fig, ax = plt.subplots(figsize=(11, 5))

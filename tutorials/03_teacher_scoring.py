@@ -39,12 +39,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from transformers import AutoProcessor, GenerationConfig
+from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, distill_scores, grade_answer, load_split, load_student, load_teacher, prepare_split,
-                           response_logps, rollout, row_images, step_seed, vision_token_ids)
+from gndpo_minimal import (Args, distill_scores, generation_configs, grade_answer, load_split, load_student,
+                           load_teacher, prepare_split, response_logps, rollout, row_images, step_seed)
 
-torch.set_num_threads(2)
 args = Args()
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
@@ -57,19 +56,17 @@ print(f"teacher_4bit = {args.teacher_4bit}; teacher weights in memory: {teacher.
 # ## Sample from the student (as in notebook 2)
 
 # %%
-model_eos = student.generation_config.eos_token_id
-eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-ignore_list = vision_token_ids(tokenizer)
-ignore_ids = torch.tensor(ignore_list, device=device)
-sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
-                                 repetition_penalty=1.0, max_new_tokens=args.max_new_tokens,
-                                 suppress_tokens=ignore_list, eos_token_id=eos_ids,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)
+sample_config, _ = generation_configs(tokenizer, student, args)  # as main() builds it (notebook 2)
+eos_ids = sample_config.eos_token_id
+ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)
 
 train_ds = load_split(args, args.train_split, n_embedded=16)
 train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
 G = args.num_generations
-rows = [train_ds[i] for i in keep[:4]]
+first_of_question = {}  # one prompt per question of the task
+for i in keep:
+    first_of_question.setdefault(train_ds[i][args.question_column], i)
+rows = [train_ds[i] for i in first_of_question.values()]
 prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
 references = [r[args.answer_column] for r in rows for _ in range(G)]
 torch.manual_seed(step_seed(args.seed, 0, 0))
@@ -132,7 +129,7 @@ def token_grid(ax, ids, mask, values, title, cmap, vmin, vmax, label):
     ax.set_xlabel("response position")
     ax.set_ylabel("sample (prompt x G)")
     ax.set_title(title)
-    plt.colorbar(im, ax=ax, label=label)
+    plt.colorbar(im, ax=ax, label=label, extend="both")  # colors saturate beyond [vmin, vmax]
 
 
 show = slice(0, 2 * G)  # the first two prompts' samples

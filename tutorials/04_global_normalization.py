@@ -39,13 +39,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from transformers import AutoProcessor, GenerationConfig
+from matplotlib.ticker import NullLocator
+from transformers import AutoProcessor
 
-from gndpo_minimal import (ADVANTAGE_MODES, Args, distill_scores, load_split, load_student, load_teacher,
-                           normalize_scores, policy_loss, prepare_split, response_logps, rollout, row_images,
-                           step_seed, vision_token_ids)
+from gndpo_minimal import (ADVANTAGE_MODES, Args, distill_scores, generation_configs, load_split, load_student,
+                           load_teacher, normalize_scores, policy_loss, prepare_split, response_logps, rollout,
+                           row_images, step_seed)
 
-torch.set_num_threads(2)
 args = Args()
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
@@ -59,14 +59,9 @@ teacher = load_teacher(args, dtype, device)  # 4-bit, as in the default run
 # The same steps as notebooks 2 and 3, on 8 prompts (the default run uses 32).
 
 # %%
-model_eos = student.generation_config.eos_token_id
-eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-ignore_list = vision_token_ids(tokenizer)
-ignore_ids = torch.tensor(ignore_list, device=device)
-sample_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
-                                 repetition_penalty=1.0, max_new_tokens=args.max_new_tokens,
-                                 suppress_tokens=ignore_list, eos_token_id=eos_ids,
-                                 pad_token_id=tokenizer.pad_token_id, use_cache=True)
+sample_config, _ = generation_configs(tokenizer, student, args)  # as main() builds it (notebook 2)
+eos_ids = sample_config.eos_token_id
+ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)
 
 B, G = 8, args.num_generations
 train_ds = load_split(args, args.train_split, n_embedded=16)
@@ -127,13 +122,19 @@ plt.show()
 
 # %% [markdown]
 # Reading the histograms:
-# * **raw**: the dashed lines are the clamp at +-5; tokens beyond them are the outlier states.
-# * **OPD** keeps the clamped scores as they are: the outliers sit at +-5, and the scale of everything else is
-#   the scale of the teacher-student gap in this batch.
-# * **GNDPO** shifts and rescales every token by the same two numbers, so the ordering of tokens (the dense
-#   guidance) is kept exactly, but the batch now has mean 0 and standard deviation 1 whatever the gap is.
-# * **sequence** and **group** whiten with statistics of a few tokens only (one response; G responses): their
-#   scale changes from response to response, and a response whose tokens all agree gets its tiny differences blown up.
+# * **raw**: most tokens sit near 0 (teacher and student agree: the answer format); the red ones, beyond the
+#   dashed clamp at -5, are outlier states: tokens the student finds e^5 ~ 150 times likelier than the teacher does.
+# * **OPD** keeps the clamped scores as they are: the outliers pile up at -5, many times the typical token's
+#   magnitude (compare the two right-hand columns of the table), so they dominate the update. The overall scale is
+#   whatever the teacher-student gap is in this batch.
+# * **GNDPO** shifts and rescales every token by the same two numbers, so the order of the tokens (the dense
+#   guidance) is exactly that of OPD, but the batch has mean 0 and standard deviation 1 whatever the gap is.
+#   Because the batch mean score is negative, tokens the two models agree on now get a small *positive* advantage:
+#   they are better than the batch average and are reinforced, where OPD gave them about 0.
+# * **sequence** and **group** whiten with the statistics of a few tokens only (one response; the G responses of a
+#   prompt), so their scale changes from one response or prompt to the next. In sequence mode, the worst tokens of
+#   a response that is wrong from start to end look only mildly bad next to its other tokens: the outliers spread
+#   into the middle of the distribution, and the comparison across responses is lost.
 
 # %% [markdown]
 # ## What each mode does to the gradient
@@ -180,9 +181,11 @@ axes[0].set_title("One update on the same batch, per advantage mode")
 axes[0].legend()
 for mode, color in (("none", "#c44e52"), ("global", "#4c72b0")):
     axes[1].plot(factors, scaled[mode], "o-", color=color, label=names[mode])
+    for k, norm in zip(factors, scaled[mode]):
+        axes[1].annotate(f"{norm:.2f}", (k, norm), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
 axes[1].set_xscale("log")
 axes[1].set_yscale("log")
-axes[1].minorticks_off()
+axes[1].xaxis.set_minor_locator(NullLocator())
 axes[1].set_xticks(factors, [f"x{k:g}" for k in factors])
 axes[1].set_xlabel("scores multiplied by")
 axes[1].set_ylabel("pre-clip gradient norm")
