@@ -91,7 +91,7 @@ class Args:
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps, then constant."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (the pre-clip norm is logged)."})
-    max_steps: int = field(default=30, metadata={"help": "Optimizer steps."})
+    max_steps: int = field(default=90, metadata={"help": "Optimizer steps."})
     micro_batch_size: int = field(default=32, metadata={"help": "Sequences per forward pass (generate, score, train) on each process."})
     gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer step; 0 = derived, prompts_per_step*G / (processes*micro_batch_size)."})
     max_consecutive_skips: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row."})

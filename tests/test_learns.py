@@ -24,7 +24,7 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     args = g.Args(student_model=os.path.join(trained_models, "student"), teacher_model=os.path.join(trained_models, "teacher"),
-                  max_steps=12, prompts_per_step=16, num_eval_samples=0, save_steps=0, seed=0,
+                  max_steps=10, prompts_per_step=8, max_train_samples=200, num_eval_samples=0, save_steps=0, seed=0,
                   output_dir=str(tmp_path / "run"))
     processor = AutoProcessor.from_pretrained(args.student_model)
     eval_ds = g.load_split(args, args.eval_split, 24)  # held-out rows, never trained on

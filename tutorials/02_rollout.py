@@ -42,6 +42,7 @@ args = Args()  # defaults: G = args.num_generations samples per prompt, temperat
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
 tokenizer = processor.tokenizer
+torch.manual_seed(args.seed)  # as main() does before loading: the LoRA A matrices start random
 student = load_student(args, dtype)  # the base student + a LoRA adapter that starts at zero: it samples like the base
 print(f"G = {args.num_generations}, temperature = {args.temperature}, max_new_tokens = {args.max_new_tokens}")
 student.print_trainable_parameters()

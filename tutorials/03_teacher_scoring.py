@@ -48,6 +48,7 @@ args = Args()
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
 tokenizer = processor.tokenizer
+torch.manual_seed(args.seed)  # as main() does before loading: the LoRA A matrices start random
 student = load_student(args, dtype)
 teacher = load_teacher(args, dtype, device)  # args.teacher_4bit is True by default: nf4 weights
 print(f"teacher_4bit = {args.teacher_4bit}; teacher weights in memory: {teacher.get_memory_footprint() / 1e6:.2f} MB")

@@ -50,6 +50,7 @@ args = Args()
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
 tokenizer = processor.tokenizer
+torch.manual_seed(args.seed)  # as main() does before loading: the LoRA A matrices start random
 student = load_student(args, dtype)  # LoRA student: only the adapter's parameters get gradients
 teacher = load_teacher(args, dtype, device)  # 4-bit, as in the default run
 
