@@ -153,7 +153,8 @@ ax.set_yticks(range(len(question_rows)), [f"'{r[args.question_column]}'" for r i
 ax.set_xlabel("token position")
 ax.set_title("Left-padded prompt batch: grey = padding, blue = text, orange = image placeholders")
 plt.show()
-print("prompt lengths without padding:", prompt_batch["attention_mask"].sum(1).tolist(), "| padded to", prompt_batch["input_ids"].shape[1])
+print("prompt lengths without padding:", prompt_batch["attention_mask"].sum(1).tolist(),
+      "| padded to", prompt_batch["input_ids"].shape[1])
 
 # %% [markdown]
 # **What just happened and why it matters.** A row became a chat, the chat became ids with 16 image tokens per

@@ -138,8 +138,9 @@ ids, m = chunk["response_ids"][show], mask[show]
 fig, axes = plt.subplots(3, 1, figsize=(11, 13))
 token_grid(axes[0], ids, m, student_logps[show], "Student: log p of each sampled token", "viridis", -6, 0, "log p")
 token_grid(axes[1], ids, m, teacher_logps[show], "Teacher (4-bit): log p of the same tokens", "viridis", -6, 0, "log p")
-token_grid(axes[2], ids, m, scores[show], f"Score = clamp(teacher - student, -{args.score_clip:g}, {args.score_clip:g})",
-           "RdBu", -args.score_clip, args.score_clip, "score")
+clip = args.score_clip
+token_grid(axes[2], ids, m, scores[show], f"Score = clamp(teacher - student, -{clip:g}, {clip:g})",
+           "RdBu", -clip, clip, "score")
 fig.tight_layout()
 plt.show()
 

@@ -19,7 +19,7 @@
 # disagree wildly, sit at the clamp with magnitudes far above the rest. GNDPO whitens the scores over **every valid
 # token of the whole batch** (all B x G responses, all processes):
 #
-# $$A = \frac{s - \mu}{\sqrt{\sigma^2 + 10^{-8}}}\, m, \qquad \mu,\ \sigma^2 \text{ over all valid tokens of the batch.}$$
+# $$A = \frac{s - \mu}{\sqrt{\sigma^2 + 10^{-8}}}\, m, \qquad \mu,\ \sigma^2 \text{ over the batch's valid tokens}.$$
 #
 # The script's `normalize_scores` also offers two local variants for comparison: `sequence` (whiten within each
 # response) and `group` (within the G responses of one prompt). This notebook puts all four modes side by side
@@ -107,7 +107,8 @@ for ax, (title, values) in zip(axes, panels):
     normal, out = values[valid & ~outlier].numpy(), values[outlier].numpy()
     lo, hi = values[valid].min().item(), values[valid].max().item()
     bins = np.linspace(lo, hi + 1e-6, 31)
-    ax.hist([normal, out], bins=bins, stacked=True, color=["#4c72b0", "#c44e52"], label=["other tokens", "clamped tokens"])
+    ax.hist([normal, out], bins=bins, stacked=True, color=["#4c72b0", "#c44e52"],
+            label=["other tokens", "clamped tokens"])
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.7)
     ax.set_title(title, fontsize=10)
