@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table, tiny_models  # noqa: E402
+from benchutil import table, tiny_models  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -2,7 +2,7 @@
 `torch.log_softmax(logits.float(), -1).gather(...)`, on bf16 logits of a real vocabulary (151,936 rows,
 Qwen2.5): peak extra memory and time, without autograd (scoring) and with a backward (training).
 
-    python bench/token_logps.py             # 4 x 1024 response tokens (1.2 GB of bf16 logits); backward at 4 x 256
+    python bench/token_logps.py             # 4 x 1024 response tokens (1.2 GB of bf16 logits); backward at 4 x 512
     python bench/token_logps.py --quick     # 2 x 64 tokens: a few seconds
     python bench/token_logps.py --batch 2 --tokens 512 --grad_tokens 512
 
@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table  # noqa: E402
+from benchutil import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -82,7 +82,7 @@ def run(quick: bool = False, batch: int | None = None, tokens: int | None = None
     """Returns {mode: {"shape", "naive": {"extra_bytes", "seconds"}, "token_logps": {...}, "max_abs_diff"}}."""
     batch = batch or (2 if quick else 4)
     shapes = {"no autograd": (batch, tokens or (64 if quick else 1024), vocab),
-              "with backward": (batch, grad_tokens or (64 if quick else 256), vocab)}
+              "with backward": (batch, grad_tokens or (64 if quick else 512), vocab)}
     repeats = repeats or (2 if quick else 3)
     out = {"threads": torch.get_num_threads()}
     for mode in MODES:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--quick", action="store_true", help="2 x 64 tokens, 2 repeats: a few seconds.")
     p.add_argument("--batch", type=int, help="Sequences (default 4; 2 with --quick).")
     p.add_argument("--tokens", type=int, help="Response tokens per sequence without autograd (default 1024; 64 with --quick).")
-    p.add_argument("--grad_tokens", type=int, help="Response tokens per sequence with backward (default 256; 64 with --quick).")
+    p.add_argument("--grad_tokens", type=int, help="Response tokens per sequence with backward (default 512; 64 with --quick).")
     p.add_argument("--vocab", type=int, default=VOCAB, help="Vocabulary size (default 151936).")
     p.add_argument("--repeats", type=int, help="Timed runs per side (default 3; 2 with --quick).")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)

@@ -38,7 +38,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table, tiny_models  # noqa: E402
+from benchutil import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table, tiny_models  # noqa: E402
 
 SIDES = ("ours", "trl")
 LABELS = {"ours": "gndpo_minimal.main()", "trl": "TRL DistillationTrainer"}
