@@ -20,7 +20,7 @@ def tiny_models(student: str | None = None, teacher: str | None = None, seed: in
     import gndpo_minimal as g
 
     if student and teacher:
-        return student, teacher, "given"
+        return student, teacher, f"the given models ({student}, {teacher})"
     defaults = g.Args()
     if os.path.isdir(defaults.student_model) and os.path.isdir(defaults.teacher_model):
         return defaults.student_model, defaults.teacher_model, "trained tiny models (assets/tiny)"
@@ -33,6 +33,19 @@ def tiny_models(student: str | None = None, teacher: str | None = None, seed: in
         tiny_world.save_untrained(out, seed=seed)
     return (os.path.join(out, "student"), os.path.join(out, "teacher"),
             "random-init tiny models (assets/tiny missing): responses run to the length limit")
+
+
+def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
+    """A copy of the model at `src` whose (tied) embedding table and LM head have `vocab` rows, the extra rows
+    randomly initialized: the tiny models' cost structure with a real model's vocabulary (the tokenizer is
+    unchanged; the extra ids are sampled and scored like any other, never decoded)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    model.save_pretrained(dst)
+    AutoProcessor.from_pretrained(src).save_pretrained(dst)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ optimizer, on the tiny models, with the script's own functions (the loop body of
     python bench/step_breakdown.py            # Args() defaults: B = 32 prompts x G = 4, 8 new tokens
     python bench/step_breakdown.py --quick    # a few seconds: tiny batch, 1 + 2 steps
     OMP_NUM_THREADS=1 python bench/step_breakdown.py --prompts 8 --steps 5
+    python bench/step_breakdown.py --prompts 8 --vocab 151936   # both models' vocabulary padded to Qwen2.5's
 
 Each part is averaged over the measured steps (after warm-up); means add up, so the parts sum to the
 mean step time. Tokens per second counts valid response tokens, as metrics.jsonl does.
@@ -17,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import table, tiny_models  # noqa: E402
+from benchutil import pad_vocabulary, table, tiny_models  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -92,12 +93,22 @@ def one_step(step: int, rows: list[dict], args: g.Args, processor, student, teac
 
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, micro_batch_size: int | None = None, warmup: int | None = None,
-        steps: int | None = None, teacher_4bit: bool = True, student: str | None = None, teacher: str | None = None,
-        verbose: bool = True) -> dict:
+        steps: int | None = None, teacher_4bit: bool = True, vocab: int = 0, student: str | None = None,
+        teacher: str | None = None, verbose: bool = True) -> dict:
     """Measures `steps` steps after `warmup` ones; returns mean seconds per part, mean step seconds, tokens/s."""
+    import tempfile
+
     import tiny_world
 
     student_dir, teacher_dir, which = tiny_models(student, teacher)
+    if vocab:
+        if verbose:
+            print(f"models: {which}, vocabulary padded to {vocab}")
+        with tempfile.TemporaryDirectory(prefix="gndpo-step-") as tmp:
+            for name, path in (("student", student_dir), ("teacher", teacher_dir)):
+                pad_vocabulary(path, os.path.join(tmp, name), vocab)
+            return run(quick, prompts, generations, max_new_tokens, micro_batch_size, warmup, steps, teacher_4bit, 0,
+                       os.path.join(tmp, "student"), os.path.join(tmp, "teacher"), verbose)
     defaults = g.Args()
     B = prompts or (2 if quick else defaults.prompts_per_step)
     G = generations or (2 if quick else defaults.num_generations)
@@ -149,11 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, help="Unmeasured steps first (default 1).")
     p.add_argument("--steps", type=int, help="Measured steps (default 5; 2 with --quick).")
     p.add_argument("--fp32_teacher", action="store_true", help="Full-precision teacher instead of 4-bit nf4.")
+    p.add_argument("--vocab", type=int, default=0, help="Pad both models' vocabulary to this size (e.g. 151936) first.")
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
     p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
     a = p.parse_args(argv)
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.micro_batch_size, a.warmup, a.steps,
-               not a.fp32_teacher, a.student_model, a.teacher_model)
+               not a.fp32_teacher, a.vocab, a.student_model, a.teacher_model)
 
 
 if __name__ == "__main__":

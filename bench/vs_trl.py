@@ -9,14 +9,16 @@ tiny Qwen2.5-VL student and teacher, the same image questions, batch, G and resp
 TRL's closest trainer is `trl.DistillationTrainer` (on-policy distillation, Agarwal et al. 2024; it takes a
 processor and images, so the vision-language path is compared as is). One step on each side:
 
-| | gndpo_minimal.main() | TRL DistillationTrainer (beta = 1, reverse KL) |
-| --- | --- | --- |
-| rollout | B x G samples with generate(); the sampled tokens' log-probs are recorded while sampling | B x G samples with generate() (each prompt repeated G times in the data) |
-| prompts | tokenized and image-processed once | tokenized and image-processed twice (for generate, then for the forwards) |
-| teacher | one forward, no grad, LM head on the response positions only | one backbone forward, no grad |
-| student | one forward + backward, LM head on the response positions only | one backbone forward + backward |
-| loss | sampled-token scores, GNDPO whitening, GSPO clipped policy gradient | full-vocabulary reverse KL(student, teacher) per response position, chunked: both LM heads projected over the whole vocabulary in the forward and again in the backward |
-| update | AdamW on the LoRA adapter, grad-norm clip 1 | the same |
+  rollout  ours: B x G samples with generate(), the sampled tokens' log-probs recorded while sampling.
+           TRL:  B x G samples with generate() (each prompt repeated G times in the data).
+  prompts  ours: tokenized and image-processed once.  TRL: twice (for generate, then for the forwards).
+  teacher  ours: one forward, no grad, LM head on the response positions only.  TRL: one backbone forward.
+  student  ours: one forward + backward, LM head on the response positions.  TRL: one backbone fwd + bwd.
+  loss     ours: sampled-token scores, GNDPO whitening, GSPO clipped policy gradient.
+           TRL (beta = 1): exact reverse KL(student || teacher) over the whole vocabulary at every response
+           position, in tiles: both LM heads projected over the vocabulary in the forward and again in the
+           backward, never a full logits tensor.
+  update   both: AdamW on the LoRA adapter, grad-norm clip 1.
 
 Both use the same LoRA adapter (built by gndpo_minimal.load_student), float32 weights, no gradient
 checkpointing, constant learning rate, no evaluation and no checkpoint inside the measured steps, one
@@ -24,7 +26,7 @@ metrics line per step. Each side runs in a fresh Python process; the sides alter
 TRL, ...). Seconds per step: time between consecutive step ends after the warm-up steps, median over all
 measured steps of all rounds. Peak RSS: the process's resident-memory high-water mark over the measured
 steps (reset after warm-up), median over rounds; at these sizes it is mostly the Python libraries, so the
-memory that the libraries and models hold before training is shown too.
+RSS right after each side's imports is shown too.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table, tiny_models  # noqa: E402
+from benchutil import (median, mib, pad_vocabulary, peak_rss_bytes, reset_peak_rss, rss_bytes,  # noqa: E402
+                       table, tiny_models)
 
 SIDES = ("ours", "trl")
 LABELS = {"ours": "gndpo_minimal.main()", "trl": "TRL DistillationTrainer"}
@@ -62,12 +65,12 @@ class StepClock:
         if len(self.marks) == self.total:
             self.peak_rss = peak_rss_bytes()
 
-    def result(self, side: str, libraries_rss: int, loaded_rss: int) -> dict:
+    def result(self, side: str, libraries_rss: int) -> dict:
         if len(self.marks) < self.total:
             raise RuntimeError(f"{side}: saw {len(self.marks)} step ends, expected {self.total}")
         seconds = [b - a for a, b in zip(self.marks[self.warmup - 1:], self.marks[self.warmup:])]
         return {"side": side, "step_seconds": seconds, "peak_rss": self.peak_rss, "rss_at_start": self.rss_at_start,
-                "libraries_rss": libraries_rss, "loaded_rss": loaded_rss,
+                "libraries_rss": libraries_rss,
                 "response_tokens_per_step": sum(self.tokens) / len(self.tokens)}
 
 
@@ -100,7 +103,7 @@ def ours_worker(cfg: dict) -> dict:
 
     accelerate.Accelerator.log = log
     g.main(gndpo_args(cfg))
-    return clock.result("ours", libraries_rss, 0)
+    return clock.result("ours", libraries_rss)
 
 
 def trl_worker(cfg: dict) -> dict:
@@ -137,25 +140,11 @@ def trl_worker(cfg: dict) -> dict:
         shuffle_dataset=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
         generation_kwargs={"suppress_tokens": g.vision_token_ids(processor.tokenizer)})  # the ids ours suppresses
-    loaded_rss = rss_bytes()
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                   train_dataset=datasets.Dataset.from_list(data), processing_class=processor,
                                   callbacks=[Clock()])
     trainer.train()
-    return clock.result("trl", libraries_rss, loaded_rss)
-
-
-def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
-    """A copy of the model at `src` whose (tied) embedding table and LM head have `vocab` rows, the extra rows
-    randomly initialized: the tiny models' cost structure with a real model's vocabulary (the tokenizer is
-    unchanged; the extra ids are sampled and scored like any other, never decoded)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
-    model.resize_token_embeddings(vocab, mean_resizing=False)
-    model.save_pretrained(dst)
-    AutoProcessor.from_pretrained(src).save_pretrained(dst)
+    return clock.result("trl", libraries_rss)
 
 
 def run_worker(side: str, cfg: dict) -> dict:
@@ -208,7 +197,8 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
               f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
               f"{rounds} round(s), sides alternating in fresh processes; threads: OMP_NUM_THREADS="
               f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
-        rows = [[LABELS[side], out[side]["seconds_per_step"], ", ".join(f"{x:.3g}" for x in out[side]["round_medians"]),
+        rows = [[LABELS[side], out[side]["seconds_per_step"],
+                 ", ".join(f"{x:.3g}" for x in out[side]["round_medians"]),
                  f"{mib(out[side]['peak_rss']):.0f}", f"{mib(out[side]['libraries_rss']):.0f}",
                  f"{out[side]['response_tokens_per_step']:.0f}"] for side in SIDES]
         rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
