@@ -87,7 +87,7 @@ class Args:
     clip_low: float = field(default=0.2, metadata={"help": "Lower ratio clip (1 - clip_low)."})
     clip_high: float = field(default=0.2, metadata={"help": "Upper ratio clip (1 + clip_high)."})
     # optimization
-    learning_rate: float = field(default=2e-3, metadata={"help": "AdamW learning rate (LoRA wants a larger one than full fine-tuning)."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate (LoRA wants a larger one than full fine-tuning)."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps, then constant."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (the pre-clip norm is logged)."})

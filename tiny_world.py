@@ -15,10 +15,12 @@ The shipped weights in `assets/tiny/` are regenerated with:
     python tiny_world.py --out assets/tiny --seed 0
 
 The teacher learns the task. The student learns to *see* the task but with a systematic
-misconception: it is pre-trained on answers whose color and shape names are swapped
-(red<->blue, ...), with label smoothing, so it answers in the right format, starts well below
-50% accuracy, and its vision tower already encodes what matters. Distillation then has to fix
-the language side only, which a LoRA on the language model can do (a student whose vision
+misconception: during its pre-training, color and shape answers are renamed (red->blue, ...)
+in most examples (`STUDENT_SWAP_PROB`) and left correct in the rest. It answers in the right
+format, its greedy answer to color and shape questions is the wrong name (well below 50%
+accuracy overall), yet the right name keeps some probability, so sampling finds it and the
+teacher can reward it; its vision tower already encodes what matters. Distillation then has to
+fix the language side only, which a LoRA on the language model can do (a student whose vision
 sees nothing useful cannot be fixed by such a LoRA; see README).
 """
 
@@ -51,6 +53,9 @@ QUESTIONS = {
 # The misconception the student is pre-trained with: a derangement of colors and of shapes.
 STUDENT_SWAP = {"red": "blue", "blue": "green", "green": "yellow", "yellow": "red",
                 "circle": "square", "square": "triangle", "triangle": "circle"}
+# Share of pre-training examples that carry the misconception. Below 1 so that the right answer keeps
+# some probability: with none, on-policy sampling would almost never produce it for the teacher to reward.
+STUDENT_SWAP_PROB = 0.85
 SYSTEM_FREE_INSTRUCTION = "Answer with one word in \\boxed{}."
 
 
@@ -257,13 +262,14 @@ def greedy_accuracy(model, processor, rows: list[dict], answers: list[str] | Non
     return correct / len(rows)
 
 
-def pretrain_vision(model, processor, rows: list[dict], *, steps: int, lr: float = 2e-3, batch_size: int = 32,
+def pretrain_vision(model, processor, *, steps: int, lr: float = 2e-3, batch_size: int = 32,
                     seed: int = 0, log_every: int = 50) -> list[float]:
     """Trains the vision tower (and merger) alone to predict count, color and shape from mean-pooled image
     features with three linear heads that are thrown away afterwards.
 
     A language model learning to read an untrained vision tower from one answer token per image sits on a
     long plateau; with features that already separate the attributes, SFT afterwards takes minutes on a CPU.
+    Every step draws fresh images (drawing is ~0.1 ms a row), so nothing can be memorized.
     Returns the heads' training accuracies (count, color, shape) of the last logged step.
     """
     hidden = model.config.text_config.hidden_size
@@ -272,7 +278,7 @@ def pretrain_vision(model, processor, rows: list[dict], *, steps: int, lr: float
     opt = torch.optim.AdamW(list(model.model.visual.parameters()) + list(heads.parameters()), lr=lr)
     rng, acc, t0 = random.Random(seed), [0.0, 0.0, 0.0], time.time()
     for step in range(steps):
-        chunk = rng.sample(rows, batch_size)
+        chunk = make_rows(batch_size, rng.randrange(2**31))
         pix = processor.image_processor([r["image"] for r in chunk], return_tensors="pt")
         feats = model.model.visual(pix["pixel_values"], grid_thw=pix["image_grid_thw"]).pooler_output  # (B*16, H)
         logits = heads(feats.view(batch_size, -1, hidden).mean(1)).split(splits, dim=1)
@@ -288,23 +294,24 @@ def pretrain_vision(model, processor, rows: list[dict], *, steps: int, lr: float
     return acc
 
 
-def sft(model, processor, rows: list[dict], eval_rows: list[dict], *, swap: dict | None = None, steps: int,
+def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, swap_prob: float = 1.0, steps: int,
         lr: float, batch_size: int = 32, label_smoothing: float = 0.0, seed: int = 0, target: float = 1.01,
         log_every: int = 50) -> float:
-    """Plain SFT on the answer tokens. `swap` renames answers (the student's misconception).
+    """Plain SFT on the answer tokens of freshly drawn rows (no example is seen twice).
 
-    Stops early once greedy accuracy on `eval_rows` (against the same renamed answers) reaches `target`.
+    `swap` renames answers in a `swap_prob` share of the examples (the student's misconception). Stops
+    early once greedy accuracy on `eval_rows`, against fully renamed answers, reaches `target`.
     """
     swap = swap or {}
-    rename = lambda rs: [swap.get(r["answer"], r["answer"]) for r in rs]  # noqa: E731
     rng = random.Random(seed)
+    rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if rng.random() < p else r["answer"] for r in rs]  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     acc, t0 = 0.0, time.time()
     for step in range(steps):
         model.train()
-        chunk = rng.sample(rows, batch_size)
-        batch = sft_batch(processor, chunk, rename(chunk))
+        chunk = make_rows(batch_size, rng.randrange(2**31))
+        batch = sft_batch(processor, chunk, rename(chunk, swap_prob))
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
@@ -315,7 +322,7 @@ def sft(model, processor, rows: list[dict], eval_rows: list[dict], *, swap: dict
         opt.step()
         sched.step()
         if (step + 1) % log_every == 0 or step == steps - 1:
-            acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows))
+            acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows, 1.0))
             print(f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)", flush=True)
             if acc >= target:
                 break
@@ -339,29 +346,38 @@ def reloaded_accuracy(path: str, processor, eval_rows: list[dict]) -> float:
     return greedy_accuracy(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), processor, eval_rows)
 
 
-def build_world(out: str, seed: int = 0, teacher_steps: int = 1500, student_steps: int = 800, vision_steps: int = 300) -> dict:
-    """Builds tokenizer, processor, teacher and student under `out` and returns a report of accuracies."""
+def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_steps: int = 1000, vision_steps: int = 1200,
+                models: tuple[str, ...] = ("teacher", "student"), student_swap_prob: float = STUDENT_SWAP_PROB,
+                student_label_smoothing: float = 0.0) -> dict:
+    """Builds tokenizer, processor and the named models under `out`; returns (and merges into
+    out/world.json) a report of accuracies on 400 held-out rows.
+
+    student_swap_prob=1 with label_smoothing=0.1 gives the "confident misconception" variant: the student
+    never names the right color or shape, and the teacher is far more confident than it on those tokens."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     processor = build_processor(tokenizer)
-    rows, eval_rows = make_rows(4000, seed + 1), make_rows(200, seed + 2)
-    report = {"seed": seed, "text_only_guess_accuracy": text_only_accuracy(make_rows(2000, seed + 3))}
-    for name in ("teacher", "student"):
+    eval_rows = make_rows(400, seed + 2)
+    report_path = os.path.join(out, "world.json")
+    report = json.load(open(report_path)) if os.path.exists(report_path) else {}
+    report.update(seed=seed, text_only_guess_accuracy=text_only_accuracy(make_rows(2000, seed + 3)))
+    for name in models:
         print(f"training the {name} ...", flush=True)
         model = build_model(tokenizer, name, seed)
-        pretrain_vision(model, processor, rows, steps=vision_steps, seed=seed)
+        pretrain_vision(model, processor, steps=vision_steps, seed=seed)
         if name == "teacher":
-            sft(model, processor, rows, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97)
+            sft(model, processor, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97, log_every=100)
         else:
-            sft(model, processor, rows, eval_rows, swap=STUDENT_SWAP, steps=student_steps, lr=2e-3,
-                label_smoothing=0.1, seed=seed, target=0.95)
+            sft(model, processor, eval_rows, swap=STUDENT_SWAP, swap_prob=student_swap_prob, steps=student_steps,
+                lr=2e-3, label_smoothing=student_label_smoothing, seed=seed, target=0.95, log_every=100)
         path = os.path.join(out, name)
         model.save_pretrained(path)
         processor.save_pretrained(path)
         report[f"{name}_accuracy"] = reloaded_accuracy(path, processor, eval_rows)
         report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
         print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
-    with open(os.path.join(out, "world.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(report_path, "w") as f:
         json.dump(report, f, indent=2)
     return report
 
@@ -370,8 +386,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="assets/tiny", help="folder for teacher/, student/ and world.json")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--teacher_steps", type=int, default=1500)
-    parser.add_argument("--student_steps", type=int, default=800)
-    parser.add_argument("--vision_steps", type=int, default=300)
+    parser.add_argument("--teacher_steps", type=int, default=2000)
+    parser.add_argument("--student_steps", type=int, default=1000)
+    parser.add_argument("--vision_steps", type=int, default=1200)
+    parser.add_argument("--models", default="teacher,student", help="which models to (re)build, comma-separated")
+    parser.add_argument("--student_swap_prob", type=float, default=STUDENT_SWAP_PROB,
+                        help="share of the student's SFT examples with renamed colors/shapes")
+    parser.add_argument("--student_label_smoothing", type=float, default=0.0)
     a = parser.parse_args()
-    print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps), indent=2))
+    print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps,
+                                 tuple(a.models.split(",")), a.student_swap_prob, a.student_label_smoothing), indent=2))

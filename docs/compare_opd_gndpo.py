@@ -3,6 +3,7 @@ then writes a table (docs/opd_vs_gndpo.md) and a plot of grad norm and reverse K
 (docs/opd_vs_gndpo.png).
 
     python docs/compare_opd_gndpo.py --seeds 0 1 2            # runs, then tabulates and plots
+    python docs/compare_opd_gndpo.py --seeds 0 1 2 --jobs 2   # two runs at a time, one thread each
     python docs/compare_opd_gndpo.py --seeds 0 1 2 --no_run   # only tabulates and plots existing runs
 Extra flags after `--` go to gndpo_minimal.py for every run, e.g. `-- --max_steps 50`.
 """
@@ -19,11 +20,22 @@ ROOT = os.path.dirname(HERE)
 MODES = {"none": "OPD", "global": "GNDPO"}
 
 
-def run(mode: str, seed: int, out: str, extra: list[str]) -> None:
-    cmd = [sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), "--advantage_mode", mode, "--seed", str(seed),
-           "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0", *extra]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+def run_all(jobs: list[tuple[str, int, str]], extra: list[str], parallel: int) -> None:
+    """Runs gndpo_minimal.py once per (mode, seed, output_dir), `parallel` at a time. Parallel runs get one
+    thread each: on a small CPU, threads of concurrent runs fighting over cores cost more than they give."""
+    env = dict(os.environ, OMP_NUM_THREADS="1") if parallel > 1 else None
+    running: list[subprocess.Popen] = []
+    for mode, seed, out in jobs:
+        cmd = [sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), "--advantage_mode", mode, "--seed", str(seed),
+               "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0", *extra]
+        print("$", " ".join(cmd), flush=True)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        log = open(out + ".log", "w") if parallel > 1 else None  # interleaved progress bars would be unreadable
+        running.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+        while len(running) >= parallel or (running and (mode, seed, out) == jobs[-1]):
+            proc = running.pop(0)
+            if proc.wait():
+                raise SystemExit(f"run failed ({proc.returncode}): {' '.join(proc.args)}")
 
 
 def load(out: str) -> tuple[list[dict], dict]:
@@ -49,16 +61,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "compare"))
     parser.add_argument("--no_run", action="store_true", help="only tabulate and plot existing runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each then uses one thread)")
     parser.add_argument("--tag", default="opd_vs_gndpo", help="name of the .md/.png written under docs/")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    results = {}
-    for mode in MODES:
-        for seed in args.seeds:
-            out = os.path.join(args.runs_dir, f"{mode}_seed{seed}")
-            if not args.no_run:
-                run(mode, seed, out, extra)
-            results[mode, seed] = load(out)
+    jobs = [(mode, seed, os.path.join(args.runs_dir, f"{mode}_seed{seed}")) for mode in MODES for seed in args.seeds]
+    if not args.no_run:
+        run_all(jobs, extra, args.jobs)
+    results = {(mode, seed): load(out) for mode, seed, out in jobs}
 
     lines = ["| advantages | seed | accuracy before -> after (teacher) | reverse KL first -> last 10 | "
              "grad norm median / max | spikes (> 5x median) | wall s |", "|---|---|---|---|---|---|---|"]

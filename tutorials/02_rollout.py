@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -37,6 +39,7 @@ from transformers import AutoProcessor
 
 from gndpo_minimal import (Args, generation_configs, grade_answer, load_split, load_student, prepare_split,
                            response_logps, rollout, row_images, step_seed)
+from plotting import token_grid  # tutorials/plotting.py: display helpers
 
 args = Args()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
 device, dtype = torch.device("cpu"), torch.float32
@@ -112,33 +115,8 @@ table
 # sampled token with its log-probability under the student; grey cells are masked out (after the end token).
 
 # %%
-def token_label(token_id):
-    """A token as readable text: the decoded string, or its vocabulary entry when that is not printable."""
-    if token_id in eos_ids:
-        return "<end>"
-    text = tokenizer.decode([token_id])
-    return text if text.isprintable() and text.strip() else tokenizer.convert_ids_to_tokens(token_id)
-
-
-def token_grid(ax, ids, mask, values, title, cmap, vmin, vmax, label):
-    """Heatmap of per-token values, each cell labelled with its token; masked cells grey."""
-    shown = np.ma.masked_where(mask.numpy() == 0, values.numpy())
-    colormap = plt.get_cmap(cmap).copy()
-    colormap.set_bad("#e6e6e6")
-    im = ax.imshow(shown, cmap=colormap, vmin=vmin, vmax=vmax, aspect="auto")
-    for (i, t), token_id in np.ndenumerate(ids.numpy()):
-        if mask[i, t]:
-            r, g, b, _ = im.cmap(im.norm(shown[i, t]))
-            ax.text(t, i, token_label(int(token_id)), ha="center", va="center", fontsize=8,
-                    color="black" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "white")
-    ax.set_xlabel("response position")
-    ax.set_ylabel("sample (prompt x G)")
-    ax.set_title(title)
-    plt.colorbar(im, ax=ax, label=label, extend="both")  # colors saturate beyond [vmin, vmax]
-
-
 fig, ax = plt.subplots(figsize=(11, 5))
-token_grid(ax, chunk["response_ids"], chunk["response_mask"], chunk["sampled_logps"],
+token_grid(ax, tokenizer, eos_ids, chunk["response_ids"], chunk["response_mask"], chunk["sampled_logps"],
            "Student log-prob of each sampled token (grey = masked out)", "viridis", -6, 0, "log p_student(token)")
 for g in range(1, len(rows)):
     ax.axhline(g * G - 0.5, color="white", lw=2)  # separates the prompts' groups of G samples

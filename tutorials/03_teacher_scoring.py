@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -43,6 +45,7 @@ from transformers import AutoProcessor
 
 from gndpo_minimal import (Args, distill_scores, generation_configs, grade_answer, load_split, load_student,
                            load_teacher, prepare_split, response_logps, rollout, row_images, step_seed)
+from plotting import token_grid  # tutorials/plotting.py: display helpers
 
 args = Args()
 device, dtype = torch.device("cpu"), torch.float32
@@ -108,38 +111,15 @@ per_response
 # wrong); they pull the update hardest. Tokens both models agree on (the answer format) score near 0.
 
 # %%
-def token_label(token_id):
-    """A token as readable text: the decoded string, or its vocabulary entry when that is not printable."""
-    if token_id in eos_ids:
-        return "<end>"
-    text = tokenizer.decode([token_id])
-    return text if text.isprintable() and text.strip() else tokenizer.convert_ids_to_tokens(token_id)
-
-
-def token_grid(ax, ids, mask, values, title, cmap, vmin, vmax, label):
-    """Heatmap of per-token values, each cell labelled with its token; masked cells grey."""
-    shown = np.ma.masked_where(mask.numpy() == 0, values.numpy())
-    colormap = plt.get_cmap(cmap).copy()
-    colormap.set_bad("#e6e6e6")
-    im = ax.imshow(shown, cmap=colormap, vmin=vmin, vmax=vmax, aspect="auto")
-    for (i, t), token_id in np.ndenumerate(ids.numpy()):
-        if mask[i, t]:
-            r, g, b, _ = im.cmap(im.norm(shown[i, t]))
-            ax.text(t, i, token_label(int(token_id)), ha="center", va="center", fontsize=8,
-                    color="black" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "white")
-    ax.set_xlabel("response position")
-    ax.set_ylabel("sample (prompt x G)")
-    ax.set_title(title)
-    plt.colorbar(im, ax=ax, label=label, extend="both")  # colors saturate beyond [vmin, vmax]
-
-
 show = slice(0, 2 * G)  # the first two prompts' samples
 ids, m = chunk["response_ids"][show], mask[show]
 fig, axes = plt.subplots(3, 1, figsize=(11, 13))
-token_grid(axes[0], ids, m, student_logps[show], "Student: log p of each sampled token", "viridis", -6, 0, "log p")
-token_grid(axes[1], ids, m, teacher_logps[show], "Teacher (4-bit): log p of the same tokens", "viridis", -6, 0, "log p")
+token_grid(axes[0], tokenizer, eos_ids, ids, m, student_logps[show], "Student: log p of each sampled token",
+           "viridis", -6, 0, "log p")
+token_grid(axes[1], tokenizer, eos_ids, ids, m, teacher_logps[show], "Teacher (4-bit): log p of the same tokens",
+           "viridis", -6, 0, "log p")
 clip = args.score_clip
-token_grid(axes[2], ids, m, scores[show], f"Score = clamp(teacher - student, -{clip:g}, {clip:g})",
+token_grid(axes[2], tokenizer, eos_ids, ids, m, scores[show], f"Score = clamp(teacher - student, -{clip:g}, {clip:g})",
            "RdBu", -clip, clip, "score")
 fig.tight_layout()
 plt.show()
