@@ -24,7 +24,9 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     args = g.Args(student_model=os.path.join(trained_models, "student"), teacher_model=os.path.join(trained_models, "teacher"),
-                  max_steps=10, prompts_per_step=8, max_train_samples=200, num_eval_samples=0, save_steps=0, seed=0,
+                  # 40 of the default 90 steps: the default run's KL falls from ~0.9 to ~0.1 by step 40, while
+                  # over its first 25 steps it swings between 0.3 and 1.0 with the prompts each step draws
+                  max_steps=40, num_eval_samples=0, save_steps=0, seed=0,
                   output_dir=str(tmp_path / "run"))
     processor = AutoProcessor.from_pretrained(args.student_model)
     eval_ds = g.load_split(args, args.eval_split, 24)  # held-out rows, never trained on
@@ -36,4 +38,5 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
     g.main(args)
     trained = PeftModel.from_pretrained(base, str(tmp_path / "run" / "adapter")).eval()
     kl_after = reverse_kl_on_fixed_batch(trained, teacher, processor, args, prompts)
-    assert kl_after < 0.8 * kl_before, (kl_before, kl_after)
+    print(f"reverse KL on the fixed batch: {kl_before:.3f} -> {kl_after:.3f}")
+    assert kl_after < 0.5 * kl_before, (kl_before, kl_after)

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -27,6 +29,7 @@ import sys
 import warnings
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
 sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
 

@@ -33,6 +33,7 @@ import sys
 import warnings
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
 sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
