@@ -996,8 +996,10 @@ def main(args: Args) -> dict:
     # --- the loop ---
     G = args.num_generations
     student.train()
+    # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
+    draw = {} if accelerator.is_main_process else {"disable": True}
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
-                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+                    dynamic_ncols=True, **draw)
     for step in progress:
         t_step = time.time()
         # 1. rollout: this process's share of the step's prompts, G samples each
