@@ -304,6 +304,8 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
     """
     swap = swap or {}
     rng = random.Random(seed)
+    # draws from rng even at p=1 (the evaluations): the shipped build was made so, and changing it would change
+    # every later batch, so `python tiny_world.py --seed 0` would no longer rebuild assets/tiny
     rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if rng.random() < p else r["answer"] for r in rs]  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))

@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -24,18 +25,22 @@ def run_all(jobs: list[tuple[str, int, str]], extra: list[str], parallel: int) -
     """Runs gndpo_minimal.py once per (mode, seed, output_dir), `parallel` at a time. Parallel runs get one
     thread each: on a small CPU, threads of concurrent runs fighting over cores cost more than they give."""
     env = dict(os.environ, OMP_NUM_THREADS="1") if parallel > 1 else None
-    running: list[subprocess.Popen] = []
-    for mode, seed, out in jobs:
+
+    def run(job: tuple[str, int, str]) -> None:
+        mode, seed, out = job
         cmd = [sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), "--advantage_mode", mode, "--seed", str(seed),
                "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0", *extra]
         print("$", " ".join(cmd), flush=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        log = open(out + ".log", "w") if parallel > 1 else None  # interleaved progress bars would be unreadable
-        running.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
-        while len(running) >= parallel or (running and (mode, seed, out) == jobs[-1]):
-            proc = running.pop(0)
-            if proc.wait():
-                raise SystemExit(f"run failed ({proc.returncode}): {' '.join(proc.args)}")
+        if parallel == 1:
+            subprocess.run(cmd, check=True)
+            return
+        with open(out + ".log", "w") as log:  # interleaved progress bars would be unreadable
+            if subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"run failed, see {out}.log")
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(run, jobs))  # list() re-raises a failed run's error
 
 
 def load(out: str) -> tuple[list[dict], dict]:
