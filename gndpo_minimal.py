@@ -4,9 +4,10 @@ with the teacher's per-token scores whitened over the whole batch (all processes
 Per step: B prompts x G samples from the student -> teacher and student log-probs of every sampled
 token -> score = clamp(teacher_lp - student_lp, -5, 5) -> advantages = scores whitened over every
 valid token of the global batch -> GSPO (or PPO-clip) update of a LoRA adapter on the student.
-The algorithm is stated in GNDPO_SPEC.md terms in the docstrings of the math section.
+The method is GNDPO from "Stabilizing On-Policy Distillation for MLLM Reasoning with Global
+Normalization" (arXiv 2606.09091); the math section's docstrings follow the steps of its training loop.
 
-Run (offline, tiny models shipped in assets/tiny, a task drawn with PIL; a few minutes on a CPU):
+Run (offline: tiny models and a dataset shipped in assets/tiny; a few minutes on a CPU):
     accelerate launch gndpo_minimal.py
 Plain OPD (unnormalized advantages) for comparison:
     accelerate launch gndpo_minimal.py --advantage_mode none
@@ -15,9 +16,13 @@ Real models (see README for the recipes and configs/ for multi-GPU / multi-node 
         --teacher_model Qwen/Qwen2.5-VL-7B-Instruct --dataset_name hiyouga/geometry3k ...
 Any argument can also come from a YAML/JSON file: accelerate launch gndpo_minimal.py recipe.yaml
 
-Simplifications, on purpose: one optimizer step per rollout batch (so the importance ratio is 1
-at the update and no "old policy" forward pass is needed), HF `generate` for rollouts (no vLLM),
-teacher and student must share a tokenizer.
+The step is four functions that main(), the tutorials, bench/ and tests all call, in this order:
+    step_prompts -> generate_and_score -> update_student -> step_metrics
+
+Simplifications, on purpose: by default one optimizer step per rollout batch (the importance ratio is 1
+at the update, so no "old policy" forward pass is needed; --steps_per_generation / --num_iterations make
+the update off-policy and the clip act), HF `generate` for rollouts (no vLLM), teacher and student must
+share a tokenizer.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ class Args:
     lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                      metadata={"help": "Comma-separated linear layer names of the LANGUAGE model to adapt (the vision tower stays frozen)."})
     # data
-    dataset_name: str = field(default="", metadata={"help": "Hugging Face dataset: Hub id, local folder or data file (parquet/json). Empty = the embedded shapes task."})
+    dataset_name: str = field(default=os.path.join(HERE, "assets/tiny/data"),
+                              metadata={"help": "Hugging Face dataset: Hub id, local folder or data file (parquet/json). Default: the tiny shapes task on disk."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     train_split: str = field(default="train", metadata={"help": "Split to train on."})
     eval_split: str = field(default="test", metadata={"help": "Held-out split for greedy evaluation."})
@@ -82,18 +88,26 @@ class Args:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the student's log-probs use the same)."})
     # GNDPO
     advantage_mode: str = field(default="global", metadata={"help": "none (plain OPD) | global (GNDPO) | sequence | group."})
-    loss_type: str = field(default="gspo", metadata={"help": "gspo (sequence-level ratio) | ppo (token-level ratio)."})
+    loss_type: str = field(default="gspo", metadata={"help": "gspo (sequence-level ratio) | ppo (token-level ratio). "
+                                                     "Differ only off-policy (--steps_per_generation or --num_iterations > 1)."})
     score_clip: float = field(default=5.0, metadata={"help": "Clamp teacher_lp - student_lp to [-clip, clip]."})
-    clip_low: float = field(default=0.2, metadata={"help": "Lower ratio clip (1 - clip_low)."})
-    clip_high: float = field(default=0.2, metadata={"help": "Upper ratio clip (1 + clip_high)."})
+    clip_low: float = field(default=0.2, metadata={"help": "Lower ratio clip (1 - clip_low). Acts only off-policy: with "
+                                                   "one update per rollout batch the ratio is exactly 1."})
+    clip_high: float = field(default=0.2, metadata={"help": "Upper ratio clip (1 + clip_high). Acts only off-policy."})
+    steps_per_generation: int = field(default=1, metadata={"help": "K: the step's rollout batch is cut into K mini-batches, "
+                                                           "one optimizer update each. K > 1 costs one extra no-grad "
+                                                           "student forward per step (the old policy's log-probs)."})
+    num_iterations: int = field(default=1, metadata={"help": "E: passes over the rollout batch per step (K * E updates). "
+                                                     "E > 1 costs the same extra forward as K > 1."})
     # optimization
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate (LoRA wants a larger one than full fine-tuning)."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup steps, then constant."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup over this many optimizer updates (K * E per step), then constant."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (the pre-clip norm is logged)."})
     max_steps: int = field(default=90, metadata={"help": "Optimizer steps."})
     micro_batch_size: int = field(default=32, metadata={"help": "Sequences per forward pass (generate, score, train) on each process."})
-    gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer step; 0 = derived, prompts_per_step*G / (processes*micro_batch_size)."})
+    gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer update; 0 = derived, "
+                                                                  "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation)."})
     max_consecutive_skips: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row."})
     seed: int = field(default=0, metadata={"help": "Seed; every step's sampling is seeded from (seed, step, process)."})
     # output
@@ -102,18 +116,19 @@ class Args:
     save_steps: int = field(default=50, metadata={"help": "Checkpoint every N steps (0 = only at the end)."})
     save_total_limit: int = field(default=2, metadata={"help": "Keep this many most recent checkpoints."})
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps (0 = only before and after training)."})
+    logging_steps: int = field(default=10, metadata={"help": "Print the full metrics line every N steps (metrics.jsonl gets every step)."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' (the newest in output_dir)."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."})
-    estimate_memory: bool = field(default=False, metadata={"help": "Print a memory estimate from the models' configs (no weights loaded) and exit."})
-
-
-ADVANTAGE_MODES = ("none", "global", "sequence", "group")
-LOSS_TYPES = ("gspo", "ppo")
 
 
 def check_args(args: Args, num_processes: int) -> int:
-    """Validates argument combinations; returns the gradient accumulation steps."""
+    """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
     problems = []
+    for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if problems:
+        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     if args.advantage_mode not in ADVANTAGE_MODES:
         problems.append(f"--advantage_mode {args.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
     if args.loss_type not in LOSS_TYPES:
@@ -129,18 +144,30 @@ def check_args(args: Args, num_processes: int) -> int:
     if not problems and seqs % args.micro_batch_size:
         problems.append(f"each process holds {seqs} sequences per step (prompts_per_step*G/processes), which "
                         f"--micro_batch_size {args.micro_batch_size} does not divide")
-    accum = seqs // args.micro_batch_size if not problems else 0
+    micro_batches = seqs // args.micro_batch_size if not problems else 0
+    if not problems and micro_batches % args.steps_per_generation:
+        problems.append(f"each process holds {micro_batches} micro-batches per step, which --steps_per_generation "
+                        f"{args.steps_per_generation} does not divide (every update gets whole micro-batches): "
+                        f"change --micro_batch_size or --steps_per_generation")
+    accum = micro_batches // args.steps_per_generation if not problems else 0
     if not problems and args.gradient_accumulation_steps not in (0, accum):
         problems.append(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} contradicts "
-                        f"prompts_per_step*G/(processes*micro_batch_size) = {accum}; leave it at 0")
+                        f"prompts_per_step*G/(processes*micro_batch_size*steps_per_generation) = {accum}; leave it at 0")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     return accum
 
 
 # ---------------------------------------------------------------------------------------------
-# Math: pure functions (copy these into other codebases)
+# Math: pure functions (copy these into other codebases; this section runs pasted alone into a file)
 # ---------------------------------------------------------------------------------------------
+
+import torch  # noqa: E402  (repeated so that the section stands alone)
+import torch.distributed as dist  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+ADVANTAGE_MODES = ("none", "global", "sequence", "group")
+LOSS_TYPES = ("gspo", "ppo")
 
 
 def _rows_logps(rows: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None) -> torch.Tensor:
@@ -178,7 +205,7 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch
 
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                    clip: float = 5.0) -> torch.Tensor:
-    """Raw per-token distillation score s = clamp(teacher_lp - student_lp, -clip, clip) (spec step 3).
+    """Raw per-token distillation score s = clamp(teacher_lp - student_lp, -clip, clip) (GNDPO's reward).
 
     All (B, T); response_mask is 1 on response tokens. The score is a one-sample estimate of
     -KL(student || teacher) at that token: positive where the teacher likes the token more than the
@@ -198,14 +225,15 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
 
 
 def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
-                     group_ids: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
-    """Advantages from raw scores (spec step 4). scores, response_mask: (B, T); group_ids: (B,) int.
+                     group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True) -> torch.Tensor:
+    """Advantages from raw scores (GNDPO's global normalization). scores, response_mask: (B, T); group_ids: (B,) int.
 
     none:     A = s * m (plain on-policy distillation, OPD).
     global:   A = (s - mu) / sqrt(var + eps) * m with mu and the unbiased var over EVERY valid token
-              of the batch (GNDPO). When torch.distributed is initialized, the sums (count, sum, sum of
-              squares, float64) are all-reduced in one call, so every process gets the statistics of
-              the whole global batch, however unevenly its tokens are spread.
+              of the batch (GNDPO). With all_reduce and torch.distributed initialized, the sums (count,
+              sum, sum of squares, float64) are all-reduced in one call, so every process gets the
+              statistics of the whole global batch, however unevenly its tokens are spread; pass
+              all_reduce=False for a batch that is already the global one on every process.
     sequence: the same whitening within each response (row) on its own.
     group:    the same whitening over the responses that share a group id (the G samples of a prompt).
     Returns (B, T) with zeros where the mask is 0. Raises ValueError when fewer than 2 valid tokens
@@ -217,7 +245,7 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
         return scores * response_mask.to(scores.dtype)
     if mode == "global":
         stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])  # (3,)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
         if stats[0] < 2:
             raise ValueError(f"global normalization needs at least 2 valid response tokens in the batch, got "
@@ -240,7 +268,7 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, dict]:
-    """Clipped policy-gradient loss (spec step 5). All inputs (B, T); logps carries the gradient.
+    """Clipped policy-gradient loss (GNDPO's GSPO update). All inputs (B, T); logps carries the gradient.
 
     gspo: sequence ratio l_i = sum_t (logp - old_logp) m / max(sum_t m, 1); per token
           log s = logp - sg(logp) + sg(l_i), clamped at 10 (GSPO-token: the value is the sequence ratio,
@@ -400,14 +428,10 @@ def encode_prompts(processor, prompts: list[tuple[str, list]], instruction: str 
     return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True)
 
 
-def load_split(args: Args, split: str, n_embedded: int):
+def load_split(args: Args, split: str):
     """A split of the training data as a `datasets.Dataset`, images left undecoded."""
     import datasets
 
-    if not args.dataset_name:
-        import tiny_world
-
-        return tiny_world.make_dataset(n_embedded, seed=args.seed + (1001 if split == args.train_split else 1002))
     name = args.dataset_name
     try:
         if os.path.isfile(name):  # a single data file: its extension names the builder; it serves every split
@@ -449,7 +473,7 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
     from tqdm.auto import tqdm
 
     if len(ds) == 0:
-        raise ValueError(f"the {split!r} split of {args.dataset_name or 'the embedded task'} is empty")
+        raise ValueError(f"the {split!r} split of {args.dataset_name} is empty")
     check_columns(ds, args, split)
     feature = ds.features[args.image_column]  # decode images ourselves, so a broken one can be skipped
     if isinstance(feature, datasets.Image):
@@ -818,16 +842,33 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
     return final
 
 
-def prepare_output_dir(args: Args, is_main: bool) -> str | None:
+def clear_run(output_dir: str) -> None:
+    """Removes a run's checkpoints, metrics.jsonl and summary.json (the adapter is overwritten at the end)."""
+    for _, path in list_checkpoints(output_dir):
+        shutil.rmtree(path)
+    for name in ("metrics.jsonl", "summary.json"):
+        if os.path.exists(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
+
+
+def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir.
 
     Returns the checkpoint folder to resume from, or None for a fresh start.
     """
     holds_run = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl")) or bool(list_checkpoints(args.output_dir))
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(args.output_dir)
+        if found:
+            return found[-1][1]
+        if holds_run:  # a run that crashed before its first save: nothing to resume, and its metrics would repeat steps
+            log(f"no checkpoint in {args.output_dir} yet: its metrics.jsonl is from a run that saved none; starting over at step 0")
+            if is_main:
+                clear_run(args.output_dir)
+        else:
+            log(f"no checkpoint in {args.output_dir} yet: starting from step 0")
+        return None
     if args.resume_from_checkpoint:
-        if args.resume_from_checkpoint == "latest":
-            found = list_checkpoints(args.output_dir)
-            return found[-1][1] if found else None  # nothing saved yet: start fresh
         if not os.path.isfile(os.path.join(args.resume_from_checkpoint, "trainer_state.json")):
             raise ValueError(f"{args.resume_from_checkpoint} is not a complete checkpoint (no trainer_state.json)")
         return args.resume_from_checkpoint
@@ -835,16 +876,30 @@ def prepare_output_dir(args: Args, is_main: bool) -> str | None:
         raise ValueError(f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
                          f"to continue it, --overwrite_output_dir to start over, or another --output_dir")
     if holds_run and is_main:
-        for _, path in list_checkpoints(args.output_dir):
-            shutil.rmtree(path)
-        for name in ("metrics.jsonl", "summary.json"):
-            if os.path.exists(os.path.join(args.output_dir, name)):
-                os.remove(os.path.join(args.output_dir, name))
+        clear_run(args.output_dir)
     return None
 
 
+def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tuple[int, dict]:
+    """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl back to the checkpoint's step.
+    Returns (step, counters)."""
+    accelerator.load_state(resume_from)
+    with open(os.path.join(resume_from, "trainer_state.json")) as f:
+        saved = json.load(f)
+    if accelerator.is_main_process and os.path.exists(metrics_path):  # drop lines logged after the checkpoint
+        with open(metrics_path) as f:
+            lines = []
+            for ln in f:  # a half-written last line (crash mid-write) has no newline: drop it too
+                logged = re.match(r'\{"step": (\d+)', ln)
+                if logged and ln.endswith("\n") and int(logged.group(1)) <= saved["step"]:
+                    lines.append(ln)
+        with open(metrics_path, "w") as f:
+            f.writelines(lines)
+    return saved["step"], saved["counters"]
+
+
 # ---------------------------------------------------------------------------------------------
-# Training
+# The step: prompts -> rollouts, scores and advantages -> student update -> metrics
 # ---------------------------------------------------------------------------------------------
 
 
@@ -852,6 +907,132 @@ def step_seed(seed: int, step: int, process_index: int) -> int:
     """Every step's sampling randomness is a function of (seed, step, process): processes draw different
     samples, and a resumed run samples exactly what the interrupted one would have."""
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
+
+
+def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
+                 process_index: int = 0) -> tuple[list[tuple[str, list]], list[int]]:
+    """This process's prompts of a step, each repeated G times: ([(question, images)] * G per prompt, group ids)."""
+    prompts, group_ids = [], []
+    for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
+                                              num_processes, process_index):
+        row = train_ds[train_keep[position]]
+        prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
+        group_ids += [group_id] * args.num_generations
+    return prompts, group_ids
+
+
+def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list]], group_ids: list[int], args: Args,
+                       gen_config, *, seed: int, ignore_ids: torch.Tensor | None = None, synced_gpus: bool = False,
+                       teacher_logps=response_logps, log=print, step: int = 0) -> dict:
+    """Rollouts of this process's prompts, their teacher log-probs, scores and advantages.
+
+    prompts: n = (prompts of this process) x G, already repeated; group_ids: (n,) prompt ids.
+    teacher_logps(model, chunk, ignore_ids) -> (n_chunk, R) is the teacher's scoring call (a parameter so that
+    tests can feed it broken numbers). Advantages are normalized over the global batch (the all-reduce inside
+    normalize_scores), once, before any update. Returns
+      chunks: micro-batches of rollout() output (+ teacher_logps), in order;
+      response_mask (n, R) (0 where a log-prob is not finite), teacher_logps, student_logps (the sampling
+      policy's), scores, advantages: (n, R) float32; nonfinite_tokens; time_generate, time_score (s).
+    Advantages are NaN when too few valid tokens are left to normalize (all processes then skip the update).
+    """
+    t0 = time.time()
+    torch.manual_seed(seed)
+    mb = args.micro_batch_size
+    chunks = [rollout(policy, processor, prompts[i:i + mb], gen_config, args, gen_config.eos_token_id, synced_gpus)
+              for i in range(0, len(prompts), mb)]
+    t_generate, t0 = time.time() - t0, time.time()
+    with torch.no_grad():  # the teacher scores the same ids and images; student_lp is the sampling policy's
+        for c in chunks:
+            c["teacher_logps"] = teacher_logps(teacher, c, ignore_ids)
+    mask = pad_cat([c["response_mask"] for c in chunks])  # (n, R)
+    teacher_lp, student_lp = pad_cat([c["teacher_logps"] for c in chunks]), pad_cat([c["sampled_logps"] for c in chunks])
+    finite = torch.isfinite(teacher_lp) & torch.isfinite(student_lp)
+    nonfinite = int(((~finite) & mask.bool()).sum())  # e.g. a broken teacher: drop those tokens, count them
+    mask = mask * finite
+    scores = distill_scores(teacher_lp, student_lp, mask, args.score_clip)
+    try:  # whitened over every valid token of the global batch (GNDPO), or another mode
+        advantages = normalize_scores(scores, mask, args.advantage_mode, torch.tensor(group_ids, device=scores.device))
+    except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
+        log(f"step {step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
+        # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
+        # non-finite: all processes then skip this step's updates together
+        advantages = torch.full_like(scores, float("nan"))
+    return {"chunks": chunks, "response_mask": mask, "teacher_logps": teacher_lp, "student_logps": student_lp,
+            "scores": scores, "advantages": advantages, "nonfinite_tokens": nonfinite,
+            "time_generate": t_generate, "time_score": time.time() - t0}
+
+
+def update_student(student, optimizer, scheduler, accelerator, batch: dict, args: Args, *,
+                   ignore_ids: torch.Tensor | None = None, loss_fn=policy_loss, log=print, step: int = 0) -> dict:
+    """The step's optimizer updates on the scored rollouts of generate_and_score().
+
+    The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates
+    run E = num_iterations times. With K = E = 1 the old policy is the current one: old_logps = logps.detach()
+    (ratio 1, no extra forward). Otherwise one no-grad student forward before the first update records
+    old_logps, so later updates see ratios away from 1 and the clip acts. An update whose loss or gradient is
+    not finite (on any process) is dropped, not applied: one NaN would poison the adapter for good.
+    loss_fn has policy_loss's signature. Returns loss (mean over micro-batch forwards), clip_frac and
+    ratio_mean (over the updates' tokens), logp_mismatch (|old or first-pass logps - sampling logps| per
+    token: ~0 when scoring inputs are right), grad_norm (mean pre-clip norm over the updates), grad_norm_max,
+    lr (the last update's), updates, skipped_updates, time_update.
+    """
+    t0 = time.time()
+    chunks, K, E = batch["chunks"], args.steps_per_generation, args.num_iterations
+    rows = [0]  # chunk i holds rows rows[i]:rows[i + 1] of the (n, R) step tensors
+    for c in chunks:
+        rows.append(rows[-1] + c["response_ids"].shape[0])
+    off_policy = K * E > 1
+    if off_policy:  # the policy that sampled, as the training forward sees it, before it moves
+        with torch.no_grad():
+            for c in chunks:
+                c["old_logps"] = response_logps(student, c, ignore_ids, args.temperature)
+    per_update = len(chunks) // K  # check_args made it divide
+    sums = {"loss": 0.0, "forwards": 0, "clip": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0, "mismatch_tokens": 0.0}
+    grad_norms, lr, skipped = [], float("nan"), 0
+    for epoch in range(E):
+        for k in range(K):
+            loss_sum = 0.0
+            for i in range(k * per_update, (k + 1) * per_update):
+                c = chunks[i]
+                R = c["response_ids"].shape[1]
+                adv, mask = batch["advantages"][rows[i]:rows[i + 1], :R], batch["response_mask"][rows[i]:rows[i + 1], :R]
+                with accelerator.accumulate(student):
+                    logps = response_logps(student, c, ignore_ids, args.temperature)
+                    old = c["old_logps"] if off_policy else logps.detach()
+                    loss, m = loss_fn(logps, old, adv, mask, args.loss_type, args.clip_low, args.clip_high)
+                    accelerator.backward(loss)
+                n_tok = mask.sum().item()
+                loss_sum += loss.item()
+                sums["forwards"] += 1
+                sums["clip"] += m["clip_frac"] * n_tok
+                sums["ratio"] += m["ratio_mean"] * n_tok
+                sums["tokens"] += n_tok
+                if epoch == 0 and (k == 0 or off_policy):  # sampling vs training log-probs of the policy that sampled
+                    sums["mismatch"] += ((old - c["sampled_logps"]).abs() * mask).sum().item()
+                    sums["mismatch_tokens"] += n_tok
+            sums["loss"] += loss_sum
+            # Under DeepSpeed the engine already clipped and stepped inside the last accelerator.backward and this
+            # returns the norm it saw: a non-finite update is counted but can no longer be dropped.
+            grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            grad_norms.append(grad_norm)
+            lr = scheduler.get_last_lr()[0]  # the rate this update uses
+            # every process must take the same decision, or the replicas drift apart
+            bad = accelerator.reduce(torch.tensor(float(not math.isfinite(loss_sum)), device=accelerator.device), reduction="sum")
+            if math.isfinite(grad_norm) and bad.item() == 0:
+                optimizer.step()
+                scheduler.step()
+            else:
+                skipped += 1
+                log(f"step {step + 1}: non-finite loss or gradient (loss {loss_sum}, grad norm {grad_norm}); "
+                    f"update {epoch * K + k + 1} of {K * E} skipped")
+            optimizer.zero_grad(set_to_none=True)
+    n = max(sums["tokens"], 1.0)
+    return {"loss": sums["loss"] / max(sums["forwards"], 1), "clip_frac": sums["clip"] / n, "ratio_mean": sums["ratio"] / n,
+            "logp_mismatch": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
+            "grad_norm": sum(grad_norms) / len(grad_norms), "grad_norm_max": max(grad_norms), "lr": lr,
+            "updates": K * E, "skipped_updates": skipped, "tokens": sums["tokens"], "mismatch_tokens": sums["mismatch_tokens"],
+            "time_update": time.time() - t0}
 
 
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
@@ -866,19 +1047,50 @@ def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], 
     return dict(zip(keys, out))
 
 
-def main(args: Args) -> dict:
-    """Trains the student; returns the run's summary (also written to output_dir/summary.json)."""
+def step_metrics(accelerator, batch: dict, update: dict, score_clip: float, step: int, step_time: float) -> dict:
+    """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
+
+    Every statistic weighs the valid tokens of the global batch equally, except loss (the mean over processes
+    of update_student()'s mean) and grad_norm / lr (identical on every process).
+    """
+    mask = batch["response_mask"].bool()
+    student_lp, teacher_lp = batch["student_logps"][mask], batch["teacher_logps"][mask]
+    s, a = batch["scores"][mask], batch["advantages"][mask]
+    r = reduce_metrics(
+        accelerator,
+        sums={"tokens": float(mask.sum()), "seqs": float(mask.shape[0]), "kl": (student_lp - teacher_lp).sum().item(),
+              "s": s.sum().item(), "s2": (s.double() ** 2).sum().item(),
+              "clamped": float(((teacher_lp - student_lp).abs() >= score_clip).sum()),
+              "a": a.sum().item(), "a2": (a.double() ** 2).sum().item(), "nonfinite": float(batch["nonfinite_tokens"]),
+              "loss": update["loss"], "u_tokens": update["tokens"], "clip": update["clip_frac"] * update["tokens"],
+              "ratio": update["ratio_mean"] * update["tokens"], "m_tokens": update["mismatch_tokens"],
+              "mismatch": update["logp_mismatch"] * update["mismatch_tokens"]},
+        lows={"a_min": a.min().item() if a.numel() else 0.0},
+        highs={"a_max": a.max().item() if a.numel() else 0.0, "t_generate": batch["time_generate"],
+               "t_score": batch["time_score"], "t_update": update["time_update"]})
+    N, P = max(r["tokens"], 1.0), accelerator.num_processes
+    return {
+        "step": step + 1, "loss": r["loss"] / P, "reverse_kl": r["kl"] / N, "score_mean": r["s"] / N,
+        "score_std": math.sqrt(max(r["s2"] / N - (r["s"] / N) ** 2, 0.0)), "score_clamped_frac": r["clamped"] / N,
+        "adv_mean": r["a"] / N, "adv_std": math.sqrt(max(r["a2"] / N - (r["a"] / N) ** 2, 0.0)),
+        "adv_min": r["a_min"], "adv_max": r["a_max"], "clip_frac": r["clip"] / max(r["u_tokens"], 1.0),
+        "ratio_mean": r["ratio"] / max(r["u_tokens"], 1.0), "logp_mismatch": r["mismatch"] / max(r["m_tokens"], 1.0), "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"],
+        "lr": update["lr"], "response_length": r["tokens"] / max(r["seqs"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
+        "time_generate": r["t_generate"], "time_score": r["t_score"], "time_update": r["t_update"],
+        "tokens_per_second": r["tokens"] / step_time,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up and main(): the loop that calls the step
+# ---------------------------------------------------------------------------------------------
+
+
+def make_accelerator(args: Args):
+    """(Accelerator, micro-batches per update), after checking the launch and the arguments."""
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
-    from torch.distributed.fsdp import register_fsdp_forward_method
-    from tqdm.auto import tqdm
-    from transformers import AutoProcessor
+    from accelerate.utils import DistributedType, parse_flag_from_env
 
-    if args.estimate_memory:
-        from estimate_memory import print_estimate
-
-        return print_estimate(args)
-    wall_start = time.time()
     # Accelerate joins processes over gloo on CPU only when told cpu=True; without it, processes started on
     # a machine without GPUs (accelerate launch --multi_gpu, torchrun) would each train alone, all of them
     # writing the same output_dir.
@@ -893,60 +1105,102 @@ def main(args: Args) -> dict:
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
                          "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
-    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
-    resume_from = prepare_output_dir(args, accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    set_seed(args.seed)
-    device, dtype = accelerator.device, resolve_dtype(args.dtype, accelerator.device)
+    return accelerator, accum
 
-    # --- models ---
+
+def load_models(args: Args, accelerator, log=print) -> tuple:
+    """(processor, LoRA student, frozen teacher) after checking that they share one tokenizer."""
+    from accelerate.utils import DistributedType
+    from transformers import AutoProcessor
+
     processor = AutoProcessor.from_pretrained(args.student_model)
     check_same_tokenizer(processor.tokenizer, AutoProcessor.from_pretrained(args.teacher_model).tokenizer)
     tokenizer = processor.tokenizer
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
                          "the first end token; a pad equal to it would end every padded row at once)")
+    dtype = resolve_dtype(args.dtype, accelerator.device)
     student = load_student(args, dtype)
     ds_plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     # Under ZeRO-3, from_pretrained would partition the teacher too (zero.Init), and only models passed to
     # prepare() get the hooks that gather partitions back: load it as one whole replica per process.
     with ds_plugin.zero3_init_context_manager(enable=False) if ds_plugin else contextlib.nullcontext():
-        teacher = load_teacher(args, dtype, device)
-    sample_config, greedy_config = generation_configs(tokenizer, accelerator.unwrap_model(student), args)
-    eos_ids = sample_config.eos_token_id
-    ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device) if sample_config.suppress_tokens else None
+        teacher = load_teacher(args, dtype, accelerator.device)
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable (LoRA) of "
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
         f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
-        f"{accum} micro-batch(es) of {args.micro_batch_size} per step")
+        f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
+        f"micro-batch(es) of {args.micro_batch_size} per step")
+    return processor, student, teacher
 
-    # --- data ---
-    split_log = log if accelerator.is_main_process else None  # None also hides the progress bar elsewhere
-    train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split, args.max_train_samples or 2000), args, processor,
+
+def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
+    """(train dataset, its usable row indices, skip counts, eval rows [(question, images, answer)])."""
+    split_log = log if is_main else None  # None also hides the progress bar elsewhere
+    train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split), args, processor,
                                                         args.train_split, args.max_train_samples, split_log)
     eval_rows = []
     if args.num_eval_samples:
-        eval_ds, eval_keep, _ = prepare_split(load_split(args, args.eval_split, args.num_eval_samples), args,
-                                              processor, args.eval_split, args.num_eval_samples, split_log)
+        eval_ds, eval_keep, _ = prepare_split(load_split(args, args.eval_split), args, processor, args.eval_split,
+                                              args.num_eval_samples, split_log)
         eval_rows = [(eval_ds[i][args.question_column], row_images(eval_ds[i], args.image_column),
                       str(eval_ds[i][args.answer_column])) for i in eval_keep]
     log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
     step_prompt_indices(0, len(train_keep), args.prompts_per_step, args.seed)  # fails now if rows < prompts_per_step
+    return train_ds, train_keep, train_skipped, eval_rows
 
-    # --- optimizer ---
+
+def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
+    """(prepared student, prepared AdamW, LR scheduler) for the LoRA parameters.
+
+    The scheduler is stepped by hand once per optimizer update and only registered for checkpointing: through
+    prepare() Accelerate would step it once per process at every update, N times too fast on N processes.
+    """
+    from accelerate.utils import DistributedType
+
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
-    if ds_plugin:  # DeepSpeed reads its micro-batch size from a DataLoader, and there is none here
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
-        if ds_plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":  # the engine clips, not us
-            ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
-    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)  # the teacher is never prepared
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it reads its micro-batch from a DataLoader: none here
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+        if ds_config.get("gradient_clipping", "auto") == "auto":  # the engine clips, not us
+            ds_config["gradient_clipping"] = args.max_grad_norm
+    student, optimizer = accelerator.prepare(student, optimizer)  # the teacher is never prepared
+    accelerator.register_for_checkpointing(scheduler)
     if accelerator.gradient_accumulation_steps != accum:  # e.g. a DeepSpeed config that sets its own value
         raise ValueError(f"the Accelerate/DeepSpeed config sets gradient_accumulation_steps="
-                         f"{accelerator.gradient_accumulation_steps}, but one step here is {accum} micro-batches: "
+                         f"{accelerator.gradient_accumulation_steps}, but one update here is {accum} micro-batches: "
                          f"remove it from the config (this script derives it)")
+    return student, optimizer, scheduler
+
+
+def format_metrics(metrics: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_loss) -> dict:
+    """Trains the student; returns the run's summary (also written to output_dir/summary.json).
+
+    on_step(step) is called with the 1-based step before it runs; teacher_logps and loss_fn replace the
+    teacher's scoring call and the policy loss (tests feed broken numbers through them).
+    """
+    from accelerate.utils import set_seed
+    from torch.distributed.fsdp import register_fsdp_forward_method
+    from tqdm.auto import tqdm
+
+    wall_start = time.time()
+    accelerator, accum = make_accelerator(args)
+    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
+    accelerator.wait_for_everyone()
+    set_seed(args.seed)
+    processor, student, teacher = load_models(args, accelerator, log)
+    sample_config, greedy_config = generation_configs(processor.tokenizer, student, args)
+    ignore_ids = torch.tensor(sample_config.suppress_tokens, device=accelerator.device) if sample_config.suppress_tokens else None
+    train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
+    student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
     policy = accelerator.unwrap_model(student)  # for generate(): the wrapped module has no generate
     # generate() calls the model's inner modules, never the FSDP2 root's forward, so the root's own
     # parameters (embeddings, vision merger, ...) would stay sharded: run the root's unshard hooks around
@@ -955,158 +1209,60 @@ def main(args: Args) -> dict:
     # With sharded weights each forward gathers parameters from every process, so all of them must keep
     # stepping generate() until the last one is done.
     synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
+    evaluate_policy = lambda: evaluate(policy, processor, eval_rows, args, accelerator, greedy_config,  # noqa: E731
+                                       synced_gpus=synced_gpus)
 
     start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    metrics_path, summary_path = os.path.join(args.output_dir, "metrics.jsonl"), os.path.join(args.output_dir, "summary.json")
+    summary = {}
     if resume_from:
-        accelerator.load_state(resume_from)
-        with open(os.path.join(resume_from, "trainer_state.json")) as f:
-            saved = json.load(f)
-        start_step, counters = saved["step"], saved["counters"]
+        start_step, counters = restore_checkpoint(accelerator, resume_from, metrics_path)
         log(f"resumed from {resume_from} at step {start_step}")
-        if accelerator.is_main_process and os.path.exists(metrics_path):  # drop lines logged after the checkpoint
-            with open(metrics_path) as f:
-                lines = []
-                for ln in f:  # a half-written last line (crash mid-write) has no newline: drop it too
-                    logged = re.match(r'\{"step": (\d+)', ln)
-                    if logged and ln.endswith("\n") and int(logged.group(1)) <= start_step:
-                        lines.append(ln)
-            with open(metrics_path, "w") as f:
-                f.writelines(lines)
-    elif args.resume_from_checkpoint:
-        log(f"no checkpoint in {args.output_dir} yet: starting from step 0")
+        if os.path.exists(summary_path):
+            with open(summary_path) as f:
+                summary = json.load(f)
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
-    if report_to:
+    if args.report_to != "none":
         accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))})
-
-    summary_path = os.path.join(args.output_dir, "summary.json")
-    summary = {}
-    if resume_from and os.path.exists(summary_path):
-        with open(summary_path) as f:
-            summary = json.load(f)
     if eval_rows and "student_accuracy_before" not in summary:
-        teacher_eval = evaluate(teacher, processor, eval_rows, args, accelerator, greedy_config)
-        student_eval = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config, synced_gpus=synced_gpus)
-        summary.update(teacher_accuracy=teacher_eval["accuracy"], teacher_format_rate=teacher_eval["format_rate"],
-                       student_accuracy_before=student_eval["accuracy"], student_format_rate_before=student_eval["format_rate"])
-        log(f"before training: teacher accuracy {teacher_eval['accuracy']:.3f}, student accuracy "
-            f"{student_eval['accuracy']:.3f} (format {student_eval['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
+        t, s = evaluate(teacher, processor, eval_rows, args, accelerator, greedy_config), evaluate_policy()
+        summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
+                       student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"])
+        log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
+            f"(format {s['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
 
-    # --- the loop ---
-    G = args.num_generations
+    # --- the loop: the step's four functions ---
     student.train()
     # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
-    draw = {} if accelerator.is_main_process else {"disable": True}
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
-                    dynamic_ncols=True, **draw)
+                    dynamic_ncols=True, **({} if accelerator.is_main_process else {"disable": True}))
+    bar = {"acc": f"{summary['student_accuracy_before']:.3f}"} if "student_accuracy_before" in summary else {}
     for step in progress:
         t_step = time.time()
-        # 1. rollout: this process's share of the step's prompts, G samples each
-        prompts, group_ids = [], []
-        for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
-                                                  accelerator.num_processes, accelerator.process_index):
-            row = train_ds[train_keep[position]]
-            prompts += [(row[args.question_column], row_images(row, args.image_column))] * G
-            group_ids += [group_id] * G
-        torch.manual_seed(step_seed(args.seed, step, accelerator.process_index))
-        mb = args.micro_batch_size
-        chunks = [rollout(policy, processor, prompts[i:i + mb], sample_config, args, eos_ids, synced_gpus)
-                  for i in range(0, len(prompts), mb)]
-        t_generate = time.time() - t_step
-
-        # 2. teacher scoring on the same ids and images; student_lp is the sampling policy's
-        t0 = time.time()
-        with torch.no_grad():
-            for c in chunks:
-                c["teacher_logps"] = response_logps(teacher, c, ignore_ids)
-        masks = pad_cat([c["response_mask"] for c in chunks])  # (n, R)
-        teacher_lp, student_lp = pad_cat([c["teacher_logps"] for c in chunks]), pad_cat([c["sampled_logps"] for c in chunks])
-        finite = torch.isfinite(teacher_lp) & torch.isfinite(student_lp)
-        nonfinite = int(((~finite) & masks.bool()).sum())  # e.g. a broken teacher: drop those tokens, count them
-        masks = masks * finite
-        scores = distill_scores(teacher_lp, student_lp, masks, args.score_clip)
-
-        # 3. advantages: whitened over every valid token of the global batch (GNDPO), or another mode
-        try:
-            advantages = normalize_scores(scores, masks, args.advantage_mode, torch.tensor(group_ids, device=device))
-        except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
-            log(f"step {step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
-            # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
-            # non-finite: all processes then skip this step together through the check below
-            advantages = torch.full_like(scores, float("nan"))
-        t_score = time.time() - t0
-
-        # 4. update: one optimizer step over all micro-batches; old_logps = logps.detach() (ratio 1)
-        t0 = time.time()
-        loss_sum, clip_sum, ratio_sum, mismatch_sum, row = 0.0, 0.0, 0.0, 0.0, 0
-        for c in chunks:
-            n, R = c["response_ids"].shape
-            c_adv, c_mask = advantages[row:row + n, :R], masks[row:row + n, :R]
-            row += n
-            with accelerator.accumulate(student):
-                logps = response_logps(student, c, ignore_ids, args.temperature)
-                loss, m = policy_loss(logps, logps.detach(), c_adv, c_mask, args.loss_type, args.clip_low, args.clip_high)
-                accelerator.backward(loss)
-            loss_sum += loss.item()
-            clip_sum += m["clip_frac"] * c_mask.sum().item()
-            ratio_sum += m["ratio_mean"] * c_mask.sum().item()
-            # sampling vs training log-probs of the same policy: should be ~0 (a check that scoring is right)
-            mismatch_sum += ((logps.detach() - c["sampled_logps"]).abs() * c_mask).sum().item()
-        # Under DeepSpeed the engine already clipped and stepped inside the last accelerator.backward and this
-        # returns the norm it saw: a non-finite step is counted below but can no longer be dropped.
-        grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        # every process must take the same decision, or the replicas drift apart
-        bad_loss = accelerator.reduce(torch.tensor(float(not math.isfinite(loss_sum)), device=device), reduction="sum")
-        if math.isfinite(grad_norm) and bad_loss.item() == 0:
-            optimizer.step()
-            scheduler.step()
-            counters["consecutive_skips"] = 0
-        else:  # a NaN/inf would poison the adapter for good: drop this step's gradient instead
-            counters["skipped_steps"] += 1
-            counters["consecutive_skips"] += 1
-            log(f"step {step + 1}: non-finite loss or gradient (loss {loss_sum}, grad norm {grad_norm}); step skipped")
-        optimizer.zero_grad(set_to_none=True)
-        t_update = time.time() - t0
-
-        # 5. metrics, reduced over processes
-        mask_b = masks.bool()
-        kl = (student_lp - teacher_lp)[mask_b]
-        s, a = scores[mask_b], advantages[mask_b]
-        n_tok = float(mask_b.sum())
-        raw = (teacher_lp - student_lp)[mask_b]
-        r = reduce_metrics(
-            accelerator,
-            sums={"tokens": n_tok, "seqs": float(masks.shape[0]), "kl": kl.sum().item(), "s": s.sum().item(),
-                  "s2": (s.double() ** 2).sum().item(), "clamped": float((raw.abs() >= args.score_clip).sum()),
-                  "a": a.sum().item(), "a2": (a.double() ** 2).sum().item(), "clip": clip_sum, "ratio": ratio_sum,
-                  "mismatch": mismatch_sum, "loss": loss_sum, "nonfinite": float(nonfinite)},
-            lows={"a_min": a.min().item() if a.numel() else 0.0},
-            highs={"a_max": a.max().item() if a.numel() else 0.0, "t_generate": t_generate, "t_score": t_score,
-                   "t_update": t_update})
-        N = max(r["tokens"], 1.0)
-        step_time = time.time() - t_step
-        metrics = {
-            "step": step + 1, "loss": r["loss"] / accelerator.num_processes / len(chunks),
-            "reverse_kl": r["kl"] / N, "score_mean": r["s"] / N,
-            "score_std": math.sqrt(max(r["s2"] / N - (r["s"] / N) ** 2, 0.0)), "score_clamped_frac": r["clamped"] / N,
-            "adv_mean": r["a"] / N, "adv_std": math.sqrt(max(r["a2"] / N - (r["a"] / N) ** 2, 0.0)),
-            "adv_min": r["a_min"], "adv_max": r["a_max"], "clip_frac": r["clip"] / N, "ratio_mean": r["ratio"] / N,
-            "logp_mismatch": r["mismatch"] / N, "grad_norm": grad_norm, "lr": lr,
-            "response_length": r["tokens"] / max(r["seqs"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
-            "skipped_steps": counters["skipped_steps"], "time_generate": r["t_generate"], "time_score": r["t_score"],
-            "time_update": r["t_update"], "tokens_per_second": r["tokens"] / step_time,
-        }
+        if on_step:
+            on_step(step + 1)
+        prompts, group_ids = step_prompts(train_ds, train_keep, args, step, accelerator.num_processes,
+                                          accelerator.process_index)
+        batch = generate_and_score(policy, teacher, processor, prompts, group_ids, args, sample_config,
+                                   seed=step_seed(args.seed, step, accelerator.process_index), ignore_ids=ignore_ids,
+                                   synced_gpus=synced_gpus, teacher_logps=teacher_logps, log=log, step=step)
+        update = update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=ignore_ids,
+                                loss_fn=loss_fn, log=log, step=step)
+        counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
+        counters["skipped_steps"] += bool(update["skipped_updates"])
+        metrics = step_metrics(accelerator, batch, update, args.score_clip, step, time.time() - t_step)
+        metrics["skipped_steps"] = counters["skipped_steps"]
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
-            e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config, synced_gpus=synced_gpus)
+            e = evaluate_policy()
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
+            bar["acc"] = f"{e['accuracy']:.3f}"
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-            progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{grad_norm:.2f}")
-            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+            progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **bar)
+            if args.logging_steps and ((step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps):
+                log(format_metrics(metrics))
         accelerator.log(metrics, step=step + 1)
         if counters["consecutive_skips"] >= args.max_consecutive_skips:
             last = list_checkpoints(args.output_dir)
@@ -1121,7 +1277,7 @@ def main(args: Args) -> dict:
     accelerator.wait_for_everyone()
     save_adapter(accelerator, student, processor, os.path.join(args.output_dir, "adapter"))
     if eval_rows:
-        e = evaluate(policy, processor, eval_rows, args, accelerator, greedy_config, synced_gpus=synced_gpus)
+        e = evaluate_policy()
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
     summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
                    advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),

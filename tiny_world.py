@@ -10,9 +10,13 @@ It builds, from a seed and with no network:
     written with `save_pretrained` and later loaded back with `from_pretrained`, exactly
     the path a real checkpoint takes.
 
-The shipped weights in `assets/tiny/` are regenerated with:
+The shipped weights and dataset in `assets/tiny/` are regenerated with:
 
-    python tiny_world.py --out assets/tiny --seed 0
+    python tiny_world.py --out assets/tiny --seed 0       # models (about 40 min on 2 cores) and data
+    python tiny_world.py --out assets/tiny --data_only    # the dataset alone (assets/tiny/data, seconds)
+
+The task is written as a dataset on disk (`assets/tiny/data/{train,test}.parquet`) that the default run
+loads through `--dataset_name`, the same path a user's data takes.
 
 The teacher learns the task. The student learns to *see* the task but with a systematic
 misconception: during its pre-training, color and shape answers are renamed (red->blue, ...)
@@ -107,6 +111,23 @@ def make_dataset(n: int, seed: int):
     features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
                                   "answer": datasets.Value("string"), "kind": datasets.Value("string")})
     return datasets.Dataset.from_list(rows, features=features)
+
+
+# Rows per split of the shipped dataset, and the seeds they are drawn from. The test split is drawn from
+# its own seed, apart from the training rows and from the 400 rows the models were evaluated on while built.
+DATA_SPLITS = {"train": (2000, 1001), "test": (400, 1002)}
+
+
+def write_dataset(out: str) -> dict[str, str]:
+    """Writes the task as parquet files out/<split>.parquet (images embedded as PNG bytes), the layout
+    `datasets.load_dataset(out)` reads as a dataset with those splits, like any user's data folder.
+    Returns {split: path}. The rows depend on DATA_SPLITS only, never on a training run's seed."""
+    os.makedirs(out, exist_ok=True)
+    paths = {}
+    for split, (n, seed) in DATA_SPLITS.items():
+        paths[split] = os.path.join(out, f"{split}.parquet")
+        make_dataset(n, seed).to_parquet(paths[split])
+    return paths
 
 
 def text_only_accuracy(rows: list[dict]) -> float:
@@ -395,6 +416,10 @@ if __name__ == "__main__":
     parser.add_argument("--student_swap_prob", type=float, default=STUDENT_SWAP_PROB,
                         help="share of the student's SFT examples with renamed colors/shapes")
     parser.add_argument("--student_label_smoothing", type=float, default=0.0)
+    parser.add_argument("--data_only", action="store_true", help="only (re)write the dataset in <out>/data")
     a = parser.parse_args()
+    print("dataset:", write_dataset(os.path.join(a.out, "data")), flush=True)
+    if a.data_only:
+        raise SystemExit(0)
     print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps,
                                  tuple(a.models.split(",")), a.student_swap_prob, a.student_label_smoothing), indent=2))
