@@ -1,7 +1,7 @@
 """How much GPU memory a GNDPO run needs, from the models' config.json alone: no weights are loaded.
 
     python estimate_memory.py recipes/geometry3k_qwen2.5vl_3b.yaml          # a recipe
-    python gndpo_minimal.py --estimate_memory --student_model DIR ...       # any flags (DIR: a folder with config.json)
+    python estimate_memory.py --student_model DIR --teacher_model DIR ...   # the run's flags (DIR: a folder with config.json)
 
 Both models are built on the meta device (shapes, no storage), so parameter counts are exact. The teacher is
 put through the same bitsandbytes replacement that a 4-bit load does, so the quantized layers are exactly the

@@ -1,7 +1,9 @@
-"""What the benchmark scripts share: where the tiny models are, process memory readings, tables."""
+"""What the benchmark scripts share: where the tiny models and data are, process memory readings, the report
+(Markdown tables on stdout, the same numbers as one JSON dict for --json)."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -35,6 +37,24 @@ def tiny_models(student: str | None = None, teacher: str | None = None, seed: in
             "random-init tiny models (assets/tiny missing): responses run to the length limit")
 
 
+def tiny_dataset() -> str:
+    """The demo task's data folder: the shipped one (the Args() default, assets/tiny/data), else the same rows
+    written once to a temp folder (they depend on nothing but tiny_world.DATA_SPLITS)."""
+    import gndpo_minimal as g
+
+    default = g.Args().dataset_name
+    if os.path.isdir(default):
+        return default
+    import tempfile
+
+    import tiny_world
+
+    out = os.path.join(tempfile.gettempdir(), "gndpo-bench-data")
+    if not all(os.path.isfile(os.path.join(out, f"{split}.parquet")) for split in tiny_world.DATA_SPLITS):
+        tiny_world.write_dataset(out)
+    return out
+
+
 def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
     """A copy of the model at `src` whose (tied) embedding table and LM head have `vocab` rows, the extra rows
     randomly initialized: the tiny models' cost structure with a real model's vocabulary (the tokenizer is
@@ -46,6 +66,15 @@ def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
     model.resize_token_embeddings(vocab, mean_resizing=False)
     model.save_pretrained(dst)
     AutoProcessor.from_pretrained(src).save_pretrained(dst)
+
+
+def padded_models(student: str, teacher: str, vocab: int, out_dir: str) -> tuple[str, str]:
+    """Copies of both models under out_dir with their vocabulary padded to `vocab` (see pad_vocabulary)."""
+    paths = []
+    for name, src in (("student", student), ("teacher", teacher)):
+        paths.append(os.path.join(out_dir, name))
+        pad_vocabulary(src, paths[-1], vocab)
+    return paths[0], paths[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +123,10 @@ def mib(n_bytes: float) -> float:
     return n_bytes / 2**20
 
 
+def percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%"
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     """A Markdown table; floats get 3 significant digits."""
     def cell(v):
@@ -102,3 +135,21 @@ def table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def add_json_flag(parser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="Also write the numbers and ratios printed as one JSON dict here.")
+
+
+def report(out: dict, sections: list, json_path: str | None = None, verbose: bool = True) -> dict:
+    """Prints the sections in order when verbose: a str as is, a (headers, rows) pair as a table; writes `out`
+    to json_path when given (tuples become JSON lists). Returns `out`."""
+    if verbose:
+        for section in sections:
+            print(section if isinstance(section, str) else table(*section))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+    return out

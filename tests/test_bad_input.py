@@ -185,16 +185,16 @@ def test_load_split_reads_local_folders_and_files(tmp_path, processor):
         columns = {"image_column": "images", "question_column": "problem"} if name == "multi.parquet" else {}
         args = g.Args(dataset_name=str(tmp_path / name), **columns)
         for split, n in zip(("train", "test"), sizes):
-            loaded = g.load_split(args, split, 0)
+            loaded = g.load_split(args, split)
             assert len(loaded) == n, (name, split)
             _, keep, _ = g.prepare_split(loaded, args, processor, split, log=None)
             assert keep == list(range(n)), (name, split)
-    two = g.prepare_split(g.load_split(g.Args(dataset_name=str(tmp_path / "multi.parquet")), "train", 0),
+    two = g.prepare_split(g.load_split(g.Args(dataset_name=str(tmp_path / "multi.parquet")), "train"),
                           g.Args(image_column="images", question_column="problem"), processor, "train", log=None)[0]
     assert len(g.row_images(two[1], "images")) == 2
     for name in ("dict", "imgs"):  # a split that does not exist: the available ones and the flags to set
         with pytest.raises(ValueError, match=r"split 'validation'.*\['train', 'test'\].*--eval_split"):
-            g.load_split(g.Args(dataset_name=str(tmp_path / name)), "validation", 0)
+            g.load_split(g.Args(dataset_name=str(tmp_path / name)), "validation")
 
 
 # --- teacher/student vocabularies ---------------------------------------------------------------

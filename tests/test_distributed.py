@@ -133,11 +133,14 @@ def whitened_groups(metrics: dict, seqs: int) -> float:
 
 def test_script_two_processes_global(untrained_models, tmp_path):
     out = str(tmp_path / "run")
-    log = launch_two_processes(untrained_models, out, "--num_eval_samples", "3")
+    log = launch_two_processes(untrained_models, out, "--num_eval_samples", "3", "--warmup_steps", "4",
+                               "--logging_steps", "1")
     assert "2 process(es)" in log  # the processes joined one group instead of training alone
     assert len(re.findall(r"^step=1 ", log, flags=re.M)) == 1  # only the main process prints
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
+    # the warmup advances once per optimizer update, as with one process: not once per process
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3 * 1 / 4, 1e-3 * 2 / 4])
     for m in metrics:  # statistics over both processes' tokens at once, not each process on its own
         assert whitened_groups(m, seqs=4 * 2) == pytest.approx(1.0, abs=1e-3)
         assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
@@ -212,7 +215,7 @@ def test_accelerate_configs_load_and_give_the_intended_launch_settings():
 
 
 def test_scaling_doc_gives_a_launch_command_for_every_config():
-    with open(os.path.join(ROOT, "docs", "readme", "scaling.md")) as f:
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
         doc = f.read()
     for name in EXPECTED_CONFIGS:
         assert f"accelerate launch --config_file configs/{name}" in doc, name

@@ -29,7 +29,7 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
                   max_steps=40, num_eval_samples=0, save_steps=0, seed=0,
                   output_dir=str(tmp_path / "run"))
     processor = AutoProcessor.from_pretrained(args.student_model)
-    eval_ds = g.load_split(args, args.eval_split, 24)  # held-out rows, never trained on
+    eval_ds = g.load_split(args, args.eval_split).select(range(24))  # held-out rows, never trained on
     prompts = [(r["question"], g.row_images(r, "image")) for r in eval_ds] * 2  # (24 prompts x G=2)
     base = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=torch.float32).eval()
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))

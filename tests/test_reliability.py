@@ -80,7 +80,7 @@ def command(models: str, data: str, out: str, *extra: str) -> list[str]:
             "--teacher_model", os.path.join(models, "teacher"), "--dataset_name", data,
             "--max_steps", str(MAX_STEPS), "--prompts_per_step", "4", "--num_generations", "2",
             "--micro_batch_size", "8", "--num_eval_samples", "0", "--warmup_steps", "6",
-            "--save_steps", "2", "--save_total_limit", "2", "--seed", "3", "--output_dir", out, *extra]
+            "--save_steps", "2", "--save_total_limit", "2", "--seed", "3", "--logging_steps", "1", "--output_dir", out, *extra]
 
 
 def subprocess_env() -> dict:
@@ -174,7 +174,7 @@ def test_checkpoints_hold_everything_and_only_the_last_k_are_kept(runs):
     assert [s for s, _ in g.list_checkpoints(out)] == [MAX_STEPS - 2, MAX_STEPS]  # save_total_limit 2
     assert not os.path.exists(os.path.join(out, f"checkpoint-{MAX_STEPS}.tmp"))
     last = os.path.join(out, f"checkpoint-{MAX_STEPS}")
-    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+    for name in ("model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl",
                  "adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json"):
         assert os.path.isfile(os.path.join(last, name)), name
     with open(os.path.join(last, "trainer_state.json")) as f:
@@ -206,35 +206,30 @@ def small_args(models: str, data: str, out: str, **kwargs) -> g.Args:
                   output_dir=out, **kwargs)
 
 
-@pytest.fixture
-def current_step(monkeypatch) -> dict:
-    """{'step': the 1-based step being run}, read from the per-step seeding call of main()."""
-    now = {"step": 0}
-    original = g.step_seed
+class CurrentStep:
+    """main()'s on_step hook: remembers the 1-based step being run."""
 
-    def spy(seed, step, process_index):
-        now["step"] = step + 1
-        return original(seed, step, process_index)
+    def __init__(self):
+        self.step = 0
 
-    monkeypatch.setattr(g, "step_seed", spy)
-    return now
+    def __call__(self, step: int) -> None:
+        self.step = step
 
 
 def test_nan_loss_skips_the_step_and_k_in_a_row_stop_with_the_last_good_checkpoint(
-        untrained_models, dataset_dir, tmp_path, monkeypatch, current_step, capsys):
+        untrained_models, dataset_dir, tmp_path, capsys):
     bad_steps = {2, 4, 5, 6}
-    original = g.policy_loss
+    now = CurrentStep()
 
     def nan_loss(*a, **k):
-        loss, metrics = original(*a, **k)
-        return (loss * float("nan") if current_step["step"] in bad_steps else loss), metrics
+        loss, metrics = g.policy_loss(*a, **k)
+        return (loss * float("nan") if now.step in bad_steps else loss), metrics
 
-    monkeypatch.setattr(g, "policy_loss", nan_loss)
     out = str(tmp_path / "run")
     args = small_args(untrained_models, dataset_dir, out, max_steps=8, save_steps=1, save_total_limit=20,
                       max_consecutive_skips=3)
     with pytest.raises(RuntimeError) as err:
-        g.main(args)
+        g.main(args, on_step=now, loss_fn=nan_loss)
     message = str(err.value)
     assert "3 non-finite steps in a row at step 6" in message
     assert f"The last good checkpoint is {os.path.join(out, 'checkpoint-5')}" in message and "resume from it" in message
@@ -257,7 +252,7 @@ def test_nan_loss_skips_the_step_and_k_in_a_row_stop_with_the_last_good_checkpoi
 
 
 def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
-        untrained_models, dataset_dir, tmp_path, monkeypatch, current_step, capsys):
+        untrained_models, dataset_dir, tmp_path, capsys):
     # a teacher whose embedding table is padded to more rows than the tokenizer has (as Qwen checkpoints are):
     # it scores the same token ids, so it must just work
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -270,23 +265,20 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
     AutoProcessor.from_pretrained(os.path.join(untrained_models, "teacher")).save_pretrained(os.path.join(models, "teacher"))
     os.symlink(os.path.join(untrained_models, "student"), os.path.join(models, "student"))
 
-    original = g.response_logps
-    seen_vocab = []
+    now, seen_vocab = CurrentStep(), []
 
-    def nan_teacher(model, chunk, ignore_ids, temperature=1.0):
-        logps = original(model, chunk, ignore_ids, temperature)
-        if not torch.is_grad_enabled():  # the teacher's scoring pass (the student's update runs with grad)
-            seen_vocab.append(model.get_input_embeddings().weight.shape[0])
-            if current_step["step"] == 1:
-                logps = logps.clone()
-                logps[:3] = float("nan")  # three responses of eight
-            elif current_step["step"] == 2:
-                logps = torch.full_like(logps, float("inf"))  # nothing finite left
+    def nan_teacher(model, chunk, ignore_ids):
+        logps = g.response_logps(model, chunk, ignore_ids)
+        seen_vocab.append(model.get_input_embeddings().weight.shape[0])
+        if now.step == 1:
+            logps = logps.clone()
+            logps[:3] = float("nan")  # three responses of eight
+        elif now.step == 2:
+            logps = torch.full_like(logps, float("inf"))  # nothing finite left
         return logps
 
-    monkeypatch.setattr(g, "response_logps", nan_teacher)
     out = str(tmp_path / "run")
-    summary = g.main(small_args(models, dataset_dir, out, max_steps=3, save_steps=0))
+    summary = g.main(small_args(models, dataset_dir, out, max_steps=3, save_steps=0), on_step=now, teacher_logps=nan_teacher)
     assert set(seen_vocab) == {vocab + 64}
     m1, m2, m3 = read_metrics(out)
     # step 1: the NaN tokens are left out of the scores and counted; the step trains on the rest
@@ -299,3 +291,21 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
     assert m3["nonfinite_tokens"] == 0 and m3["skipped_steps"] == 1 and math.isfinite(m3["grad_norm"])
     assert summary["skipped_steps"] == 1 and summary["steps"] == 3
     assert all(torch.isfinite(t).all() for t in adapter_weights(out).values())
+
+
+def test_resume_latest_without_a_checkpoint_starts_over_with_clean_metrics(untrained_models, dataset_dir, tmp_path, capsys):
+    """A run that crashed before its first save leaves metrics.jsonl but no checkpoint: 'latest' must not append."""
+    now = CurrentStep()
+
+    def crash_at_step_3(*a, **k):
+        if now.step == 3:
+            raise KeyboardInterrupt("interrupted before the first save")
+        return g.policy_loss(*a, **k)
+
+    out = str(tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10), on_step=now, loss_fn=crash_at_step_3)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2] and not g.list_checkpoints(out)
+    g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10, resume_from_checkpoint="latest"))
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert "saved none; starting over at step 0" in capsys.readouterr().out

@@ -18,7 +18,7 @@
 #
 # GNDPO trains a vision-language student on image questions. Before any sampling or scoring, every
 # training row becomes a **chat prompt with image placeholders**, and the processor turns it into token ids
-# plus pixel patches. This notebook walks one row of the embedded task through the same functions
+# plus pixel patches. This notebook walks one row of the tiny task's dataset through the same functions
 # `gndpo_minimal.main()` uses: `load_split` -> `prepare_split` -> `row_images` -> `build_messages` -> `encode_prompts`.
 #
 # Everything runs offline on a CPU in a few seconds, with the tiny models shipped in `assets/tiny`.
@@ -39,25 +39,34 @@ from transformers import AutoProcessor
 
 from gndpo_minimal import Args, build_messages, encode_prompts, load_split, prepare_split, row_images
 
-args = Args()  # the script's defaults: the embedded shapes task and the tiny models in assets/tiny
+args = Args()  # the script's defaults: the shapes task's dataset and the tiny models, all in assets/tiny
 processor = AutoProcessor.from_pretrained(args.student_model)
-print("student:", os.path.relpath(args.student_model), "| teacher:", os.path.relpath(args.teacher_model))
+print("dataset:", os.path.relpath(args.dataset_name), "| student:", os.path.relpath(args.student_model),
+      "| teacher:", os.path.relpath(args.teacher_model))
 print("columns: image =", repr(args.image_column), " question =", repr(args.question_column),
       " answer =", repr(args.answer_column), " instruction =", repr(args.instruction))
 
 # %% [markdown]
 # ## The training split
 #
-# With no `--dataset_name`, `load_split` draws the embedded task with PIL from a seed: 1-4 shapes of one kind and
-# one color on a 112x112 canvas, and one of three questions. The answer is a single word. `prepare_split` then
-# checks every row once (readable image, a question, a prompt that fits `max_prompt_length`) and returns the
-# indices of the usable rows; bad rows of a real dataset are counted and skipped instead of crashing a long run.
+# The default `--dataset_name` is `assets/tiny/data`: a folder holding `train.parquet` and `test.parquet`, with
+# the images stored as PNG bytes (`tiny_world.py` wrote it once). `load_split` reads a split of it with
+# `datasets.load_dataset`, the same call that reads a Hub dataset or a user's own files, so the tiny task takes
+# exactly the path real data takes. Each row has 1-4 shapes of one kind and one color on a 112x112 canvas, one
+# of three questions, and a one-word answer; the `kind` column is not used for training. The rows are fixed:
+# `--seed` changes the order in which a run draws them and what the student samples, never the rows.
+#
+# `prepare_split` then checks every row once (readable image, a question, a prompt that fits
+# `max_prompt_length`) and returns the indices of the usable rows; bad rows of a real dataset are counted and
+# skipped instead of crashing a long run. `main()` checks the whole split, or its first `--max_train_samples`
+# rows; the `limit` below checks only the first 16, to keep this notebook fast.
 
 # %%
-train_ds = load_split(args, args.train_split, n_embedded=16)  # main() draws 2000 rows; the first 16 are these
-train_ds, keep, skipped = prepare_split(train_ds, args, processor, args.train_split)
+train_ds = load_split(args, args.train_split)  # the whole split; images stay undecoded until a row is read
 print(train_ds)
-print(f"usable rows: {len(keep)}, skipped: {skipped}")
+print(f"{args.eval_split!r} split (held out for greedy evaluation): {len(load_split(args, args.eval_split))} rows")
+train_ds, keep, skipped = prepare_split(train_ds, args, processor, args.train_split, limit=16)
+print(f"checked the first 16 rows: usable {len(keep)}, skipped {skipped}")
 
 # %%
 fig, axes = plt.subplots(2, 4, figsize=(11, 6.6))
@@ -66,7 +75,7 @@ for ax, i in zip(axes.flat, keep):
     ax.imshow(row_images(row, args.image_column)[0])
     ax.set_title(f"{row[args.question_column]}\nanswer: {row[args.answer_column]}", fontsize=9)
     ax.axis("off")
-fig.suptitle("Eight training rows of the embedded task (image, question, reference answer)")
+fig.suptitle("The first eight training rows (image, question, reference answer)")
 fig.tight_layout()
 plt.show()
 
@@ -86,7 +95,7 @@ images[0].resize((224, 224))
 # ## From a row to a chat
 #
 # `build_messages` makes a one-turn chat. An image goes where the question has an `<image>` marker
-# (Geometry3K-style data), or first when it has none, as in the embedded task. `--instruction` text
+# (Geometry3K-style data), or first when it has none, as in the tiny task. `--instruction` text
 # (for real data: "think inside `<think>`, answer in `\boxed{}`") is appended to the question.
 
 # %%

@@ -74,12 +74,15 @@ print("suppressed:", tokenizer.convert_ids_to_tokens(sample_config.suppress_toke
 # %% [markdown]
 # ## Sampling G responses per prompt
 #
-# Three training prompts (one per question of the task), each repeated G times. In `main()` the random seed of
-# each step is `step_seed(seed, step, process)`, so a resumed run samples exactly what the interrupted one would have.
+# Three training prompts (one per question of the task), each repeated G times. In `main()`, the step's
+# `generate_and_score` seeds the step with `step_seed(seed, step, process)` and calls `rollout` on each
+# micro-batch of its prompts, so a resumed run samples exactly what the interrupted one would have. Here we
+# seed and call `rollout` ourselves, to look at what it returns (notebook 3 makes the same call through
+# `generate_and_score`).
 
 # %%
-train_ds = load_split(args, args.train_split, n_embedded=16)
-train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
+train_ds = load_split(args, args.train_split)  # the tiny task's training split, read from disk (notebook 1)
+train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, limit=16, log=None)
 G = args.num_generations
 first_of_question = {}  # one prompt per question of the task
 for i in keep:
@@ -128,8 +131,10 @@ plt.show()
 #
 # `rollout()` records log p(token) from the very logits `generate()` sampled from (a logits processor, so no
 # extra forward pass is needed). The training forward (`response_logps`) recomputes them from scratch on
-# prompt + response. The two must agree, or the importance ratio of the update would not be 1 and the
-# distillation score would be biased. A useful check, and `main()` logs it every step as `logp_mismatch`.
+# prompt + response. The two must agree: the update treats the samples as drawn from the policy its forward
+# computes (ratio 1 with one update per step), and the distillation score uses the recorded log-probs, so a gap
+# would bias both. A useful check: `update_student` measures the gap on every step's training forward, and
+# `main()` logs it as `logp_mismatch`.
 
 # %%
 with torch.no_grad():
