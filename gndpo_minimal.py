@@ -11,7 +11,7 @@ Run (offline: tiny models and a dataset shipped in assets/tiny; a few minutes on
     accelerate launch gndpo_minimal.py
 Plain OPD (unnormalized advantages) for comparison:
     accelerate launch gndpo_minimal.py --advantage_mode none
-Real models (see README for the recipes and configs/ for multi-GPU / multi-node launch files):
+Real models (docs/recipes.md for the recipes, docs/scaling.md and configs/ for multi-GPU / multi-node launch):
     accelerate launch gndpo_minimal.py --student_model Qwen/Qwen2.5-VL-3B-Instruct \
         --teacher_model Qwen/Qwen2.5-VL-7B-Instruct --dataset_name hiyouga/geometry3k ...
 Any argument can also come from a YAML/JSON file: accelerate launch gndpo_minimal.py recipe.yaml

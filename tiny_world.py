@@ -25,7 +25,7 @@ format, its greedy answer to color and shape questions is the wrong name (well b
 accuracy overall), yet the right name keeps some probability, so sampling finds it and the
 teacher can reward it; its vision tower already encodes what matters. Distillation then has to
 fix the language side only, which a LoRA on the language model can do (a student whose vision
-sees nothing useful cannot be fixed by such a LoRA; see README).
+sees nothing useful cannot be fixed by such a LoRA; see docs/world.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,26 @@
-"""Where the time of one GNDPO step goes: generate, teacher scoring, student forward, student backward,
-optimizer, on the tiny models, with the script's own functions (the loop body of gndpo_minimal.main).
+"""Where the time of one GNDPO step goes, on the tiny models: the step exactly as main() runs it
+(step_prompts -> generate_and_score -> update_student -> step_metrics, set up by make_accelerator,
+load_models, load_data and make_optimizer), timed from outside.
 
     python bench/step_breakdown.py            # Args() defaults: B = 32 prompts x G = 4, 8 new tokens
     python bench/step_breakdown.py --quick    # a few seconds: tiny batch, 1 + 2 steps
     OMP_NUM_THREADS=1 python bench/step_breakdown.py --prompts 8 --steps 5
     python bench/step_breakdown.py --prompts 8 --vocab 151936   # both models' vocabulary padded to Qwen2.5's
+    python bench/step_breakdown.py --quick --json out.json      # the printed numbers as one JSON dict too
 
-Each part is averaged over the measured steps (after warm-up); means add up, so the parts sum to the
+Where each part's seconds come from, so that nothing of the step is re-implemented here:
+  prompts, metrics           the step_prompts / step_metrics calls, timed around them;
+  generate, teacher scoring  time_generate / time_score, which generate_and_score returns;
+  student backward           accelerator.backward, wrapped on the instance update_student is given;
+  optimizer                  accelerator.clip_grad_norm_, optimizer.step / zero_grad, scheduler.step, wrapped too;
+  student forward            the rest of update_student's time_update: the model forwards, the log-probs, the
+                             loss and the per-update bookkeeping (plus the old policy's no-grad forward when
+                             --steps_per_generation or --num_iterations make the update off-policy).
+The step is timed around all of it, so the parts add up to it only if no time goes unaccounted.
+A second table splits the models' compute (forward hooks on the student and the teacher and on their
+vision towers): how much of each part is spent inside the model, and how much of that in the vision tower.
+
+Each number is a mean over the measured steps (after warm-up); means add up, so the parts sum to the
 mean step time. Tokens per second counts valid response tokens, as metrics.jsonl does.
 """
 
@@ -15,139 +29,226 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
+from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import pad_vocabulary, table, tiny_models  # noqa: E402
+from benchutil import add_json_flag, padded_models, percent, report, tiny_dataset, tiny_models  # noqa: E402
 
 import torch  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
 
-PARTS = ("generate", "teacher scoring", "student forward", "student backward", "optimizer")
+PARTS = ("prompts", "generate", "teacher scoring", "student forward", "student backward", "optimizer", "metrics")
+# (part, the model that computes in it)
+COMPUTE_PARTS = (("generate", "student"), ("teacher scoring", "teacher"), ("student update", "student"))
 
 
-def load(args: g.Args):
-    """Processor, LoRA student, teacher, sampling config, end ids and ignored ids, the way main() builds them."""
-    from transformers import AutoProcessor
+class Clock:
+    """Seconds per label, summed over calls of the functions it wrapped. A wrapped call made inside another
+    one (an optimizer method called by another) counts once, in the outer label."""
 
-    processor = AutoProcessor.from_pretrained(args.student_model)
-    student = g.load_student(args, torch.float32)
-    teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
+    def __init__(self):
+        self.seconds, self._busy = defaultdict(float), False
+
+    def wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            if self._busy:
+                return fn(*args, **kwargs)
+            self._busy, t0 = True, time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self._busy = False
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The seconds so far, starting over from zero."""
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        return seconds
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's vision encoder (Qwen-VL: model.visual), the shallowest module with such a name."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("visual", "vision_tower", "vision_model"):
+            return module
+    return None
+
+
+class ForwardTimer:
+    """Seconds a model spends computing and, of those, inside its vision tower, from forward hooks on both:
+    generate() and the training forwards call them as modules, so no call site changes. The vision tower
+    counts as model time also when it runs on its own: generate() encodes the images before its first
+    forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seconds, self._depth, self._start = {"model": 0.0, "vision": 0.0}, 0, {}
+        self._hook(model, "model")
+        tower = vision_tower(model)
+        if tower is not None:
+            self._hook(tower, "vision")
+
+    def _hook(self, module: torch.nn.Module, label: str) -> None:
+        def enter(module, args):
+            now = time.perf_counter()
+            self._start[label] = now
+            if self._depth == 0:
+                self._start["outermost"] = now
+            self._depth += 1
+
+        def leave(module, args, output):
+            now = time.perf_counter()
+            self._depth -= 1
+            if label == "vision":
+                self.seconds["vision"] += now - self._start["vision"]
+            if self._depth == 0:
+                self.seconds["model"] += now - self._start["outermost"]
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
+
+def setup_step(args: g.Args, log) -> dict:
+    """Everything the step needs, built by main()'s own set-up functions."""
+    from accelerate.utils import set_seed
+
+    accelerator, accum = g.make_accelerator(args)
+    set_seed(args.seed)
+    processor, student, teacher = g.load_models(args, accelerator, log)
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
-    ignore_ids = torch.tensor(sample_config.suppress_tokens) if sample_config.suppress_tokens else None
-    return processor, student, teacher, sample_config, sample_config.eos_token_id, ignore_ids
+    ignore_ids = torch.tensor(sample_config.suppress_tokens, device=accelerator.device) if sample_config.suppress_tokens else None
+    train_ds, train_keep, _, _ = g.load_data(args, processor, True, log)
+    student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
+    student.train()
+    return {"accelerator": accelerator, "processor": processor, "student": student, "teacher": teacher,
+            "policy": accelerator.unwrap_model(student), "optimizer": optimizer, "scheduler": scheduler,
+            "sample_config": sample_config, "ignore_ids": ignore_ids, "train_ds": train_ds, "train_keep": train_keep,
+            "log": log}
 
 
-def one_step(step: int, rows: list[dict], args: g.Args, processor, student, teacher, optimizer, sample_config,
-             eos_ids, ignore_ids) -> dict:
-    """One optimizer step on B prompts x G samples; returns seconds per part, total seconds and tokens."""
-    G, mb = args.num_generations, args.micro_batch_size
-    first = step * args.prompts_per_step % len(rows)
-    batch_rows = [rows[(first + i) % len(rows)] for i in range(args.prompts_per_step)]
-    prompts = [(r["question"], [r["image"]]) for r in batch_rows for _ in range(G)]
-    group_ids = torch.arange(len(batch_rows)).repeat_interleave(G)
-    t = {}
+def time_update_calls(clock: Clock, accelerator, optimizer, scheduler) -> None:
+    """Wraps, on these instances only, the calls update_student makes for the backward and the optimizer."""
+    accelerator.backward = clock.wrap("student backward", accelerator.backward)
+    accelerator.clip_grad_norm_ = clock.wrap("optimizer", accelerator.clip_grad_norm_)
+    optimizer.step = clock.wrap("optimizer", optimizer.step)
+    optimizer.zero_grad = clock.wrap("optimizer", optimizer.zero_grad)
+    scheduler.step = clock.wrap("optimizer", scheduler.step)
+
+
+def one_step(step: int, args: g.Args, setup: dict, clock: Clock, timers: dict[str, ForwardTimer]) -> dict:
+    """One step as main() runs it; returns seconds per part, the step's seconds, model and vision tower seconds
+    per COMPUTE_PARTS part and the valid response tokens."""
+    accelerator, student, policy, teacher = setup["accelerator"], setup["student"], setup["policy"], setup["teacher"]
+    clock.take()
+    model_seconds = lambda: {name: dict(t.seconds) for name, t in timers.items()}  # noqa: E731
+    before = model_seconds()
     start = time.perf_counter()
+    prompts, group_ids = clock.wrap("prompts", g.step_prompts)(setup["train_ds"], setup["train_keep"], args, step)
+    batch = g.generate_and_score(policy, teacher, setup["processor"], prompts, group_ids, args, setup["sample_config"],
+                                 seed=g.step_seed(args.seed, step, 0), ignore_ids=setup["ignore_ids"],
+                                 log=setup["log"], step=step)
+    after_generate = model_seconds()
+    update = g.update_student(student, setup["optimizer"], setup["scheduler"], accelerator, batch, args,
+                              ignore_ids=setup["ignore_ids"], log=setup["log"], step=step)
+    after_update = model_seconds()
+    clock.wrap("metrics", g.step_metrics)(accelerator, batch, update, args.score_clip, step, time.perf_counter() - start)
+    total = time.perf_counter() - start
 
-    # 1. rollout, with the sampling policy's log-probs recorded on the fly
-    torch.manual_seed(g.step_seed(args.seed, step, 0))
-    chunks = [g.rollout(student, processor, prompts[i:i + mb], sample_config, args, eos_ids)
-              for i in range(0, len(prompts), mb)]
-    t["generate"] = time.perf_counter() - start
-
-    # 2. teacher log-probs of the sampled tokens -> scores -> advantages (GNDPO global whitening)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for c in chunks:
-            c["teacher_logps"] = g.response_logps(teacher, c, ignore_ids)
-    masks = g.pad_cat([c["response_mask"] for c in chunks])
-    teacher_lp, student_lp = g.pad_cat([c["teacher_logps"] for c in chunks]), g.pad_cat([c["sampled_logps"] for c in chunks])
-    scores = g.distill_scores(teacher_lp, student_lp, masks, args.score_clip)
-    advantages = g.normalize_scores(scores, masks, args.advantage_mode, group_ids)
-    t["teacher scoring"] = time.perf_counter() - t0
-
-    # 3. student forward (log-probs + GSPO loss) and backward, per micro-batch
-    t["student forward"] = t["student backward"] = 0.0
-    row = 0
-    for c in chunks:
-        t0 = time.perf_counter()
-        n, R = c["response_ids"].shape
-        logps = g.response_logps(student, c, ignore_ids, args.temperature)
-        loss, _ = g.policy_loss(logps, logps.detach(), advantages[row:row + n, :R], masks[row:row + n, :R],
-                                args.loss_type, args.clip_low, args.clip_high)
-        row += n
-        t1 = time.perf_counter()
-        (loss / len(chunks)).backward()
-        t["student forward"] += t1 - t0
-        t["student backward"] += time.perf_counter() - t1
-
-    # 4. optimizer: clip, step, zero
-    t0 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], args.max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    t["optimizer"] = time.perf_counter() - t0
-    return {"parts": t, "total": time.perf_counter() - start, "tokens": int(masks.sum())}
+    t = clock.take()
+    parts = {"prompts": t["prompts"], "generate": batch["time_generate"], "teacher scoring": batch["time_score"],
+             "student backward": t.get("student backward", 0.0), "optimizer": t.get("optimizer", 0.0),
+             "metrics": t["metrics"]}
+    parts["student forward"] = update["time_update"] - parts["student backward"] - parts["optimizer"]
+    # the teacher runs only inside scoring, the student in generate and in the update
+    spans = {"generate": ("student", before, after_generate), "teacher scoring": ("teacher", before, after_generate),
+             "student update": ("student", after_generate, after_update)}
+    compute = {part: {k: b[model][k] - a[model][k] for k in ("model", "vision")} for part, (model, a, b) in spans.items()}
+    return {"parts": parts, "total": total, "compute": compute, "tokens": int(batch["response_mask"].sum()),
+            "skipped_updates": update["skipped_updates"]}
 
 
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, micro_batch_size: int | None = None, warmup: int | None = None,
         steps: int | None = None, teacher_4bit: bool = True, vocab: int = 0, student: str | None = None,
-        teacher: str | None = None, verbose: bool = True) -> dict:
-    """Measures `steps` steps after `warmup` ones; returns mean seconds per part, mean step seconds, tokens/s."""
-    import tempfile
-
-    import tiny_world
-
+        teacher: str | None = None, steps_per_generation: int = 1, num_iterations: int = 1,
+        json_path: str | None = None, verbose: bool = True) -> dict:
+    """Measures `steps` steps after `warmup` ones; returns mean seconds per part, mean step seconds, part
+    shares, model and vision tower seconds per part, tokens/s (and writes them to json_path when given)."""
     student_dir, teacher_dir, which = tiny_models(student, teacher)
-    if vocab:
-        if verbose:
-            print(f"models: {which}, vocabulary padded to {vocab}")
-        with tempfile.TemporaryDirectory(prefix="gndpo-step-") as tmp:
-            for name, path in (("student", student_dir), ("teacher", teacher_dir)):
-                pad_vocabulary(path, os.path.join(tmp, name), vocab)
-            return run(quick, prompts, generations, max_new_tokens, micro_batch_size, warmup, steps, teacher_4bit, 0,
-                       os.path.join(tmp, "student"), os.path.join(tmp, "teacher"), verbose)
-    defaults = g.Args()
-    B = prompts or (2 if quick else defaults.prompts_per_step)
-    G = generations or (2 if quick else defaults.num_generations)
-    args = g.Args(student_model=student_dir, teacher_model=teacher_dir, teacher_4bit=teacher_4bit,
-                  prompts_per_step=B, num_generations=G,
-                  max_new_tokens=max_new_tokens or (4 if quick else defaults.max_new_tokens),
-                  micro_batch_size=micro_batch_size or (B * G if quick else min(defaults.micro_batch_size, B * G)))
-    g.check_args(args, 1)
-    warmup = 1 if warmup is None else warmup
-    steps = steps or (2 if quick else 5)
-    torch.manual_seed(args.seed)
-    processor, student_model, teacher_model, sample_config, eos_ids, ignore_ids = load(args)
-    student_model.train()
-    optimizer = torch.optim.AdamW([p for p in student_model.parameters() if p.requires_grad],
-                                  lr=args.learning_rate, weight_decay=args.weight_decay)
-    rows = tiny_world.make_rows(B * (warmup + steps), seed=1)
-    measured = []
-    for step in range(warmup + steps):
-        result = one_step(step, rows, args, processor, student_model, teacher_model, optimizer, sample_config,
-                          eos_ids, ignore_ids)
-        if step >= warmup:
-            measured.append(result)
+    with tempfile.TemporaryDirectory(prefix="gndpo-step-") as tmp:
+        if vocab:
+            student_dir, teacher_dir = padded_models(student_dir, teacher_dir, vocab, tmp)
+            which += f", vocabulary padded to {vocab}"
+        defaults = g.Args()
+        B = prompts or (2 if quick else defaults.prompts_per_step)
+        G = generations or (2 if quick else defaults.num_generations)
+        warmup = 1 if warmup is None else warmup
+        steps = steps or (2 if quick else 5)
+        # as many rows as the steps draw prompts: every step gets B rows no earlier step saw
+        args = g.Args(student_model=student_dir, teacher_model=teacher_dir, teacher_4bit=teacher_4bit,
+                      dataset_name=tiny_dataset(), max_train_samples=B * (warmup + steps), num_eval_samples=0,
+                      prompts_per_step=B, num_generations=G,
+                      max_new_tokens=max_new_tokens or (4 if quick else defaults.max_new_tokens),
+                      micro_batch_size=micro_batch_size or (B * G if quick else min(defaults.micro_batch_size, B * G)),
+                      steps_per_generation=steps_per_generation, num_iterations=num_iterations,
+                      output_dir=os.path.join(tmp, "run"))
+        setup = setup_step(args, print if verbose else (lambda msg: None))
+        clock = Clock()
+        time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
+        timers = {"student": ForwardTimer(setup["policy"].get_base_model()), "teacher": ForwardTimer(setup["teacher"])}
+        measured = []
+        for step in range(warmup + steps):
+            result = one_step(step, args, setup, clock, timers)
+            if step >= warmup:
+                measured.append(result)
+
     n = len(measured)
     parts = {p: sum(m["parts"][p] for m in measured) / n for p in PARTS}
     step_time = sum(m["total"] for m in measured) / n
     tokens = sum(m["tokens"] for m in measured) / n
-    out = {"parts": parts, "step": step_time, "tokens_per_step": tokens, "tokens_per_second": tokens / step_time,
-           "steps": n, "models": which, "threads": torch.get_num_threads(),
-           "config": {"prompts": B, "G": G, "max_new_tokens": args.max_new_tokens,
-                      "micro_batch_size": args.micro_batch_size, "teacher_4bit": teacher_4bit}}
-    if verbose:
-        print(f"GNDPO step on {which}; B={B} x G={G}, max_new_tokens={args.max_new_tokens}, micro-batch "
-              f"{args.micro_batch_size}, teacher {'4-bit nf4' if teacher_4bit else 'fp32'}, "
-              f"{torch.get_num_threads()} thread(s); mean of {n} step(s) after {warmup} warm-up")
-        rows_out = [[p, parts[p], f"{100 * parts[p] / step_time:.0f}%"] for p in PARTS]
-        rows_out.append(["step (measured)", step_time, f"{100 * sum(parts.values()) / step_time:.0f}% accounted"])
-        print(table(["part", "seconds", "share"], rows_out))
-        print(f"response tokens per step {tokens:.0f}, tokens per second {tokens / step_time:.1f}")
-    return out
+    part_time = {"generate": parts["generate"], "teacher scoring": parts["teacher scoring"],
+                 "student update": parts["student forward"] + parts["student backward"] + parts["optimizer"]}
+    compute = {}
+    for part, _ in COMPUTE_PARTS:
+        model = sum(m["compute"][part]["model"] for m in measured) / n
+        vision = sum(m["compute"][part]["vision"] for m in measured) / n
+        compute[part] = {"part_seconds": part_time[part], "model_seconds": model, "vision_seconds": vision,
+                          "model_share_of_part": model / part_time[part], "vision_share_of_model": vision / model}
+    all_model = sum(f["model_seconds"] for f in compute.values())
+    all_vision = sum(f["vision_seconds"] for f in compute.values())
+    config = {"prompts": B, "G": G, "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.micro_batch_size,
+              "teacher_4bit": teacher_4bit, "steps_per_generation": steps_per_generation,
+              "num_iterations": num_iterations, "warmup": warmup, "vocab": vocab}
+    out = {"parts": parts, "shares": {p: parts[p] / step_time for p in PARTS}, "step": step_time,
+           "accounted": sum(parts.values()) / step_time, "tokens_per_step": tokens,
+           "tokens_per_second": tokens / step_time, "model_compute": compute,
+           "vision_share_of_all_model_compute": all_vision / all_model,
+           "skipped_updates": sum(m["skipped_updates"] for m in measured), "steps": n, "models": which,
+           "threads": torch.get_num_threads(), "config": config}
+
+    part_rows = [[p, parts[p], percent(parts[p], step_time)] for p in PARTS]
+    part_rows.append(["step (measured)", step_time, f"{percent(sum(parts.values()), step_time)} accounted"])
+    compute_rows = [[f"{part} ({model})", compute[part]["model_seconds"],
+                     percent(compute[part]["model_seconds"], compute[part]["part_seconds"]),
+                     compute[part]["vision_seconds"], percent(compute[part]["vision_seconds"],
+                                                               compute[part]["model_seconds"])]
+                    for part, model in COMPUTE_PARTS]
+    compute_rows.append(["all parts", all_model, "", all_vision, percent(all_vision, all_model)])
+    return report(out, [
+        f"GNDPO step on {which}; B={B} x G={G}, max_new_tokens={args.max_new_tokens}, micro-batch "
+        f"{args.micro_batch_size}, {steps_per_generation * num_iterations} update(s) per step, teacher "
+        f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {torch.get_num_threads()} thread(s); mean of {n} step(s) "
+        f"after {warmup} warm-up",
+        (["part", "seconds", "share"], part_rows),
+        f"response tokens per step {tokens:.0f}, tokens per second {tokens / step_time:.1f}",
+        "",
+        "model compute inside the parts (forward hooks on the model and its vision tower), and the vision tower's share:",
+        (["part (model)", "model compute s", "share of the part", "vision tower s", "share of the model compute"],
+         compute_rows),
+    ], json_path, verbose)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -157,15 +258,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--generations", type=int, help="G, samples per prompt (default 4).")
     p.add_argument("--max_new_tokens", type=int, help="Response length limit (default 8).")
     p.add_argument("--micro_batch_size", type=int, help="Sequences per forward (default 32).")
+    p.add_argument("--steps_per_generation", type=int, default=1, help="K updates per step (default 1).")
+    p.add_argument("--num_iterations", type=int, default=1, help="E passes over the rollouts per step (default 1).")
     p.add_argument("--warmup", type=int, help="Unmeasured steps first (default 1).")
     p.add_argument("--steps", type=int, help="Measured steps (default 5; 2 with --quick).")
     p.add_argument("--fp32_teacher", action="store_true", help="Full-precision teacher instead of 4-bit nf4.")
     p.add_argument("--vocab", type=int, default=0, help="Pad both models' vocabulary to this size (e.g. 151936) first.")
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
     p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
+    add_json_flag(p)
     a = p.parse_args(argv)
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.micro_batch_size, a.warmup, a.steps,
-               not a.fp32_teacher, a.vocab, a.student_model, a.teacher_model)
+               not a.fp32_teacher, a.vocab, a.student_model, a.teacher_model, a.steps_per_generation,
+               a.num_iterations, a.json)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Qwen2.5): peak extra memory and time, without autograd (scoring) and with a back
     python bench/token_logps.py             # 4 x 1024 response tokens (1.2 GB of bf16 logits); backward at 4 x 512
     python bench/token_logps.py --quick     # 2 x 64 tokens: a few seconds
     python bench/token_logps.py --batch 2 --tokens 512 --grad_tokens 512
+    python bench/token_logps.py --quick --json out.json   # the printed numbers as one JSON dict too
 
 Peak extra memory: each (side, mode) runs in a fresh Python process that allocates the logits, then resets
 the process's RSS high-water mark (Linux /proc/self/clear_refs) and runs the op once: extra = peak RSS
@@ -24,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import median, mib, peak_rss_bytes, reset_peak_rss, rss_bytes, table  # noqa: E402
+from benchutil import add_json_flag, median, mib, peak_rss_bytes, reset_peak_rss, report, rss_bytes  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -79,13 +80,14 @@ def peak_extra_memory(side: str, mode: str, batch: int, tokens: int, vocab: int)
 
 
 def run(quick: bool = False, batch: int | None = None, tokens: int | None = None, grad_tokens: int | None = None,
-        vocab: int = VOCAB, repeats: int | None = None, verbose: bool = True) -> dict:
-    """Returns {mode: {"shape", "naive": {"extra_bytes", "seconds"}, "token_logps": {...}, "max_abs_diff"}}."""
+        vocab: int = VOCAB, repeats: int | None = None, json_path: str | None = None, verbose: bool = True) -> dict:
+    """Returns {mode: {"shape", "naive": {"extra_bytes", "seconds"}, "token_logps": {...}, "max_abs_diff",
+    "memory_ratio" (naive / token_logps), "time_ratio" (token_logps / naive)}} (also written to json_path)."""
     batch = batch or (2 if quick else 4)
     shapes = {"no autograd": (batch, tokens or (64 if quick else 1024), vocab),
               "with backward": (batch, grad_tokens or (64 if quick else 512), vocab)}
     repeats = repeats or (2 if quick else 3)
-    out = {"threads": torch.get_num_threads()}
+    out = {"threads": torch.get_num_threads(), "vocab": vocab, "repeats": repeats}
     for mode in MODES:
         grad = mode == "with backward"
         logits, ids = make_inputs(*shapes[mode], grad)
@@ -99,28 +101,33 @@ def run(quick: bool = False, batch: int | None = None, tokens: int | None = None
                 if grad:
                     grads[side] = logits.grad
         del logits
-        out[mode] = {side: {"seconds": median(seconds[side]), "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])}
-                     for side in SIDES}
-        out[mode]["shape"] = shapes[mode]
-        out[mode]["max_abs_diff"] = (results["naive"] - results["token_logps"]).abs().max().item()
+        r = {side: {"seconds": median(seconds[side]), "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])}
+             for side in SIDES}
+        r["shape"] = shapes[mode]
+        r["logits_bytes"] = shapes[mode][0] * shapes[mode][1] * shapes[mode][2] * 2  # bf16
+        r["memory_ratio"] = r["naive"]["extra_bytes"] / max(r["token_logps"]["extra_bytes"], 1)
+        r["time_ratio"] = r["token_logps"]["seconds"] / r["naive"]["seconds"]
+        r["max_abs_diff"] = (results["naive"] - results["token_logps"]).abs().max().item()
         if grad:
-            out[mode]["max_abs_grad_diff"] = (grads["naive"].float() - grads["token_logps"].float()).abs().max().item()
-    if verbose:
-        print(f"log-probs of the given tokens from bf16 logits (vocabulary {vocab}), {out['threads']} thread(s); "
-              f"time = median of {repeats} runs, sides interleaved")
-        rows = []
-        for mode in MODES:
-            r = out[mode]
-            naive, chunked = r["naive"], r["token_logps"]
-            B, T, V = r["shape"]
-            less = naive["extra_bytes"] / max(chunked["extra_bytes"], 1)
-            rows.append([mode, f"{B} x {T}", f"{mib(B * T * V * 2):.0f}", f"{mib(naive['extra_bytes']):.0f}",
-                         f"{mib(chunked['extra_bytes']):.0f}", f"{less:.1f}x less",
-                         naive["seconds"], chunked["seconds"], f"{chunked['seconds'] / naive['seconds']:.2f}",
-                         f"{r['max_abs_diff']:.1e}"])
-        print(table(["mode", "tokens", "logits MiB", "naive peak extra MiB", "token_logps peak extra MiB", "memory",
-                     "naive s", "token_logps s", "time ratio (token_logps / naive)", "max abs diff"], rows))
-    return out
+            r["max_abs_grad_diff"] = (grads["naive"].float() - grads["token_logps"].float()).abs().max().item()
+        out[mode] = r
+
+    rows = []
+    for mode in MODES:
+        r = out[mode]
+        B, T, _ = r["shape"]
+        ratio = r["memory_ratio"]  # below 1 at --quick sizes with a backward: say "more", not "0.7x less"
+        memory = f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"
+        rows.append([mode, f"{B} x {T}", f"{mib(r['logits_bytes']):.0f}", f"{mib(r['naive']['extra_bytes']):.0f}",
+                     f"{mib(r['token_logps']['extra_bytes']):.0f}", memory,
+                     r["naive"]["seconds"], r["token_logps"]["seconds"], f"{r['time_ratio']:.2f}",
+                     f"{r['max_abs_diff']:.1e}"])
+    return report(out, [
+        f"log-probs of the given tokens from bf16 logits (vocabulary {vocab}), {out['threads']} thread(s); "
+        f"time = median of {repeats} runs, sides interleaved",
+        (["mode", "tokens", "logits MiB", "naive peak extra MiB", "token_logps peak extra MiB", "memory",
+          "naive s", "token_logps s", "time ratio (token_logps / naive)", "max abs diff"], rows),
+    ], json_path, verbose)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -131,13 +138,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--grad_tokens", type=int, help="Tokens per sequence with backward (default 512; 64 with --quick).")
     p.add_argument("--vocab", type=int, default=VOCAB, help="Vocabulary size (default 151936).")
     p.add_argument("--repeats", type=int, help="Timed runs per side (default 3; 2 with --quick).")
+    add_json_flag(p)
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a.worker, a.mode, a.batch, a.tokens, a.vocab)))
         return None
-    return run(a.quick, a.batch, a.tokens, a.grad_tokens, a.vocab, a.repeats)
+    return run(a.quick, a.batch, a.tokens, a.grad_tokens, a.vocab, a.repeats, a.json)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ tiny Qwen2.5-VL student and teacher, the same image questions, batch, G and resp
     python bench/vs_trl.py                        # B = 8 prompts x G = 4, 8 new tokens, 2 + 4 steps, 2 rounds
     python bench/vs_trl.py --quick                # a few seconds of steps: B = 2 x G = 2, 1 + 1 steps, 1 round
     python bench/vs_trl.py --vocab 151936         # both models' vocabulary padded to Qwen2.5's
+    python bench/vs_trl.py --quick --json out.json   # the printed numbers as one JSON dict too
 
 TRL's closest trainer is `trl.DistillationTrainer` (on-policy distillation, Agarwal et al. 2024; it takes a
 processor and images, so the vision-language path is compared as is). One step on each side:
@@ -40,8 +41,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import (median, mib, pad_vocabulary, peak_rss_bytes, reset_peak_rss, rss_bytes,  # noqa: E402
-                       table, tiny_models)
+from benchutil import (add_json_flag, median, mib, padded_models, peak_rss_bytes, reset_peak_rss,  # noqa: E402
+                       report, rss_bytes, tiny_models)
 
 SIDES = ("ours", "trl")
 LABELS = {"ours": "gndpo_minimal.main()", "trl": "TRL DistillationTrainer"}
@@ -117,7 +118,7 @@ def trl_worker(cfg: dict) -> dict:
 
     libraries_rss = rss_bytes()
     args = gndpo_args(cfg)
-    rows = datasets.load_from_disk(cfg["dataset"])
+    rows = g.load_split(args, args.train_split)  # the rows main() reads, through the same loader
     G = cfg["G"]
     # each prompt G times in a row, no shuffling: every step holds B prompts x G samples, as ours does
     data = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}],
@@ -159,8 +160,9 @@ def run_worker(side: str, cfg: dict) -> dict:
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, warmup: int | None = None, steps: int | None = None,
         rounds: int | None = None, teacher_4bit: bool = False, vocab: int = 0, student: str | None = None,
-        teacher: str | None = None, verbose: bool = True) -> dict:
-    """Alternates fresh ours / TRL processes `rounds` times; returns each side's medians and ours / TRL ratios."""
+        teacher: str | None = None, json_path: str | None = None, verbose: bool = True) -> dict:
+    """Alternates fresh ours / TRL processes `rounds` times; returns each side's medians and ours / TRL ratios
+    (also written to json_path when given)."""
     import tiny_world
 
     student_dir, teacher_dir, which = tiny_models(student, teacher)
@@ -174,9 +176,7 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for both sides
         tiny_world.make_dataset(cfg["prompts"] * (cfg["warmup"] + cfg["steps"]), seed=1).save_to_disk(cfg["dataset"])
         if vocab:
-            for name in ("student", "teacher"):
-                pad_vocabulary(cfg[name], os.path.join(tmp, name), vocab)
-                cfg[name] = os.path.join(tmp, name)
+            cfg["student"], cfg["teacher"] = padded_models(cfg["student"], cfg["teacher"], vocab, tmp)
             which += f", vocabulary padded to {vocab}"
         for r in range(rounds):
             for side in SIDES:
@@ -192,19 +192,18 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
                      "response_tokens_per_step": median([run["response_tokens_per_step"] for run in runs])}
     out["time_ratio"] = out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"]
     out["peak_rss_ratio"] = out["ours"]["peak_rss"] / out["trl"]["peak_rss"]
-    if verbose:
-        print(f"{which}; B={cfg['prompts']} x G={cfg['G']}, max_new_tokens={cfg['max_new_tokens']}, teacher "
-              f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
-              f"{rounds} round(s), sides alternating in fresh processes; threads: OMP_NUM_THREADS="
-              f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")
-        rows = [[LABELS[side], out[side]["seconds_per_step"],
-                 ", ".join(f"{x:.3g}" for x in out[side]["round_medians"]),
-                 f"{mib(out[side]['peak_rss']):.0f}", f"{mib(out[side]['libraries_rss']):.0f}",
-                 f"{out[side]['response_tokens_per_step']:.0f}"] for side in SIDES]
-        rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
-        print(table(["side", "median s/step", "round medians", "peak RSS MiB (steps)", "RSS MiB after imports",
-                     "response tokens/step"], rows))
-    return out
+    rows = [[LABELS[side], out[side]["seconds_per_step"], ", ".join(f"{x:.3g}" for x in out[side]["round_medians"]),
+             f"{mib(out[side]['peak_rss']):.0f}", f"{mib(out[side]['libraries_rss']):.0f}",
+             f"{out[side]['response_tokens_per_step']:.0f}"] for side in SIDES]
+    rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
+    return report(out, [
+        f"{which}; B={cfg['prompts']} x G={cfg['G']}, max_new_tokens={cfg['max_new_tokens']}, teacher "
+        f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
+        f"{rounds} round(s), sides alternating in fresh processes; threads: OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        (["side", "median s/step", "round medians", "peak RSS MiB (steps)", "RSS MiB after imports",
+          "response tokens/step"], rows),
+    ], json_path, verbose)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -221,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                    "Qwen2.5's) to see the cost of the loss at a real vocabulary; 0 = keep the tiny one.")
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
     p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
+    add_json_flag(p)
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(RESULT_TAG + json.dumps(result), flush=True)
         return None
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.warmup, a.steps, a.rounds, a.teacher_4bit,
-               a.vocab, a.student_model, a.teacher_model)
+               a.vocab, a.student_model, a.teacher_model, a.json)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Bad input: each case either stops with a message that names the problem and the fix, or skips the
-row and counts it (the table in docs/readme/reliability.md). In-process calls of the checking functions."""
+row and counts it (the table in docs/reliability.md). In-process calls of the checking functions."""
 
 import copy
 import csv
