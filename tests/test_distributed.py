@@ -36,6 +36,7 @@ def run(cmd: list[str], env: dict | None = None) -> str:
 
 # --- global normalization over processes -------------------------------------------------------
 
+@pytest.mark.slow
 def test_global_normalization_over_processes_equals_one_process(tmp_path):
     """Two ranks holding 3 and ~60 valid tokens (and, in a second call, 0 and ~60) get exactly the
     advantages that one process holding the whole batch computes, through one float64 all-reduce;
@@ -131,6 +132,7 @@ def whitened_groups(metrics: dict, seqs: int) -> float:
     return n_tokens - sum_sq
 
 
+@pytest.mark.slow
 def test_script_two_processes_global(untrained_models, tmp_path):
     out = str(tmp_path / "run")
     log = launch_two_processes(untrained_models, out, "--num_eval_samples", "3", "--warmup_steps", "4",
@@ -157,6 +159,7 @@ def test_script_two_processes_global(untrained_models, tmp_path):
     assert "student_accuracy_after" in summary and summary["steps"] == 2
 
 
+@pytest.mark.slow
 def test_script_two_processes_group_mode_keeps_prompts_whole(untrained_models, tmp_path):
     out = str(tmp_path / "run")
     launch_two_processes(untrained_models, out, "--advantage_mode", "group", "--num_eval_samples", "0")

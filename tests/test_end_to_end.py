@@ -75,6 +75,7 @@ def finished(run) -> str:
     return run["out"]
 
 
+@pytest.mark.slow
 def test_cli_metrics_one_finite_line_per_step(cli_run):
     out = finished(cli_run)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -98,6 +99,7 @@ def test_cli_metrics_one_finite_line_per_step(cli_run):
         assert m["logp_mismatch"] < 1e-4
 
 
+@pytest.mark.slow
 def test_cli_summary_written(cli_run):
     out = finished(cli_run)
     with open(os.path.join(out, "summary.json")) as f:
@@ -107,6 +109,7 @@ def test_cli_summary_written(cli_run):
         assert 0.0 <= summary[key] <= 1.0
 
 
+@pytest.mark.slow
 def test_cli_adapter_loads_back_and_was_trained(cli_run):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
@@ -129,6 +132,7 @@ def test_cli_adapter_loads_back_and_was_trained(cli_run):
     assert (adapted - plain).abs().max() > 1e-6
 
 
+@pytest.mark.slow
 def test_cli_base_weights_and_model_files_untouched(cli_run):
     from transformers import AutoModelForImageTextToText
 

@@ -2,9 +2,12 @@
 
 import os
 
+import pytest
 import torch
 
 import gndpo_minimal as g
+
+pytestmark = pytest.mark.slow  # every test here trains or runs the script
 
 
 @torch.no_grad()

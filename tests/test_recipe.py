@@ -151,6 +151,7 @@ def test_estimate_of_the_internvl_configs_in_the_expected_ranges():
     assert e1["teacher_weights"] == e2["teacher_weights"] and e1["student_weights"] < e2["student_weights"]
 
 
+@pytest.mark.slow
 def test_estimate_memory_script_takes_the_runs_flags_and_local_config_folders(tmp_path):
     """`python estimate_memory.py <the run's flags>` prints the estimate and writes nothing."""
     recipe = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
@@ -412,6 +413,7 @@ def test_geometry3k_layout_loads_with_every_image_mode_and_long_prompts_are_coun
     assert all(im.mode == "RGB" for i in keep for im in g.row_images(ds[i], "images"))
 
 
+@pytest.mark.slow
 def test_recipe_data_settings_run_one_step_end_to_end(geometry3k_dir, untrained_models, tmp_path, capsys):
     """One GNDPO step with the Qwen recipe's settings (LoRA + gradient checkpointing, 4-bit teacher, the
     think/boxed instruction, Geometry3K columns) on tiny models and the local Geometry3K-shaped data."""

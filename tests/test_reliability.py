@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 
 import gndpo_minimal as g
 
+pytestmark = pytest.mark.slow  # every test here trains or runs the script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 TIMING_KEYS = {"time_generate", "time_score", "time_update", "tokens_per_second"}

@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+from accelerate.utils import set_seed
 
 import gndpo_minimal as g
 
@@ -32,6 +33,7 @@ def setup(untrained_models):
                   teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4, num_generations=2,
                   micro_batch_size=2, max_new_tokens=6, max_train_samples=16, num_eval_samples=0)
     accelerator, _ = g.make_accelerator(args)
+    set_seed(0)  # the LoRA's random init: the same starting student whatever ran before in this process
     processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     ignore_ids = torch.tensor(sample_config.suppress_tokens)
@@ -44,21 +46,23 @@ def setup(untrained_models):
             "lora": {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}}
 
 
-def run_update(setup, **changes) -> tuple[dict, dict]:
-    """update_student on a fresh copy of the student (LoRA at its starting values) with Args changes;
-    returns (its metrics, the trained LoRA weights)."""
+def run_update(setup, batch: dict | None = None, **changes) -> tuple[dict, dict]:
+    """update_student on a fresh copy of the student (LoRA at its starting values) with Args changes, on the
+    setup's batch or another; returns (its metrics, the trained LoRA weights)."""
     args = dataclasses.replace(setup["args"], **changes)
     student = copy.deepcopy(setup["student"])
     accelerator = setup["accelerator"]
     accum = g.check_args(args, 1)
     accelerator.gradient_accumulation_steps = accum
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
-    batch = {**setup["batch"], "chunks": [dict(c) for c in setup["batch"]["chunks"]]}  # old_logps go into copies
+    batch = batch or setup["batch"]
+    batch = {**batch, "chunks": [dict(c) for c in batch["chunks"]]}  # old_logps go into copies
     update = g.update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=setup["ignore_ids"],
                               log=lambda msg: None)
     return update, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow
 def test_generate_and_score_returns_whitened_advantages_over_the_batch(setup):
     b = setup["batch"]
     n, R = b["response_mask"].shape
@@ -70,6 +74,7 @@ def test_generate_and_score_returns_whitened_advantages_over_the_batch(setup):
     assert (b["advantages"][~b["response_mask"].bool()] == 0).all()
 
 
+@pytest.mark.slow
 def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     update, weights = run_update(setup, learning_rate=1e-2)
     assert update["updates"] == 1 and update["skipped_updates"] == 0
@@ -95,17 +100,31 @@ def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     assert any(not torch.equal(weights[n], setup["lora"][n]) for n in weights)
 
 
+def repeated_batch(setup) -> dict:
+    """The first micro-batch four times over, every sampled token with advantage +1: each of K = 4 updates
+    raises the probability of the same responses, so from the second update on their ratio is above 1 and,
+    at a large learning rate, beyond 1 + clip_high, where the clip must act."""
+    b, chunk = setup["batch"], setup["batch"]["chunks"][0]
+    n, R = chunk["response_ids"].shape
+    mask = b["response_mask"][:n, :R].repeat(4, 1)  # (4n, R)
+    return {**b, "chunks": [chunk] * 4, "response_mask": mask, "advantages": mask.float()}
+
+
+@pytest.mark.slow
 def test_off_policy_updates_move_the_ratio_and_clip(setup):
-    # a large learning rate makes each of the K = 4 updates move the policy far enough for the clip to bite
-    gspo, gspo_weights = run_update(setup, steps_per_generation=4, learning_rate=5e-2)
+    batch = repeated_batch(setup)
+    gspo, gspo_weights = run_update(setup, batch, steps_per_generation=4, learning_rate=5e-2)
     assert gspo["updates"] == 4 and gspo["skipped_updates"] == 0
-    assert abs(gspo["ratio_mean"] - 1.0) > 1e-3 and gspo["clip_frac"] > 0
+    assert gspo["ratio_mean"] > 1.05 and gspo["clip_frac"] > 0
     # old_logps come from one no-grad forward before the first update: they equal the sampling log-probs
     assert gspo["logp_mismatch"] < 1e-5
-    ppo, ppo_weights = run_update(setup, steps_per_generation=4, learning_rate=5e-2, loss_type="ppo")
+    ppo, ppo_weights = run_update(setup, batch, steps_per_generation=4, learning_rate=5e-2, loss_type="ppo")
     assert ppo["clip_frac"] > 0 and ppo["loss"] != pytest.approx(gspo["loss"], abs=1e-6)
     assert any(not torch.allclose(gspo_weights[n], ppo_weights[n]) for n in gspo_weights)
-    # E = 2 passes over the batch: twice the updates, and the second pass sees ratios from the first
+    # the same batch on-policy (K = E = 1): one update, nothing to clip
+    once, _ = run_update(setup, batch, learning_rate=5e-2)
+    assert once["ratio_mean"] == 1.0 and once["clip_frac"] == 0.0
+    # E = 2 passes over the real batch: twice the updates, and the second pass sees ratios away from 1
     twice, _ = run_update(setup, steps_per_generation=2, num_iterations=2, learning_rate=5e-2)
     assert twice["updates"] == 4 and abs(twice["ratio_mean"] - 1.0) > 1e-3
     # the warmup counts optimizer updates: after 4 updates of a 4-update warmup the rate is the full one

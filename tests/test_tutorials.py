@@ -87,6 +87,7 @@ def test_notebook_imports_the_math_instead_of_redefining_it(path):
     assert "from gndpo_minimal import" in "".join(c.source for c in code_cells(nb))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=names(NOTEBOOKS))
 def test_notebook_runs_top_to_bottom(path, trained_models):
     """Executes a fresh copy of the notebook (outputs cleared) on the shipped models; any cell error fails."""
