@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 
 import torch
@@ -74,12 +73,11 @@ def vision_shape(model) -> dict:
 
 
 def lora_layers(model, target_modules: str) -> list[tuple[str, int, int]]:
-    """(name, in, out) of the linear layers that load_student puts LoRA on: the language model's layers named
-    in target_modules (the same regex as load_student, which peft matches against the full module name)."""
-    names = "|".join(re.escape(m.strip()) for m in target_modules.split(",") if m.strip())
-    pattern = re.compile(rf".*language_model.*\.({names})$")
-    return [(n, m.in_features, m.out_features) for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and pattern.fullmatch(n)]
+    """(name, in, out) of the linear layers that load_student puts LoRA on (the same lora_target_names)."""
+    from gndpo_minimal import lora_target_names
+
+    modules = dict(model.named_modules())
+    return [(n, modules[n].in_features, modules[n].out_features) for n in lora_target_names(model, target_modules)]
 
 
 def nf4_weights(model, double_quant: bool = True, other_bytes: int = 2) -> dict:

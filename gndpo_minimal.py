@@ -559,16 +559,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
+def lora_target_names(model, target_modules: str) -> list[str]:
+    """Full names of the language model's linear layers whose last name is in `target_modules` (comma-separated).
+
+    The language model is what get_decoder() returns (language_model in Qwen-VL, InternVL and Gemma 3,
+    text_model in Idefics3/SmolVLM): vision blocks and projectors have q/k/v/gate/up/down layers too, and a
+    name pattern alone would put the adapter on them.
+    """
+    wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
+    decoder = model.get_decoder()
+    inside = {id(m) for m in decoder.modules()}
+    names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
+             and n.rsplit(".", 1)[-1] in wanted]
+    if not names:
+        raise ValueError(f"no linear layer named {sorted(wanted)} in the language model ({type(decoder).__name__}): "
+                         f"set --lora_target_modules to names of its layers")
+    return names
+
+
 def load_student(args: Args, dtype: torch.dtype):
     """The student with a LoRA adapter on the language model's linear layers; everything else frozen."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
-    names = "|".join(re.escape(m.strip()) for m in args.lora_target_modules.split(",") if m.strip())
-    # Vision blocks have gate/up/down_proj layers too: the regex keeps the adapter on the language model.
     lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=rf".*language_model.*\.({names})$", task_type="CAUSAL_LM")
+                      target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -617,20 +633,36 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
                          "of the student's model family")
 
 
-def vision_token_ids(tokenizer) -> list[int]:
-    """Ids of image/video special tokens: a sampled one would break the scoring forward, so sampling
-    suppresses them and scoring gives them -inf, keeping both distributions the same."""
-    names = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-             "<image>", "<IMG_CONTEXT>", "<img>", "</img>"]
-    unk = tokenizer.unk_token_id
-    return sorted({i for i in tokenizer.convert_tokens_to_ids(names) if i is not None and i != unk})
+VISION_TOKEN_RE = re.compile(r"image|img|vision|video|row_\d+_col_\d+", re.IGNORECASE)
 
 
-def model_inputs(batch: dict, keys=("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values",
-                                    "image_grid_thw", "image_sizes", "image_attention_mask")) -> dict:
-    """The processor outputs a forward pass needs. Qwen-VL needs all of ids, mask, pixel_values, image_grid_thw
-    and mm_token_type_ids: without the last one it silently falls back to 1-D positions."""
-    return {k: batch[k] for k in keys if k in batch}
+def vision_token_ids(tokenizer, config=None) -> list[int]:
+    """Ids of the image/video special tokens: a sampled one would break the scoring forward (image features
+    and image tokens no longer match), so sampling suppresses them and scoring gives them -inf, keeping both
+    distributions the same.
+
+    Found by name among the tokenizer's special tokens (<|image_pad|> and <|vision_start|> in Qwen-VL,
+    <IMG_CONTEXT> and <img> in InternVL, <start_of_image> and <image_soft_token> in Gemma 3, <image>,
+    <fake_token_around_image>, <global-img> and <row_i_col_j> in Idefics3/SmolVLM), plus every image, video or
+    vision token id the model's config names.
+    """
+    ids = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special and VISION_TOKEN_RE.search(tok.content)}
+    for key, value in (config.to_dict().items() if config is not None else ()):
+        if isinstance(value, int) and key.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", key):
+            ids.add(value)
+    return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
+
+
+# Keys that rollout() adds to the processor's batch; everything else the processor returned goes to the model.
+ROLLOUT_KEYS = ("response_ids", "response_mask", "sampled_logps", "teacher_logps", "old_logps")
+
+
+def model_inputs(batch: dict) -> dict:
+    """The processor outputs, all of which a forward pass needs: ids and mask, the image tensors (pixel_values
+    and image_grid_thw, image_sizes or pixel_attention_mask by family) and the token types (Qwen-VL's
+    mm_token_type_ids, Gemma 3's token_type_ids). Without mm_token_type_ids Qwen-VL silently falls back to 1-D
+    positions; without token_type_ids Gemma 3 attends causally over an image's tokens."""
+    return {k: v for k, v in batch.items() if k not in ROLLOUT_KEYS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,7 +709,7 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
 
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
     eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer) or None,
+    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
                   eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
     sample = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
                               repetition_penalty=1.0, **common)
@@ -723,13 +755,15 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
 
 
 def sequence_inputs(chunk: dict) -> dict:
-    """Prompt + response as one forward's inputs; the response adds text-only positions (mm type 0)."""
+    """Prompt + response as one forward's inputs. Every per-token input (shaped like input_ids) grows by the
+    response: ids by its ids, the attention mask by its mask, token types (mm_token_type_ids, token_type_ids)
+    by zeros: response tokens are text."""
     inputs = model_inputs(chunk)
-    response, mask = chunk["response_ids"], chunk["response_mask"]
-    inputs["input_ids"] = torch.cat([chunk["input_ids"], response], 1)
-    inputs["attention_mask"] = torch.cat([chunk["attention_mask"], mask.to(chunk["attention_mask"].dtype)], 1)
-    if "mm_token_type_ids" in chunk:
-        inputs["mm_token_type_ids"] = torch.cat([chunk["mm_token_type_ids"], torch.zeros_like(response)], 1)
+    response, mask, prompt_shape = chunk["response_ids"], chunk["response_mask"], chunk["input_ids"].shape
+    for key, value in inputs.items():
+        if torch.is_tensor(value) and value.shape == prompt_shape:
+            extra = {"input_ids": response, "attention_mask": mask}.get(key, torch.zeros_like(response))
+            inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
     return inputs
 
 
