@@ -1,0 +1,212 @@
+"""Every model family gndpo_minimal.py claims to train, proven on a tiny random stand-in (tests/tiny_families.py).
+
+Per family: one GNDPO step through main() (LoRA student, 4-bit teacher of the same family); sampling log-probs
+equal to the training forward's (positions, image tokens and token types passed right); the teacher's scoring
+equal to a plain full forward; LoRA on the language model's linear layers only, the adapter reloading onto the
+base; no image special token ever sampled; estimate_memory exact on the loaded models; the tokenizer check
+passing within a family and stopping across families.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import gndpo_minimal as g
+import tiny_families
+from estimate_memory import lora_layers, meta_model, nf4_weights
+
+FAMILIES = sorted(tiny_families.FAMILIES)
+BUILT: dict[str, str] = {}
+RUNS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="session")
+def family_data(tmp_path_factory) -> str:
+    """8 rows of the shapes task as one parquet file (it serves every split)."""
+    import tiny_world
+
+    path = str(tmp_path_factory.mktemp("family_data") / "shapes.parquet")
+    tiny_world.make_dataset(8, seed=5).to_parquet(path)
+    return path
+
+
+@pytest.fixture
+def models(request, tmp_path_factory) -> str:
+    """The family's stand-in pair (student/, teacher/), built once per session."""
+    family = request.param
+    if family not in BUILT:
+        BUILT[family] = tiny_families.build(family, str(tmp_path_factory.mktemp(family)))
+    return BUILT[family]
+
+
+def family_args(models: str, data: str, out: str, **changes) -> g.Args:
+    return g.Args(**{**dict(student_model=os.path.join(models, "student"), teacher_model=os.path.join(models, "teacher"),
+                            dataset_name=data, prompts_per_step=2, num_generations=2, micro_batch_size=4,
+                            max_new_tokens=6, num_eval_samples=2, max_steps=1, save_steps=1, max_prompt_length=4096,
+                            output_dir=out, logging_steps=1), **changes})
+
+
+@pytest.fixture
+def run(models, family_data, tmp_path_factory) -> dict:
+    """One GNDPO step through main() on the family's stand-ins, run once per session."""
+    if models not in RUNS:
+        out = str(tmp_path_factory.mktemp("run"))
+        args = family_args(models, family_data, out)
+        summary = g.main(args)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            metrics = [json.loads(line) for line in f]
+        RUNS[models] = {"args": args, "summary": summary, "metrics": metrics, "out": out}
+    return RUNS[models]
+
+
+def family_params():
+    """Parametrizes a test over the families; the `models` fixture builds each one's stand-ins."""
+    return pytest.mark.parametrize("models", FAMILIES, indirect=True, ids=FAMILIES)
+
+
+@family_params()
+def test_one_step_through_main(run):
+    (m,) = run["metrics"]
+    bad = {k: v for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)}
+    assert not bad and m["skipped_steps"] == 0 and m["response_length"] > 0 and m["grad_norm"] > 0
+    assert os.path.isfile(os.path.join(run["out"], "adapter", "adapter_model.safetensors"))
+    for key in ("teacher_accuracy", "student_accuracy_before", "student_accuracy_after"):
+        assert 0.0 <= run["summary"][key] <= 1.0
+
+
+@family_params()
+def test_sampling_logps_equal_the_training_forward(run):
+    # recorded while generate() sampled vs recomputed by the training forward on prompt + response
+    assert run["metrics"][0]["logp_mismatch"] < 1e-4
+
+
+def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0):
+    """A rollout of the family's plain student on the first rows of the data, as main() makes it; with `bias`
+    added to the logits of every vision special token (in generate and in any later forward alike)."""
+    from transformers import AutoProcessor
+
+    args = family_args(models, data, "/nonexistent", max_new_tokens=8)
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    student = g.load_student(args, torch.float32)
+    student.train()
+    sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
+    ignore_ids = torch.tensor(sample_config.suppress_tokens)
+    if bias:
+        extra = torch.zeros(student.get_output_embeddings().weight.shape[0])
+        extra[ignore_ids] = bias
+        student.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: logits + extra)
+    ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=n_prompts, log=None)
+    prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
+    torch.manual_seed(0)
+    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
+    return args, processor, student, chunk, ignore_ids
+
+
+@family_params()
+def test_teacher_scoring_equals_a_plain_full_forward(models, family_data):
+    args, _, _, chunk, ignore_ids = scored_chunk(models, family_data)
+    teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        scored = g.response_logps(teacher, chunk, ignore_ids)
+        inputs = g.sequence_inputs(chunk)
+        logits = teacher(**inputs, use_cache=False).logits.float()  # (n, P + R, V): every position
+    R = chunk["response_ids"].shape[1]
+    logits[..., ignore_ids] = float("-inf")
+    full = logits[:, -R - 1:-1].log_softmax(-1).gather(-1, chunk["response_ids"][..., None]).squeeze(-1)
+    valid = chunk["response_mask"].bool()
+    torch.testing.assert_close(scored[valid], full[valid], atol=1e-4, rtol=0)
+
+
+@family_params()
+def test_lora_on_the_language_model_only_and_the_adapter_reloads(run, models):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    args = run["args"]
+    base = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=torch.float32)
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    language = set(g.lora_target_names(base, args.lora_target_modules))
+    saved = load_file(os.path.join(run["out"], "checkpoint-1", "model.safetensors"))
+    lora = {k for k in saved if "lora_" in k}
+    assert lora and {k.removeprefix("base_model.model.").split(".lora_")[0] for k in lora} == language
+    assert not any(w in n for n in language for w in ("visual", "vision", "projector", "connector", "merger"))
+    # every base weight (vision tower and projector included) is what the checkpoint shipped
+    for key, tensor in saved.items():
+        if "lora_" not in key:
+            name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            if name in original:
+                assert torch.equal(tensor, original[name]), f"{name} changed"
+    # the trained student (its full state from the checkpoint) and base + saved adapter compute the same log-probs
+    trained = get_peft_model(AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=torch.float32),
+                             LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
+                                          target_modules=sorted(language), task_type="CAUSAL_LM"))
+    missing, unexpected = trained.load_state_dict(saved, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    reloaded = PeftModel.from_pretrained(base, os.path.join(run["out"], "adapter"))
+    _, _, _, chunk, ignore_ids = scored_chunk(models, args.dataset_name)
+    with torch.no_grad():
+        a, b = g.response_logps(trained.eval(), chunk, ignore_ids), g.response_logps(reloaded.eval(), chunk, ignore_ids)
+    valid = chunk["response_mask"].bool()
+    torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=0)
+
+
+@family_params()
+def test_sampling_never_emits_image_special_tokens(models, family_data):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(os.path.join(models, "student"))
+    _, processor, _, chunk, ignore_ids = scored_chunk(models, family_data, bias=8.0)
+    # the image placeholder of the family is among the suppressed ids, found from names and the config
+    image_token = getattr(processor, "image_token", None)
+    if image_token:
+        assert processor.tokenizer.convert_tokens_to_ids(image_token) in ignore_ids.tolist()
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(getattr(config, key, None), int):
+            assert getattr(config, key) in ignore_ids.tolist()
+    # the biased student would sample them most of the time; suppressed, it never does
+    assert not torch.isin(chunk["response_ids"], ignore_ids).any()
+
+
+@family_params()
+def test_estimate_memory_counts_the_loaded_models_exactly(models):
+    from bitsandbytes.nn import Linear4bit
+
+    args = family_args(models, "", "/nonexistent")
+    teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
+    estimated = nf4_weights(meta_model(args.teacher_model), other_bytes=4)  # float32 on CPU
+    assert estimated["quantized_layers"] == sum(isinstance(m, Linear4bit) for m in teacher.modules())
+    held = sum(p.untyped_storage().nbytes() for p in teacher.parameters())
+    for m in teacher.modules():
+        if isinstance(m, Linear4bit):
+            qs = m.weight.quant_state
+            parts = [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+            held += sum(t.numel() * t.element_size() for t in parts)
+    assert estimated["bytes"] == pytest.approx(held, rel=0.01)
+    student = g.load_student(args, torch.float32)
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    assert trainable == sum(args.lora_r * (i + o) for _, i, o in lora_layers(meta_model(args.student_model),
+                                                                                args.lora_target_modules))
+    frozen = sum(p.numel() for p in student.parameters() if not p.requires_grad)
+    assert frozen == sum(p.numel() for p in meta_model(args.student_model).parameters())
+
+
+@family_params()
+def test_tokenizer_check_within_and_across_families(models, tmp_path_factory):
+    from transformers import AutoProcessor
+
+    student = AutoProcessor.from_pretrained(os.path.join(models, "student")).tokenizer
+    g.check_same_tokenizer(student, AutoProcessor.from_pretrained(os.path.join(models, "teacher")).tokenizer)
+    family = next(f for f, path in BUILT.items() if path == models)
+    others = [f for f in FAMILIES if f != family]
+    if not others:
+        pytest.skip("one family only")
+    other = others[0]
+    if other not in BUILT:
+        BUILT[other] = tiny_families.build(other, str(tmp_path_factory.mktemp(other)))
+    teacher = AutoProcessor.from_pretrained(os.path.join(BUILT[other], "teacher")).tokenizer
+    with pytest.raises(ValueError, match="pick a teacher of the student's model family|use a teacher of the student's"):
+        g.check_same_tokenizer(student, teacher)
