@@ -164,43 +164,94 @@ def check_args(args: Args, num_processes: int) -> int:
 
 import torch  # noqa: E402  (repeated so that the section stands alone)
 import torch.distributed as dist  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 ADVANTAGE_MODES = ("none", "global", "sequence", "group")
 LOSS_TYPES = ("gspo", "ppo")
 
 
-def _rows_logps(rows: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None) -> torch.Tensor:
-    """(..., V) logits of any float dtype, (...) ids -> (...) float32 log-probs."""
-    rows = rows.float()  # a float32 copy of this chunk only
+def _float_rows(rows: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """A float32 copy of a chunk of logits, divided by the temperature, -inf at the ignored ids."""
+    rows = rows.to(torch.float32, copy=True)  # a copy of this chunk only; changed in place below
+    if temperature != 1.0:
+        rows.div_(temperature)
     if ignore_ids is not None:
-        rows = rows.index_fill(-1, ignore_ids, float("-inf"))
-    return rows.gather(-1, ids[..., None]).squeeze(-1) - rows.logsumexp(-1)
+        rows.index_fill_(-1, ignore_ids, float("-inf"))
+    return rows
+
+
+def _rows_logps(rows: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V) logits of any float dtype, (...) ids -> ((...) float32 log-probs, (...) float32 logsumexp)."""
+    rows = _float_rows(rows, ignore_ids, temperature)
+    picked = rows.gather(-1, ids[..., None]).squeeze(-1)
+    logps = torch.log_softmax(rows, -1).gather(-1, ids[..., None]).squeeze(-1)  # one fused pass (faster than logsumexp)
+    lse = picked - logps
+    unset = ~torch.isfinite(picked)  # an ignored token given: its log-prob is -inf, its row's lse still counts
+    if unset.any():
+        lse[unset] = rows[unset].logsumexp(-1)
+    return logps, lse
+
+
+def _chunks(B: int, T: int, V: int, chunk_elements: int) -> list[tuple[int, int, int, int]]:
+    """(b0, b1, t0, t1) slices of a (B, T, V) tensor holding at most chunk_elements logits each: whole rows
+    when they fit, else pieces of one row. Slices of dims 0 and 1 are views: no copy of the logits is made."""
+    if T * V <= chunk_elements:  # several whole rows per chunk
+        n = max(1, chunk_elements // (T * V))
+        return [(b, min(b + n, B), 0, T) for b in range(0, B, n)]
+    n = max(1, chunk_elements // V)  # long rows: pieces of one row at a time
+    return [(b, b + 1, t, min(t + n, T)) for b in range(B) for t in range(0, T, n)]
+
+
+class _TokenLogps(torch.autograd.Function):
+    """token_logps under autograd, keeping only the (B, T) logsumexp for backward: the gradient of
+    log p(y) = x_y / tau - lse is (onehot(y) - softmax(x / tau)) / tau, and each chunk's softmax is recomputed
+    from the logits (which the graph holds anyway) and that lse. A plain log_softmax would keep a float32
+    (B, T, V) output instead."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, ignore_ids, temperature, chunk_elements):
+        B, T, V = logits.shape
+        out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        chunks = _chunks(B, T, V, chunk_elements)
+        for b0, b1, t0, t1 in chunks:
+            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _rows_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1],
+                                                               ignore_ids, temperature)
+        ctx.save_for_backward(logits, token_ids, lse)
+        ctx.ignore_ids, ctx.temperature, ctx.chunks = ignore_ids, temperature, chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, token_ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for b0, b1, t0, t1 in ctx.chunks:
+            g = grad_out[b0:b1, t0:t1, None].float()  # (b, t, 1)
+            rows = _float_rows(logits[b0:b1, t0:t1], ctx.ignore_ids, ctx.temperature)
+            rows.sub_(lse[b0:b1, t0:t1, None]).exp_().mul_(-g)  # -g * softmax (0 at ignored ids), in place
+            rows.scatter_add_(-1, token_ids[b0:b1, t0:t1, None], g)  # + g at the token
+            grad[b0:b1, t0:t1] = rows.div_(ctx.temperature) if ctx.temperature != 1.0 else rows
+        return grad, None, None, None, None
 
 
 def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
-                chunk_elements: int = 2**24) -> torch.Tensor:
-    """Log-probability of each given token.
+                temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+    """Log-probability of each given token under softmax(logits / temperature).
 
     logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
     logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
     Works through chunks of at most `chunk_elements` logits (whole rows when they fit, else pieces of a
-    row), so it never holds a float32 copy of the whole (B, T, V) tensor; under autograd each chunk is
-    recomputed in backward instead of saved. Chunks come from split(), whose backward is one cat:
-    indexing instead would build a full-size gradient per chunk.
+    row), with the temperature applied inside each chunk, so it never holds a float32 copy of the whole
+    (B, T, V) tensor. Under autograd it keeps only the (B, T) logsumexp and recomputes each chunk's softmax
+    in backward; the gradient equals that of log_softmax(logits / temperature).gather(token_ids).
     """
-    B, T, V = logits.shape
-    if T * V <= chunk_elements:  # several whole rows per chunk
-        n = max(1, chunk_elements // (T * V))
-        pieces = list(zip(logits.split(n, 0), token_ids.split(n, 0)))  # [(b, T, V), (b, T)]
-    else:  # long rows: pieces of one row at a time
-        n = max(1, chunk_elements // V)
-        pieces = [p for lg, ids in zip(logits.unbind(0), token_ids.unbind(0)) for p in zip(lg.split(n, 0), ids.split(n, 0))]
     if torch.is_grad_enabled() and logits.requires_grad:
-        out = [checkpoint(_rows_logps, lg, ids, ignore_ids, use_reentrant=False) for lg, ids in pieces]
-    else:
-        out = [_rows_logps(lg, ids, ignore_ids) for lg, ids in pieces]
-    return torch.cat([o.reshape(-1) for o in out]).view(B, T)
+        return _TokenLogps.apply(logits, token_ids, ignore_ids, temperature, chunk_elements)
+    B, T, V = logits.shape
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_elements):
+        out[b0:b1, t0:t1] = _rows_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1], ignore_ids, temperature)[0]
+    return out
 
 
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
@@ -683,8 +734,8 @@ class SampledTokenLogps:
 
     def _record(self, sampled_ids: torch.Tensor) -> None:
         if self.last_scores is not None:  # the token sampled from last step's scores is now known
-            logits = (self.last_scores / self.temperature)[:, None]  # (n, 1, V)
-            self.logps.append(token_logps(logits, sampled_ids[:, None])[:, 0])
+            logits = self.last_scores[:, None]  # (n, 1, V)
+            self.logps.append(token_logps(logits, sampled_ids[:, None], temperature=self.temperature)[:, 0])
             self.last_scores = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -773,9 +824,7 @@ def response_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: fl
     R = chunk["response_ids"].shape[1]
     inputs = {k: v.to(chunk["response_ids"].device) for k, v in sequence_inputs(chunk).items()}  # pixels: from the host
     logits = model(**inputs, logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (n, R, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logps(logits, chunk["response_ids"], ignore_ids)
+    return token_logps(logits, chunk["response_ids"], ignore_ids, temperature)  # temperature applied chunk by chunk
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -25,15 +25,40 @@ def test_token_logps_equals_naive_gather(dtype):
     torch.testing.assert_close(got, naive, atol=1e-5, rtol=1e-5)
 
 
-def test_token_logps_gradient_matches_naive():
+@pytest.mark.parametrize("chunk_rows", [3, 5 * 2])  # pieces of rows, and whole rows per chunk
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logps_gradient_matches_naive(chunk_rows, temperature):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 33, generator=gen, requires_grad=True)
     ids = torch.randint(0, 33, (2, 5), generator=gen)
-    token_logps(logits, ids, chunk_elements=33 * 3).sum().backward()
+    ignore = torch.tensor([4, 30])
+    ids[ids == 4], ids[ids == 30] = 5, 29  # sampled tokens are never ignored ones
+    weights = torch.randn(2, 5, generator=gen)  # a backward from a weighted sum, as a policy loss gives
+    (token_logps(logits, ids, ignore, temperature, chunk_elements=33 * chunk_rows) * weights).sum().backward()
     ours = logits.grad.clone()
     logits.grad = None
-    torch.log_softmax(logits, -1).gather(-1, ids[..., None]).sum().backward()
+    masked = (logits / temperature).index_fill(-1, ignore, float("-inf"))
+    (torch.log_softmax(masked, -1).gather(-1, ids[..., None]).squeeze(-1) * weights).sum().backward()
     torch.testing.assert_close(ours, logits.grad)
+    assert (ours[..., ignore] == 0).all()
+
+
+def test_token_logps_gradient_in_bfloat16_keeps_the_dtype():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 4, 50, generator=gen) * 3).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, 50, (2, 4), generator=gen)
+    token_logps(logits, ids).sum().backward()
+    reference = logits.detach().float().requires_grad_()
+    torch.log_softmax(reference, -1).gather(-1, ids[..., None]).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), reference.grad, atol=1e-2, rtol=1e-2)
+
+
+def test_token_logps_temperature_equals_dividing_the_logits():
+    gen = torch.Generator().manual_seed(4)
+    logits, ids = torch.randn(2, 6, 40, generator=gen), torch.randint(0, 40, (2, 6), generator=gen)
+    torch.testing.assert_close(token_logps(logits, ids, temperature=0.6, chunk_elements=40 * 4),
+                               token_logps(logits / 0.6, ids))
 
 
 def test_token_logps_ignore_ids_renormalizes_without_them():
@@ -53,14 +78,17 @@ def test_token_logps_never_copies_whole_tensor_to_float32(monkeypatch):
     sizes = []
     original = gndpo_minimal._rows_logps
 
-    def spy(rows, ids, ignore_ids):
+    def spy(rows, ids, ignore_ids, temperature=1.0):
         sizes.append(rows.numel())
-        return original(rows, ids, ignore_ids)
+        return original(rows, ids, ignore_ids, temperature)
 
     monkeypatch.setattr(gndpo_minimal, "_rows_logps", spy)
     logits = torch.randn(4, 16, 1000).to(torch.bfloat16)
     gndpo_minimal.token_logps(logits, torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
     assert max(sizes) <= 8 * 1000 < logits.numel()
+    sizes.clear()  # the same under autograd, forward (and backward, by the same chunks)
+    gndpo_minimal.token_logps(logits.requires_grad_(), torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
+    assert sizes and max(sizes) <= 8 * 1000
 
 
 # --- distill_scores ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@
 # recorded during generation. Those log-probs are the `student_lp` of the distillation score in the next notebook.
 
 # %%
+import logging
 import os
 import sys
 import warnings
@@ -30,6 +31,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outp
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
+# On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
+# uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
 
 import matplotlib.pyplot as plt

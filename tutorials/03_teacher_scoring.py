@@ -24,10 +24,12 @@
 # a one-sample estimate of $-\mathrm{KL}(\text{student}\,\|\,\text{teacher})$ at that token: positive where the
 # teacher likes the sampled token more than the student does, negative where the student is confidently wrong.
 # This notebook computes it with the script's `response_logps` and `distill_scores`, draws it over the response
-# text, and checks how much the 4-bit teacher the script loads by default differs from the full-precision one.
+# text, checks that `generate_and_score` (the step function that makes these calls in `main()`) returns the same
+# numbers, and measures how much the 4-bit teacher the script loads by default differs from the full-precision one.
 
 # %%
 import dataclasses
+import logging
 import os
 import sys
 import warnings
@@ -36,6 +38,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outp
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
+# On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
+# uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
 
 import matplotlib.pyplot as plt
@@ -44,8 +49,8 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, distill_scores, generation_configs, grade_answer, load_split, load_student,
-                           load_teacher, prepare_split, response_logps, rollout, row_images, step_seed)
+from gndpo_minimal import (Args, distill_scores, generate_and_score, generation_configs, grade_answer, load_split,
+                           load_student, load_teacher, prepare_split, response_logps, rollout, row_images, step_seed)
 from plotting import token_grid  # tutorials/plotting.py: display helpers
 
 args = Args()
@@ -65,8 +70,8 @@ sample_config, _ = generation_configs(tokenizer, student, args)  # as main() bui
 eos_ids = sample_config.eos_token_id
 ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)
 
-train_ds = load_split(args, args.train_split, n_embedded=16)
-train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
+train_ds = load_split(args, args.train_split)  # the tiny task's training split, read from disk (notebook 1)
+train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, limit=16, log=None)
 G = args.num_generations
 first_of_question = {}  # one prompt per question of the task
 for i in keep:
@@ -131,6 +136,24 @@ print(f"valid tokens: {flat.numel()}  mean score {flat.mean():.3f} (= minus the 
       f"std {flat.std():.3f}  min {flat.min():.2f}  max {flat.max():.2f}")
 raw = (teacher_logps - student_logps)[valid]
 print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((raw.abs() >= args.score_clip).sum())}")
+
+# %% [markdown]
+# ## The same in one call: `generate_and_score`
+#
+# In `main()` the calls above are one function, the second of the step's four: `generate_and_score` seeds the
+# step, runs `rollout` on each micro-batch of `micro_batch_size` prompts, has the teacher score every
+# micro-batch, drops tokens whose log-probs are not finite (a broken teacher), clamps the scores, and turns them
+# into advantages (the next notebook). Given the same prompts and seed, it returns the very numbers computed above.
+
+# %%
+group_ids = [i for i in range(len(rows)) for _ in range(G)]  # which prompt each response answers
+step_batch = generate_and_score(student, teacher, processor, prompts, group_ids, args, sample_config,
+                                seed=step_seed(args.seed, 0, 0), ignore_ids=ignore_ids)
+print(f"{len(step_batch['chunks'])} micro-batch(es); (n, R) tensors:",
+      [k for k, v in step_batch.items() if torch.is_tensor(v) and v.dim() == 2])
+for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("teacher_logps", teacher_logps),
+                   ("scores", scores)):
+    print(f"{name:14s} identical to the step-by-step calls: {torch.equal(step_batch[name], ours)}")
 
 # %% [markdown]
 # ## The 4-bit teacher against its full-precision self

@@ -24,10 +24,13 @@
 # $$A = \frac{s - \mu}{\sqrt{\sigma^2 + 10^{-8}}}\, m, \qquad \mu,\ \sigma^2 \text{ over the batch's valid tokens}.$$
 #
 # The script's `normalize_scores` also offers two local variants for comparison: `sequence` (whiten within each
-# response) and `group` (within the G responses of one prompt). This notebook puts all four modes side by side
-# on **one batch** and measures what each does to the gradient of one update of the LoRA student.
+# response) and `group` (within the G responses of one prompt). This notebook builds **one batch** with the
+# step functions `main()` calls, puts all four modes side by side on it, and measures with the step's update
+# function what each does to the gradient of one update of the LoRA student.
 
 # %%
+import dataclasses
+import logging
 import os
 import sys
 import warnings
@@ -36,6 +39,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outp
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
+# On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
+# uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
 
 import matplotlib.pyplot as plt
@@ -45,46 +51,46 @@ import torch
 from matplotlib.ticker import NullLocator
 from transformers import AutoProcessor
 
-from gndpo_minimal import (ADVANTAGE_MODES, Args, distill_scores, generation_configs, load_split, load_student,
-                           load_teacher, normalize_scores, policy_loss, prepare_split, response_logps, rollout,
-                           row_images, step_seed)
+from gndpo_minimal import (ADVANTAGE_MODES, Args, generate_and_score, generation_configs, load_split, load_student,
+                           load_teacher, make_accelerator, make_optimizer, normalize_scores, pad_cat, prepare_split,
+                           step_prompts, step_seed, update_student)
 
-args = Args()
-device, dtype = torch.device("cpu"), torch.float32
+args = Args(prompts_per_step=8, max_train_samples=64)  # B = 8 prompts (the default run: 32) from the first 64 rows
+accelerator, accum = make_accelerator(args)  # as main(): checks the arguments; accum = micro-batches per update
+device, dtype = accelerator.device, torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
 tokenizer = processor.tokenizer
 torch.manual_seed(args.seed)  # as main() does before loading: the LoRA A matrices start random
 student = load_student(args, dtype)  # LoRA student: only the adapter's parameters get gradients
 teacher = load_teacher(args, dtype, device)  # 4-bit, as in the default run
+print(f"B = {args.prompts_per_step} prompts x G = {args.num_generations} samples, micro_batch_size "
+      f"{args.micro_batch_size}: {accum} micro-batch(es) per update, {accelerator.num_processes} process")
 
 # %% [markdown]
 # ## One batch: B prompts x G samples, scored by the teacher
 #
-# The same steps as notebooks 2 and 3, on 8 prompts (the default run uses 32).
+# The step's first two functions, called as `main()` calls them at its first step: `step_prompts` draws the
+# step's B rows (a seeded permutation of the usable rows) and repeats each G times; `generate_and_score` samples
+# the responses, has the teacher score them, clamps the scores and turns them into advantages with
+# `args.advantage_mode` (notebooks 2 and 3 show its pieces one by one).
 
 # %%
 sample_config, _ = generation_configs(tokenizer, student, args)  # as main() builds it (notebook 2)
-eos_ids = sample_config.eos_token_id
 ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)
+train_ds, keep, _ = prepare_split(load_split(args, args.train_split), args, processor, args.train_split,
+                                  args.max_train_samples, log=None)
 
-B, G = 8, args.num_generations
-train_ds = load_split(args, args.train_split, n_embedded=16)
-train_ds, keep, _ = prepare_split(train_ds, args, processor, args.train_split, log=None)
-rows = [train_ds[i] for i in keep[:B]]
-prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
-group_ids = torch.arange(B).repeat_interleave(G)  # (B*G,): which prompt each response answers
-
-torch.manual_seed(step_seed(args.seed, 0, 0))
-chunk = rollout(student, processor, prompts, sample_config, args, eos_ids)
-with torch.no_grad():
-    teacher_logps = response_logps(teacher, chunk, ignore_ids)
-student_logps, mask = chunk["sampled_logps"], chunk["response_mask"]
+step = 0
+prompts, group_ids = step_prompts(train_ds, keep, args, step)  # this step's B rows, each repeated G times
+batch = generate_and_score(student, teacher, processor, prompts, group_ids, args, sample_config,
+                           seed=step_seed(args.seed, step, 0), ignore_ids=ignore_ids)
+group_ids = torch.tensor(group_ids)  # (B*G,): which prompt each response answers
+mask, scores = batch["response_mask"], batch["scores"]  # (n, R): real response tokens; clamped scores
 valid = mask.bool()
-raw = teacher_logps - student_logps  # (n, R) before the clamp
-scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)  # (n, R)
+raw = batch["teacher_logps"] - batch["student_logps"]  # (n, R) before the clamp
 outlier = valid & (raw.abs() >= args.score_clip)  # tokens the clamp cut
-print(f"{B} prompts x {G} samples, {int(valid.sum())} valid tokens, {int(outlier.sum())} of them at the clamp "
-      f"(|teacher - student| >= {args.score_clip:g})")
+print(f"{args.prompts_per_step} prompts x {args.num_generations} samples, {int(valid.sum())} valid tokens, "
+      f"{int(outlier.sum())} of them at the clamp (|teacher - student| >= {args.score_clip:g})")
 
 # %% [markdown]
 # ## The same scores under each advantage mode
@@ -92,6 +98,8 @@ print(f"{B} prompts x {G} samples, {int(valid.sum())} valid tokens, {int(outlier
 # %%
 advantages = {mode: normalize_scores(scores, mask, mode, group_ids) for mode in ADVANTAGE_MODES}
 names = {"none": "OPD (none)", "global": "GNDPO (global)", "sequence": "sequence", "group": "group"}
+print(f"generate_and_score's advantages (advantage_mode={args.advantage_mode!r}) equal these: "
+      f"{torch.equal(batch['advantages'], advantages[args.advantage_mode])}")
 
 stats = pd.DataFrame({
     names[mode]: {
@@ -99,6 +107,7 @@ stats = pd.DataFrame({
         "max": a[valid].max().item(),
         "mean |A| at the clamp": a[outlier].abs().mean().item() if outlier.any() else float("nan"),
         "mean |A| elsewhere": a[valid & ~outlier].abs().mean().item(),
+        "share of sum |A| at the clamp": (a[outlier].abs().sum() / a[valid].abs().sum()).item(),
     } for mode, a in advantages.items()
 }).T.round(3)
 stats
@@ -126,46 +135,63 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Reading the histograms:
+# Where each response's lowest score sits, and what each mode makes of it (one row per prompt, its first sample):
+
+# %%
+G = args.num_generations
+response_ids = pad_cat([c["response_ids"] for c in batch["chunks"]])  # (n, R), the sampled tokens
+texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+worst = raw.masked_fill(~valid, float("inf")).argmin(1)  # (n,): each response's lowest-scoring position
+firsts = range(0, len(prompts), G)
+pd.DataFrame({
+    "question": [prompts[i][0] for i in firsts],
+    "response": [texts[i] for i in firsts],
+    "distinct of G": [len(set(texts[i:i + G])) for i in firsts],
+    "lowest token": [tokenizer.decode(response_ids[i, worst[i]]) for i in firsts],
+    "teacher - student": [raw[i, worst[i]].item() for i in firsts],
+    **{f"A {names[mode]}": [advantages[mode][i, worst[i]].item() for i in firsts] for mode in ADVANTAGE_MODES},
+}).round(3)
+
+# %% [markdown]
+# Reading the histograms and the tables:
 # * **raw**: most tokens sit near 0 (teacher and student agree: the answer format); the red ones, beyond the
 #   dashed clamp at -5, are outlier states: tokens the student finds e^5 ~ 150 times likelier than the teacher does.
+#   They are answer words: the student names a color or a shape the teacher does not see.
 # * **OPD** keeps the clamped scores as they are: the outliers pile up at -5, many times the typical token's
-#   magnitude (compare the two right-hand columns of the table), so they dominate the update. The overall scale is
-#   whatever the teacher-student gap is in this batch.
+#   magnitude (the two "mean |A|" columns), so they hold most of the batch's advantage mass (the share column)
+#   and dominate the update. The overall scale is whatever the teacher-student gap is in this batch.
 # * **GNDPO** shifts and rescales every token by the same two numbers, so the order of the tokens (the dense
 #   guidance) is exactly that of OPD, but the batch has mean 0 and standard deviation 1 whatever the gap is.
 #   Because the batch mean score is negative, tokens the two models agree on now get a small *positive* advantage:
 #   they are better than the batch average and are reinforced, where OPD gave them about 0.
 # * **sequence** and **group** whiten with the statistics of a few tokens only (one response; the G responses of a
-#   prompt), so their scale changes from one response or prompt to the next. In sequence mode, the worst tokens of
-#   a response that is wrong from start to end look only mildly bad next to its other tokens: the outliers spread
-#   into the middle of the distribution, and the comparison across responses is lost.
+#   prompt), so each response or prompt gets its own scale. Here every response is five format tokens and one
+#   answer word, and the student is so sure of itself that it sampled the same response G times for every prompt
+#   ("distinct of G"). So each mode gives every answer word the same advantage, whether the teacher found it a
+#   fraction of a nat or over ten nats less likely than the student did: a count the teacher nearly agrees with
+#   and a color it rejects look alike, and the comparison across responses is lost.
 
 # %% [markdown]
 # ## What each mode does to the gradient
 #
-# Now one update's gradient, exactly as `main()` computes it: the student's log-probs of the sampled tokens with
-# gradient (`response_logps`), the GSPO `policy_loss` with `old_logps = logps.detach()` (one optimizer step per
-# batch, so the ratio is 1), `backward()`, then the norm of the LoRA gradient before clipping
-# (`main()` logs it as `grad_norm` and then clips to `max_grad_norm` = 1).
+# Now one update, made by the step's third function, `update_student`, as in `main()`: the student's log-probs of
+# the sampled tokens with gradient (`response_logps`), the GSPO `policy_loss` with `old_logps = logps.detach()`
+# (one optimizer update per batch, so the ratio is exactly 1), `backward()`, the LoRA gradient clipped to
+# `max_grad_norm` = 1, and an AdamW step. It returns the gradient norm **before** clipping (`main()` logs it as
+# `grad_norm`): the measure here. Only `batch["advantages"]` changes from one mode to the next. So that every call
+# sees the same weights, the optimizer runs at learning rate 0: AdamW's step moves nothing, its weight decay
+# included (decay is scaled by the learning rate). The last cell checks that the weights did not move.
 
 # %%
-trainable = [p for p in student.parameters() if p.requires_grad]
+measure = dataclasses.replace(args, learning_rate=0.0)  # AdamW at lr 0: the updates measure, they do not train
+student, optimizer, scheduler = make_optimizer(measure, accelerator, student, accum)
+weights_before = {name: p.detach().clone() for name, p in student.named_parameters()}
 student.train()
-
-
-def update_grad_norm(adv):
-    """Norm of the LoRA gradient of one GSPO update on this batch with the given advantages."""
-    student.zero_grad(set_to_none=True)
-    logps = response_logps(student, chunk, ignore_ids, args.temperature)
-    loss, _ = policy_loss(logps, logps.detach(), adv, mask, args.loss_type, args.clip_low, args.clip_high)
-    loss.backward()
-    return torch.nn.utils.get_total_norm([p.grad for p in trainable]).item()
-
-
-grad_norms = {mode: update_grad_norm(adv) for mode, adv in advantages.items()}
-for mode, norm in grad_norms.items():
-    print(f"{names[mode]:15s} pre-clip gradient norm {norm:8.4f}")
+updates = {mode: update_student(student, optimizer, scheduler, accelerator, {**batch, "advantages": adv}, measure,
+                                ignore_ids=ignore_ids) for mode, adv in advantages.items()}
+grad_norms = {mode: u["grad_norm"] for mode, u in updates.items()}
+pd.DataFrame({names[mode]: {key: u[key] for key in ("grad_norm", "loss", "ratio_mean", "clip_frac", "lr", "updates")}
+              for mode, u in updates.items()}).T.round(4)
 
 # %% [markdown]
 # The gradient is linear in the advantages (at ratio 1 the clip never binds), so its size follows their scale.
@@ -174,7 +200,10 @@ for mode, norm in grad_norms.items():
 
 # %%
 factors = [0.25, 1.0, 4.0]
-scaled = {mode: [grad_norms[mode] if k == 1 else update_grad_norm(normalize_scores(scores * k, mask, mode, group_ids))
+scaled = {mode: [grad_norms[mode] if k == 1 else
+                 update_student(student, optimizer, scheduler, accelerator,
+                                {**batch, "advantages": normalize_scores(scores * k, mask, mode, group_ids)}, measure,
+                                ignore_ids=ignore_ids)["grad_norm"]
                  for k in factors] for mode in ("none", "global")}
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -202,10 +231,21 @@ print("OPD:  ", "  ".join(f"x{k:g}: {n:.4f}" for k, n in zip(factors, scaled["no
 print("GNDPO:", "  ".join(f"x{k:g}: {n:.4f}" for k, n in zip(factors, scaled["global"])))
 
 # %% [markdown]
-# **What just happened and why it matters.** On one batch, OPD's gradient is as large as the raw scores make it:
-# it grows and shrinks with the teacher-student gap, and the few clamped tokens carry a large share of it. GNDPO's
-# advantages have unit scale over the whole batch, so the size of an update no longer depends on how far apart
-# the two models happen to be, while every token keeps its rank among the others. Whitening over the
-# *global* batch, rather than per response or per group, uses the most tokens for the two statistics, so they are
-# the least noisy, and with several processes they are all-reduced, so every process whitens identically.
-# The last notebook trains with both modes and watches the gradient norm step by step.
+# Every measurement above was a full `update_student` call, AdamW step included. At learning rate 0 those steps
+# must have left the student exactly as it was, or the later measurements would have seen other weights:
+
+# %%
+moved = [name for name, p in student.named_parameters() if not torch.equal(p.detach(), weights_before[name])]
+print(f"{scheduler.last_epoch} AdamW steps at lr {scheduler.get_last_lr()[0]:g}: {len(moved)} of "
+      f"{len(weights_before)} parameter tensors changed")
+assert not moved, moved
+
+# %% [markdown]
+# **What just happened and why it matters.** On one batch, built by `step_prompts` and `generate_and_score` and
+# updated by `update_student` as in `main()`, OPD's gradient is as large as the raw scores make it: it grows and
+# shrinks with the teacher-student gap, and the few clamped tokens (under a tenth of the batch) hold most of its
+# advantage mass. GNDPO's advantages have unit scale over the whole batch, so the size of an update no longer
+# depends on how far apart the two models happen to be, while every token keeps its rank among the others.
+# Whitening over the *global* batch, rather than per response or per group, uses the most tokens for the two
+# statistics, so they are the least noisy, and with several processes they are all-reduced, so every process
+# whitens identically. The last notebook trains with both modes and watches the gradient norm step by step.

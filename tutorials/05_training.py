@@ -16,10 +16,12 @@
 # %% [markdown]
 # # 5. Training: a short OPD run and a short GNDPO run, side by side
 #
-# Everything from the previous notebooks, in a loop: rollout, teacher scoring, advantages, one GSPO update of the
-# LoRA adapter per batch. Here we call the script's own `main()` twice with small settings, once with plain
-# OPD advantages (`advantage_mode="none"`) and once with GNDPO's global normalization (`"global"`), the same seed
-# and the same prompts, then read the `metrics.jsonl` each run writes (one line per step).
+# Everything from the previous notebooks, in a loop. `main()` sets up once (accelerator, models, data, optimizer)
+# and then, every step, calls the step's four functions: `step_prompts` (the step's rows, each repeated G times),
+# `generate_and_score` (rollouts, teacher scores, advantages: notebooks 2-4), `update_student` (one GSPO update
+# of the LoRA adapter per batch by default) and `step_metrics`. Here we call `main()` itself twice with small
+# settings, once with plain OPD advantages (`advantage_mode="none"`) and once with GNDPO's global normalization
+# (`"global"`), the same seed and the same prompts, then read the `metrics.jsonl` each run writes (one line per step).
 #
 # The settings are tiny so that the notebook runs in about a minute on a laptop CPU: a demonstration of what to
 # look at, not a benchmark: the default run (`accelerate launch gndpo_minimal.py`) takes more and larger steps.
@@ -40,17 +42,23 @@ sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_mi
 
 import matplotlib.pyplot as plt
 import pandas as pd
+import tqdm.auto
+import tqdm.std
 from matplotlib.ticker import MaxNLocator
 
 from gndpo_minimal import Args, main
+
+# main() draws its progress bar with tqdm.auto, which in a notebook is the widget bar, and the widget bar ignores
+# TQDM_DISABLE: hand it the plain bar, which honours it, so no frozen "0%" bar is saved with the outputs.
+tqdm.auto.tqdm = tqdm.std.tqdm
 
 settings = dict(
     max_steps=20,            # optimizer steps
     prompts_per_step=8,      # B (the default is 32)
     num_generations=4,       # G
     micro_batch_size=32,     # all B x G sequences in one forward pass
-    max_train_samples=256,   # rows to check and draw prompts from
-    num_eval_samples=64,     # held-out rows for greedy accuracy ...
+    max_train_samples=256,   # the first 256 rows of the train split on disk: the rows prompts are drawn from
+    num_eval_samples=64,     # the first 64 rows of the test split, for greedy accuracy ...
     eval_steps=5,            # ... measured every 5 steps
     save_steps=0,            # only the final checkpoint
 )
@@ -63,7 +71,7 @@ print(f"student {os.path.relpath(defaults.student_model)}, teacher {os.path.relp
 def train(mode):
     """Runs gndpo_minimal.main() with the given advantage mode; returns (summary, per-step metrics)."""
     out = os.path.join("runs", "tutorial", mode)  # runs/ is git-ignored
-    log, progress = io.StringIO(), io.StringIO()  # main() prints one long line per step: keep them out of the page
+    log, progress = io.StringIO(), io.StringIO()  # main()'s metrics lines (every logging_steps): kept out of the page
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
             summary = main(Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings))
@@ -93,7 +101,12 @@ gndpo_summary, gndpo = train("global")
 # Each line of `metrics.jsonl` is one step. The columns read here:
 # * `reverse_kl`: the mean of `student_lp - teacher_lp` over the sampled tokens, a one-sample estimate of
 #   KL(student || teacher) on the student's own samples: the quantity distillation drives down;
-# * `grad_norm`: the LoRA gradient's norm **before** clipping to `max_grad_norm`;
+# * `grad_norm`: the LoRA gradient's norm **before** clipping to `max_grad_norm` (the mean over the step's
+#   updates; one update per step here);
+# * `clip_frac` and `logp_mismatch`: with one update per rollout batch (`steps_per_generation` and
+#   `num_iterations` at 1) the importance ratio is exactly 1, so the clip never acts and `clip_frac` stays 0;
+#   `logp_mismatch` is the gap between the log-probs recorded while sampling and the training forward's
+#   (notebook 2), about 0 when the scoring inputs are right;
 # * `eval_accuracy`: greedy accuracy on the held-out rows, every `eval_steps` steps (before and after training
 #   it is in `summary.json`).
 
@@ -154,13 +167,15 @@ pd.DataFrame({
 # its trend is hidden in that noise. The default run's 90 steps of 32 prompts bring it from about 0.9 to under 0.1.
 #
 # On this task the two modes behave alike. Responses are 6 tokens and the clamp at +-5 bounds every score, so the
-# raw scores already have a standard deviation near 1 (`score_std` above) and whitening changes their scale only a
-# little; the grad norms differ in level (GNDPO's advantages have unit variance in every batch), and neither run
+# raw scores already have a standard deviation of about 1 to 1.5 (`score_std` above) and whitening changes their
+# scale by less than 2x; the grad norms differ in level (GNDPO's advantages have unit variance in every batch), and neither run
 # needed clipping here. GNDPO's point is that the size of an update no longer follows the raw scores: when a
 # batch holds many clamped outlier tokens, OPD's gradient grows with them and `max_grad_norm` has to cut it back,
-# while GNDPO's stays in the same band. The README measures that with a student that is confidently wrong
-# (OPD's median grad norm twice GNDPO's, OPD clipped on 16% of its steps, GNDPO on 1%). For the comparison over
-# several seeds, `python docs/compare_opd_gndpo.py` trains both modes with the default settings and tabulates it.
+# while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/opd_vs_gndpo_study.md) measures that
+# with a student that is confidently wrong (OPD's median grad norm twice GNDPO's, OPD clipped on 16% of its steps,
+# GNDPO on 1%), and compares the two modes over three seeds with the default settings
+# (`python docs/compare_opd_gndpo.py` reruns it).
 #
-# From here: `python gndpo_minimal.py --help` lists every setting, and the files in `recipes/` train real
-# Qwen2.5-VL and InternVL3.5 students on Geometry3K with the same script.
+# From here: `python gndpo_minimal.py --help` lists every setting; `--steps_per_generation` and `--num_iterations`
+# make several updates per rollout batch, where the ratio moves away from 1 and `clip_frac` shows the clip acting;
+# and the files in `recipes/` train real Qwen2.5-VL and InternVL3.5 students on Geometry3K with the same script.
