@@ -105,7 +105,9 @@ class Args:
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup over this many optimizer updates (K * E per step), then constant."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (the pre-clip norm is logged)."})
     max_steps: int = field(default=90, metadata={"help": "Optimizer steps."})
-    micro_batch_size: int = field(default=32, metadata={"help": "Sequences per forward pass (generate, score, train) on each process."})
+    micro_batch_size: int = field(default=32, metadata={"help": "Sequences per training and scoring forward pass on each process."})
+    generation_batch_size: int = field(default=0, metadata={"help": "Rows per generate() call, rollouts and evaluation, on each "
+                                                            "process; 0 = all of this process's rollouts of a step at once."})
     gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer update; 0 = derived, "
                                                                   "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation)."})
     max_consecutive_skips: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row."})
@@ -127,6 +129,8 @@ def check_args(args: Args, num_processes: int) -> int:
     for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
         if getattr(args, flag) < 1:
             problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.generation_batch_size < 0:
+        problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     if args.advantage_mode not in ADVANTAGE_MODES:
@@ -800,6 +804,32 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
     return batch
 
 
+def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict], size: int, args: Args) -> list[dict]:
+    """The rollouts of generate() batches re-cut into micro-batches of `size` rows for scoring and the update.
+
+    Responses and their sampled log-probs are sliced by row; each micro-batch's prompts are encoded again,
+    since the processor's image tensors have a layout of each family's own (patches, tiles, images) that
+    cannot be sliced by row in general. Left padding then fits the micro-batch's prompts, which changes no
+    log-prob. Responses are trimmed to the micro-batch's longest one.
+    """
+    if all(r["response_ids"].shape[0] == size for r in rollouts):  # generate() ran micro-batch by micro-batch
+        return rollouts
+    device, pad = rollouts[0]["response_ids"].device, processor.tokenizer.pad_token_id
+    mask = pad_cat([r["response_mask"] for r in rollouts])  # (n, R)
+    ids = pad_cat([r["response_ids"] for r in rollouts]).masked_fill(mask == 0, pad)
+    sampled = pad_cat([r["sampled_logps"] for r in rollouts])
+    chunks = []
+    for i in range(0, len(prompts), size):
+        R = max(1, int(mask[i:i + size].sum(1).max()))
+        chunk = dict(encode_prompts(processor, prompts[i:i + size], args.instruction).to(device))
+        if "pixel_values" in chunk:
+            chunk["pixel_values"] = chunk["pixel_values"].cpu()
+        chunk.update(response_ids=ids[i:i + size, :R], response_mask=mask[i:i + size, :R],
+                     sampled_logps=sampled[i:i + size, :R])
+        chunks.append(chunk)
+    return chunks
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring: log-probs of the sampled tokens under a model, on the same ids and images
 # ---------------------------------------------------------------------------------------------
@@ -842,7 +872,7 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, accelerator, gen_config,
              batch_size: int = 0, synced_gpus: bool = False) -> dict:
     """Greedy decoding on (question, images, answer) rows, sharded over processes, batch_size rows per
-    generate() (0 = args.micro_batch_size, the batch whose KV cache the memory budget allows).
+    generate() (0 = args.generation_batch_size, the batch whose KV cache the memory budget allows, or all).
 
     Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows.
     """
@@ -854,7 +884,7 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
     # shorter shares are topped up with a repeated row whose answer is not counted.
     mine = mine + rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)
     counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
-    batch_size = batch_size or args.micro_batch_size
+    batch_size = batch_size or args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
         chunk = mine[s:s + batch_size]
         batch = encode_prompts(processor, [(q, imgs) for q, imgs, _ in chunk], args.instruction).to(accelerator.device)
@@ -1020,9 +1050,10 @@ def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list
     """
     t0 = time.time()
     torch.manual_seed(seed)
-    mb = args.micro_batch_size
-    chunks = [rollout(policy, processor, prompts[i:i + mb], gen_config, args, gen_config.eos_token_id, synced_gpus)
-              for i in range(0, len(prompts), mb)]
+    gb = args.generation_batch_size or len(prompts)
+    rollouts = [rollout(policy, processor, prompts[i:i + gb], gen_config, args, gen_config.eos_token_id, synced_gpus)
+                for i in range(0, len(prompts), gb)]
+    chunks = cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)
     t_generate, t0 = time.time() - t0, time.time()
     with torch.no_grad():  # the teacher scores the same ids and images; student_lp is the sampling policy's
         for c in chunks:

@@ -75,6 +75,30 @@ def test_generate_and_score_returns_whitened_advantages_over_the_batch(setup):
 
 
 @pytest.mark.slow
+def test_one_generate_call_recut_into_micro_batches_scores_like_the_whole_batch(setup, untrained_models):
+    """generation_batch_size 0 samples all 8 rollouts in one generate() call; scoring and the update see them
+    as 4 micro-batches of 2, each prompt encoded again: the teacher's log-probs must not change."""
+    from transformers import AutoProcessor
+
+    args, b = setup["args"], setup["batch"]
+    assert [c["response_ids"].shape[0] for c in b["chunks"]] == [2, 2, 2, 2]
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
+    prompts, _ = g.step_prompts(train_ds, keep, args, step=0)
+    whole = dict(g.encode_prompts(processor, prompts, args.instruction))
+    R = b["response_mask"].shape[1]
+    whole.update(response_ids=torch.cat([torch.nn.functional.pad(c["response_ids"], (0, R - c["response_ids"].shape[1]),
+                                                                  value=processor.tokenizer.pad_token_id) for c in b["chunks"]]),
+                 response_mask=b["response_mask"])
+    teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        together = g.response_logps(teacher, whole, setup["ignore_ids"])
+    valid = b["response_mask"].bool()
+    # 4-bit matmuls over batches of other shapes round differently: equal to float32 noise, not bit for bit
+    torch.testing.assert_close(together[valid], b["teacher_logps"][valid], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
 def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     update, weights = run_update(setup, learning_rate=1e-2)
     assert update["updates"] == 1 and update["skipped_updates"] == 0
