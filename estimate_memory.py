@@ -62,14 +62,24 @@ def text_shape(model) -> dict:
 
 
 def vision_shape(model) -> dict:
-    """Vision tower sizes, and the float32 pixel bytes the processor makes per image token of the prompt."""
+    """Vision tower sizes, the vision patches merged into one image token of the prompt, and the bytes the
+    processor makes per image token: float32 pixels, plus an int64 per-pixel mask where the model takes one."""
+    import inspect
+
     c, v = model.config, model.config.vision_config
     patch = v.patch_size[0] if isinstance(v.patch_size, (list, tuple)) else v.patch_size
     if hasattr(v, "temporal_patch_size"):  # Qwen-VL: rows of 3 x t x p x p values, merge^2 rows per image token
-        pixels = 3 * v.temporal_patch_size * patch**2 * v.spatial_merge_size**2
-    else:  # InternVL-style: 448 x 448 tiles, (448 / p * downsample)^2 tokens per tile
-        pixels = 3 * round(patch / getattr(c, "downsample_ratio", 0.5)) ** 2
-    return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "pixel_bytes_per_token": 4 * pixels}
+        merge = v.spatial_merge_size
+        pixels = 3 * v.temporal_patch_size * patch**2 * merge**2
+    else:  # square tiles whose patch grid is pixel-shuffled into tokens: merge x merge patches per token, by
+        # downsample_ratio in InternVL (0.5: 448-pixel tiles, 256 tokens), by scale_factor in Idefics3/SmolVLM
+        # (4: 512-pixel tiles, 64 tokens)
+        merge = getattr(c, "scale_factor", None) or round(1 / getattr(c, "downsample_ratio", 0.5))
+        pixels = 3 * (patch * merge) ** 2
+    # Idefics3/SmolVLM's processor also returns pixel_attention_mask: int64, one value per pixel of each tile
+    mask = 8 * pixels // 3 if "pixel_attention_mask" in inspect.signature(model.forward).parameters else 0
+    return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "patches_per_token": merge**2,
+            "pixel_bytes_per_token": 4 * pixels + mask}
 
 
 def lora_layers(model, target_modules: str) -> list[tuple[str, int, int]]:
@@ -147,8 +157,8 @@ def estimate(args, num_processes: int = 1) -> dict:
     def kv_cache(shape):  # keys and values of every layer for mb sequences of T tokens
         return mb * T * shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
 
-    def vision(shape):  # one vision layer over a micro-batch: <= 4 patches per image token, image tokens <= P
-        return mb * 4 * P * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
+    def vision(shape):  # one vision layer over a micro-batch: merge^2 patches per image token, image tokens <= P
+        return mb * shape["patches_per_token"] * P * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
 
     pixels = mb * P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # a micro-batch's images
     chunk_forward, chunk_backward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4, CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4

@@ -688,6 +688,27 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
                          "of the student's model family")
 
 
+def check_same_image_inputs(student_processor, teacher_processor) -> None:
+    """Stops unless both processors turn the same prompt and image into the same model inputs.
+
+    Prompts are encoded once, by the student's processor, and the teacher scores those very inputs. A teacher
+    of the same tokenizer but other image processing (another tile size or number of tokens per tile, e.g.
+    SmolVLM2-2.2B's 384-pixel tiles against the 256M's 512) would be fed images cut for another model: a crash
+    or plausible but wrong log-probs. Probed with a 3:2 image, which tiling processors cut into several tiles.
+    """
+    from PIL import Image
+
+    probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
+    s, t = encode_prompts(student_processor, probe), encode_prompts(teacher_processor, probe)
+    differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or s[k].shape != t[k].shape
+                    or not torch.equal(s[k], t[k]))
+    if differ:
+        shapes = {k: (tuple(s[k].shape) if k in s else None, tuple(t[k].shape) if k in t else None) for k in differ}
+        raise ValueError(f"the student's and the teacher's processors make different model inputs from the same "
+                         f"prompt and image ({shapes}, student vs teacher): the teacher would score inputs made for "
+                         f"the student. Pick a teacher with the student's image processing and chat template.")
+
+
 VISION_TOKEN_RE = re.compile(r"image|img|vision|video|row_\d+_col_\d+", re.IGNORECASE)
 
 
@@ -799,8 +820,9 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
                  sampled_logps=capture.finish(sequences))
     # A step keeps all B*G/processes rollouts until its update; their float32 pixels (~19 KB per image token
     # for Qwen-VL) would fill a 24 GB GPU, so they wait in host memory and each forward moves back its own.
-    if "pixel_values" in batch:
-        batch["pixel_values"] = batch["pixel_values"].cpu()
+    # Every per-pixel tensor does: SmolVLM/Idefics3's int64 pixel_attention_mask is 2/3 the size of its pixels.
+    for key in [k for k in batch if k.startswith("pixel_")]:
+        batch[key] = batch[key].cpu()
     return batch
 
 
@@ -1224,12 +1246,15 @@ def make_accelerator(args: Args):
 
 
 def load_models(args: Args, accelerator, log=print) -> tuple:
-    """(processor, LoRA student, frozen teacher) after checking that they share one tokenizer."""
+    """(processor, LoRA student, frozen teacher) after checking that they share one tokenizer and make the
+    same inputs from a prompt and image (only the student's processor encodes them)."""
     from accelerate.utils import DistributedType
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
-    check_same_tokenizer(processor.tokenizer, AutoProcessor.from_pretrained(args.teacher_model).tokenizer)
+    teacher_processor = AutoProcessor.from_pretrained(args.teacher_model)
+    check_same_tokenizer(processor.tokenizer, teacher_processor.tokenizer)
+    check_same_image_inputs(processor, teacher_processor)
     tokenizer = processor.tokenizer
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "

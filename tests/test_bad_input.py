@@ -227,6 +227,16 @@ def test_teacher_with_another_tokenizer_stops(processor):
         g.check_same_tokenizer(student_tok, other_eos)
 
 
+def test_teacher_with_other_image_processing_stops(processor):
+    g.check_same_image_inputs(processor, copy.deepcopy(processor))  # the same processing passes
+    # the same tokenizer, but images cut to another size: the teacher would score inputs made for the student
+    other = copy.deepcopy(processor)
+    other.image_processor.max_pixels = other.image_processor.min_pixels = 56 * 56
+    other.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": 56 * 56}
+    with pytest.raises(ValueError, match=r"different model inputs .*image_grid_thw.*Pick a teacher with the student's"):
+        g.check_same_image_inputs(processor, other)
+
+
 # --- output_dir and arguments -------------------------------------------------------------------
 
 

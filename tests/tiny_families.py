@@ -75,6 +75,184 @@ def build_qwen2_5_vl(out: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# InternVL 3.5 (the "-HF" checkpoints: InternVLForConditionalGeneration, Qwen3 language model)
+# ---------------------------------------------------------------------------------------------
+#
+# Pipeline: the chat template puts '<IMG_CONTEXT>\n' where an image goes; the processor's GotOcr2 image
+# processor crops the image into tiles (a grid whose aspect ratio is closest to the image's, plus a thumbnail
+# when there is more than one tile) and replaces each <IMG_CONTEXT> with
+# <img> + <IMG_CONTEXT> x (image_seq_length x tiles) + </img>. The model runs InternViT on every tile
+# (pixel_values: (tiles, 3, S, S)), pixel-shuffles the patch grid by downsample_ratio, projects it, and writes
+# the features over the <IMG_CONTEXT> positions (config.image_token_id). Positions are plain 1-D RoPE and there
+# are no token types: input_ids, attention_mask and pixel_values are the whole input.
+
+# The special tokens of the published InternVL3.5-HF tokenizer, in their order there: Qwen3's (ids 151643..),
+# then InternVL's <img> </img> <IMG_CONTEXT> (151669..151671; config.image_token_id = 151671) <quad> .. </box>
+# and <video> (151678). Qwen3's tool and think tags (among its ids there) are added but not special, so they
+# stay in decoded text: the stand-in adds them last, as plain tokens.
+INTERNVL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<|fim_prefix|>",
+                    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                    "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>", "<video>"]
+INTERNVL_PLAIN = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# The processor reads these names from the tokenizer (tokenizer_config.json's extra_special_tokens).
+INTERNVL_NAMED = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                  "video_token": "<video>"}
+# The -HF checkpoints' chat template: ChatML, no default system turn, each image as '<IMG_CONTEXT>\n' in place.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+# Tiles of 56 x 56 pixels in 14-pixel patches: a 4 x 4 patch grid, pixel-shuffled by 0.5 to 2 x 2 = 4 tokens
+# per tile (the real model: 448 / 14 = 32, shuffled to 16 x 16 = 256). max_patches=4 makes the task's square
+# 112 x 112 images a 2 x 2 grid plus the thumbnail: 5 tiles, 20 <IMG_CONTEXT> tokens per image.
+INTERNVL_TILE, INTERNVL_PATCH, INTERNVL_DOWNSAMPLE, INTERNVL_MAX_TILES = 56, 14, 0.5, 4
+# Text (Qwen3) sizes: (hidden, layers, heads, kv heads, head_dim). The vision tower is the same for both, as
+# in the published 1B/8B pair (one InternViT-300M). Every layer the 4-bit teacher quantizes has in_features a
+# multiple of 64 and out_features a multiple of 32: bitsandbytes' CPU kernel (on AVX512-BF16 machines) repacks
+# the weights in 64-wide blocks and fails on narrower layers.
+INTERNVL_TEXT = {"student": (64, 2, 4, 2, 16), "teacher": (128, 3, 4, 2, 32)}
+INTERNVL_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+
+
+def internvl_processor():
+    from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+    tokenizer = train_tokenizer(INTERNVL_SPECIAL, INTERNVL_CHAT_TEMPLATE, eos_token="<|im_end|>",
+                                pad_token="<|endoftext|>", extra={"extra_special_tokens": INTERNVL_NAMED})
+    tokenizer.add_tokens(INTERNVL_PLAIN, special_tokens=False)
+    image_processor = GotOcr2ImageProcessor(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
+                                            crop_to_patches=True, min_patches=1, max_patches=INTERNVL_MAX_TILES,
+                                            image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    seq = int((INTERNVL_TILE // INTERNVL_PATCH * INTERNVL_DOWNSAMPLE) ** 2)  # <IMG_CONTEXT> tokens per tile
+    return InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                             video_processor=InternVLVideoProcessor(), image_seq_length=seq,
+                             chat_template=INTERNVL_CHAT_TEMPLATE)
+
+
+def build_internvl(out: str) -> str:
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    processor = internvl_processor()
+    tok = processor.tokenizer
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<IMG_CONTEXT>")}
+
+    def make_model(size: str):
+        hidden, layers, heads, kv_heads, head_dim = INTERNVL_TEXT[size]
+        config = InternVLConfig(
+            text_config=dict(model_type="qwen3", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=head_dim, max_position_embeddings=1024, tie_word_embeddings=False,
+                             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                             pad_token_id=ids["<|endoftext|>"]),
+            vision_config=dict(**INTERNVL_VISION, image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH, attention_bias=True),
+            image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=processor.image_seq_length,
+            downsample_ratio=INTERNVL_DOWNSAMPLE, tie_word_embeddings=False,
+        )
+        model = InternVLForConditionalGeneration(config)
+        model.generation_config.eos_token_id = ids["<|im_end|>"]
+        model.generation_config.pad_token_id = ids["<|endoftext|>"]
+        return model
+
+    return save_pair(out, make_model, processor)
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolVLM 2 (SmolVLMForConditionalGeneration: Idefics3-style, SigLIP vision, SmolLM2 (Llama) language model)
+# ---------------------------------------------------------------------------------------------
+#
+# Pipeline: the chat template writes '<image>' where an image goes. The image processor resizes the image
+# so its longest edge is size.longest_edge, splits it into rows x cols square tiles of max_image_size and
+# adds the whole image shrunk to one tile (the global image); pixel_values is (batch, tiles, 3, S, S),
+# zero-padded to the batch's most tiles, with pixel_attention_mask (batch, tiles, S, S) marking real pixels.
+# The processor replaces each <image> with, per tile, <fake_token_around_image><row_i_col_j> + <image> x
+# image_seq_len, a newline after each row, then '\n' <fake_token_around_image><global-img> + <image> x
+# image_seq_len + <fake_token_around_image>. The model encodes every real tile (padding tiles are dropped
+# by the mask), pixel-shuffles by scale_factor, projects, and writes the features over the <image>
+# positions (config.image_token_id). 1-D RoPE, no token types. The language model is model.text_model
+# (get_decoder() returns it), not model.language_model.
+
+# SmolLM2's special tokens (the first 17 ids of its vocabulary), then what SmolVLM adds: <global-img>, the
+# 36 tile-position tokens <row_i_col_j> (i, j in 1..6), <fake_token_around_image>, <image> (49190 in the
+# published tokenizer, config.image_token_id) and <end_of_utterance> (49279, the end token). The published
+# tokenizer also holds 88 <|reserved_special_token_k|> between <image> and <end_of_utterance>; the stand-in
+# leaves those unused tokens out.
+SMOLVLM_SPECIAL = (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>",
+                    "<filename>", "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>",
+                    "<jupyter_start>", "<jupyter_text>", "<jupyter_code>", "<jupyter_output>", "<jupyter_script>",
+                    "<empty_output>", "<global-img>"]
+                   + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+                   + ["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
+SMOLVLM_NAMED = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                 "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+# The published chat template (chat_template.json): 'User:' directly followed by the image when the turn
+# starts with one, '<end_of_utterance>\n' after each turn, and 'Assistant:' (no space) as generation prompt.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+# Tiles of 32 x 32 pixels in 8-pixel patches: a 4 x 4 patch grid, pixel-shuffled by scale_factor 2 to 4 tokens
+# per tile (published 256M/500M: 512-pixel tiles, patch 16, scale_factor 4: 64 tokens). Images are resized to
+# a 64-pixel longest edge, so the task's square images become 2 x 2 tiles plus the global image: 5 tiles, 20
+# <image> tokens, 4 <row_i_col_j> tokens and 6 <fake_token_around_image> per image.
+SMOLVLM_TILE, SMOLVLM_PATCH, SMOLVLM_SCALE, SMOLVLM_LONGEST = 32, 8, 2, 64
+# Text (Llama) sizes: (hidden, layers, heads, kv heads, head_dim); one vision tower for both, as the
+# published 256M and 500M share SigLIP-B/16. Teacher layers are multiples of 64 wide (see INTERNVL_TEXT).
+SMOLVLM_TEXT = {"student": (64, 2, 4, 2, 16), "teacher": (128, 3, 4, 2, 32)}
+SMOLVLM_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+
+
+def smolvlm_processor():
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    tokenizer = train_tokenizer(SMOLVLM_SPECIAL, SMOLVLM_CHAT_TEMPLATE, eos_token="<end_of_utterance>",
+                                pad_token="<|im_end|>", bos_token="<|im_start|>",
+                                extra={"unk_token": "<|endoftext|>", "extra_special_tokens": SMOLVLM_NAMED})
+    image_processor = SmolVLMImageProcessor(size={"longest_edge": SMOLVLM_LONGEST},
+                                            max_image_size={"longest_edge": SMOLVLM_TILE}, do_image_splitting=True,
+                                            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    seq = (SMOLVLM_TILE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE**2  # <image> tokens per tile
+    return SmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
+                            image_seq_len=seq, chat_template=SMOLVLM_CHAT_TEMPLATE)
+
+
+def build_smolvlm(out: str) -> str:
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    processor = smolvlm_processor()
+    tok = processor.tokenizer
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<image>", "<end_of_utterance>")}
+
+    def make_model(size: str):
+        hidden, layers, heads, kv_heads, head_dim = SMOLVLM_TEXT[size]
+        config = SmolVLMConfig(
+            text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=head_dim, max_position_embeddings=1024, rope_theta=100000.0,
+                             tie_word_embeddings=False, bos_token_id=ids["<|im_start|>"],
+                             eos_token_id=ids["<end_of_utterance>"], pad_token_id=ids["<|im_end|>"]),
+            vision_config=dict(**SMOLVLM_VISION, image_size=SMOLVLM_TILE, patch_size=SMOLVLM_PATCH),
+            scale_factor=SMOLVLM_SCALE, image_token_id=ids["<image>"], tie_word_embeddings=False,
+        )
+        model = SmolVLMForConditionalGeneration(config)
+        model.generation_config.eos_token_id = ids["<end_of_utterance>"]
+        model.generation_config.pad_token_id = ids["<|im_end|>"]
+        return model
+
+    return save_pair(out, make_model, processor)
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------------
 
@@ -89,6 +267,12 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family(build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration",
                          "Qwen/Qwen2.5-VL-3B-Instruct / Qwen/Qwen2.5-VL-7B-Instruct"),
+    "internvl": Family(build_internvl, "InternVLForConditionalGeneration",
+                       "OpenGVLab/InternVL3_5-1B-HF / OpenGVLab/InternVL3_5-8B-HF"),
+    # 256M and 500M share the tokenizer and the image processing (512-pixel tiles, 64 tokens each); the 2.2B
+    # shares the tokenizer only (384-pixel tiles, 81 tokens): the student's processor would feed it wrong images.
+    "smolvlm": Family(build_smolvlm, "SmolVLMForConditionalGeneration",
+                      "HuggingFaceTB/SmolVLM2-256M-Video-Instruct / HuggingFaceTB/SmolVLM2-500M-Video-Instruct"),
 }
 
 
