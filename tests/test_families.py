@@ -19,6 +19,8 @@ import gndpo_minimal as g
 import tiny_families
 from estimate_memory import lora_layers, meta_model, nf4_weights
 
+pytestmark = pytest.mark.slow  # each family trains one step through main()
+
 FAMILIES = sorted(tiny_families.FAMILIES)
 BUILT: dict[str, str] = {}
 RUNS: dict[str, dict] = {}
