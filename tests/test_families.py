@@ -235,3 +235,19 @@ def test_the_end_of_an_assistant_turn_is_an_end_token(models):
     word = tokenizer("two", add_special_tokens=False)["input_ids"][0]
     response = torch.tensor([[word, closing, word]])
     assert g.response_mask_from_ids(response, sample_config.eos_token_id).tolist() == [[1, 1, 0]]
+
+
+@family_params()
+def test_a_prompt_starts_with_the_templates_bos_once(models):
+    """A template that writes <bos> itself (Gemma 3's) must not get a second one from the tokenizer."""
+    import tiny_world
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(os.path.join(models, "student"))
+    bos = processor.tokenizer.bos_token
+    (row,) = tiny_world.make_rows(1, 0)
+    text = processor.apply_chat_template(g.build_messages(row["question"], 1), add_generation_prompt=True,
+                                         tokenize=False)
+    ids = g.encode_prompts(processor, [(row["question"], [row["image"]])])["input_ids"][0]
+    if bos:  # Qwen-VL's tokenizer has none
+        assert (ids == processor.tokenizer.bos_token_id).sum().item() == text.count(bos) == 1
