@@ -56,30 +56,52 @@ def text_shape(model) -> dict:
     c = model.config.get_text_config()
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    # Values per token that the norms of one decoder layer take in: hidden-wide norms (2 in Qwen, 4 in Gemma 3,
+    # which also normalizes the attention and MLP outputs) and per-head norms of queries and keys (q_norm,
+    # k_norm in Qwen3 and Gemma 3), each applied to every head.
+    norm_inputs = 0
+    for name, m in model.get_decoder().layers[0].named_modules():
+        weight = getattr(m, "weight", None) if "norm" in type(m).__name__.lower() else None
+        width = weight.numel() if isinstance(weight, torch.Tensor) else 0
+        if width == c.hidden_size:
+            norm_inputs += width
+        elif width == head_dim:
+            norm_inputs += head_dim * (kv_heads if name.rsplit(".", 1)[-1].startswith("k") else heads)
     return {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": heads, "head_dim": head_dim,
-            "kv_heads": getattr(c, "num_key_value_heads", None) or heads, "intermediate": c.intermediate_size,
+            "kv_heads": kv_heads, "intermediate": c.intermediate_size, "norm_inputs": norm_inputs,
             "vocab": model.get_output_embeddings().weight.shape[0]}
 
 
 def vision_shape(model) -> dict:
-    """Vision tower sizes, the vision patches merged into one image token of the prompt, and the bytes the
-    processor makes per image token: float32 pixels, plus an int64 per-pixel mask where the model takes one."""
+    """Vision tower sizes, the bytes the processor makes per image token of the prompt (float32 pixels, plus an
+    int64 per-pixel mask where the model takes one) and the vision patches (tokens of the vision tower) per image
+    token, from the config alone:
+
+      Qwen-VL      rows of 3 x t x p x p values, one per patch; spatial_merge_size^2 patches per image token
+      fixed-size   image_size^2 pixels per image (or tile), (image_size / p)^2 patches pooled to its image tokens:
+                   mm_tokens_per_image of them (Gemma 3: 896 px, 64^2 patches -> 256 tokens, 16 patches each),
+                   else the patch grid pixel-shuffled by scale_factor (Idefics3/SmolVLM: 512 px, 4 -> 64 tokens)
+                   or by 1 / downsample_ratio (InternVL: 448 px, 0.5 -> 256 tokens)
+    """
     import inspect
 
     c, v = model.config, model.config.vision_config
-    patch = v.patch_size[0] if isinstance(v.patch_size, (list, tuple)) else v.patch_size
-    if hasattr(v, "temporal_patch_size"):  # Qwen-VL: rows of 3 x t x p x p values, merge^2 rows per image token
-        merge = v.spatial_merge_size
-        pixels = 3 * v.temporal_patch_size * patch**2 * merge**2
-    else:  # square tiles whose patch grid is pixel-shuffled into tokens: merge x merge patches per token, by
-        # downsample_ratio in InternVL (0.5: 448-pixel tiles, 256 tokens), by scale_factor in Idefics3/SmolVLM
-        # (4: 512-pixel tiles, 64 tokens)
+    first = lambda x: x[0] if isinstance(x, (list, tuple)) else x  # noqa: E731  (sizes may be [h, w])
+    patch = first(v.patch_size)
+    if hasattr(v, "temporal_patch_size"):
+        patches_per_token = v.spatial_merge_size**2
+        pixels = 3 * v.temporal_patch_size * patch**2 * patches_per_token
+    else:
+        side = first(v.image_size)
+        patches = (side // patch) ** 2
         merge = getattr(c, "scale_factor", None) or round(1 / getattr(c, "downsample_ratio", 0.5))
-        pixels = 3 * (patch * merge) ** 2
+        tokens = getattr(c, "mm_tokens_per_image", None) or patches // merge**2
+        patches_per_token, pixels = patches / tokens, round(3 * side**2 / tokens)
     # Idefics3/SmolVLM's processor also returns pixel_attention_mask: int64, one value per pixel of each tile
     mask = 8 * pixels // 3 if "pixel_attention_mask" in inspect.signature(model.forward).parameters else 0
-    return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "patches_per_token": merge**2,
-            "pixel_bytes_per_token": 4 * pixels + mask}
+    return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "pixel_bytes_per_token": 4 * pixels + mask,
+            "patches_per_token": patches_per_token}
 
 
 def lora_layers(model, target_modules: str) -> list[tuple[str, int, int]]:
@@ -129,14 +151,15 @@ def layer_forward_peak(s: dict, b: int) -> int:
 def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], lora_r: int, T: int) -> int:
     """Training without checkpointing: what autograd keeps for one layer, per token of a T-token sequence.
 
-    The norms' float32 inputs (2 x 4h); q, k, v (k, v repeated to all heads) and the attention output (4q) and
-    its log-sum-exp; the padding mask as a (T, T) float per sequence; the MLP's gate, up and activation (3i).
+    The norms' float32 inputs (4 x norm_inputs: 2h in Qwen2); q, k, v (k, v repeated to all heads) and the
+    attention output (4q) and its log-sum-exp; the padding mask as a (T, T) float per sequence; the MLP's gate,
+    up and activation (3i).
     Frozen linear layers keep nothing but their weight; LoRA adapters (float32, as peft keeps them) keep a
     float32 copy of their layer's input and their rank-r projection. Checked against autograd in the tests.
     """
-    h, q, i, layers = s["hidden"], s["heads"] * s["head_dim"], s["intermediate"], s["layers"]
+    q, i, layers = s["heads"] * s["head_dim"], s["intermediate"], s["layers"]
     adapters = sum(4 * (n_in + lora_r) for _, n_in, _ in lora) // max(layers, 1)
-    return 4 * 2 * h + b * (4 * q + 3 * i) + 4 * s["heads"] + b * T + adapters
+    return 4 * s["norm_inputs"] + b * (4 * q + 3 * i) + 4 * s["heads"] + b * T + adapters
 
 
 def estimate(args, num_processes: int = 1) -> dict:
@@ -157,8 +180,8 @@ def estimate(args, num_processes: int = 1) -> dict:
     def kv_cache(shape):  # keys and values of every layer for mb sequences of T tokens
         return mb * T * shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
 
-    def vision(shape):  # one vision layer over a micro-batch: merge^2 patches per image token, image tokens <= P
-        return mb * shape["patches_per_token"] * P * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
+    def vision(shape):  # one vision layer over a micro-batch's patches (image tokens <= P)
+        return round(mb * shape["patches_per_token"] * P) * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
 
     pixels = mb * P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # a micro-batch's images
     chunk_forward, chunk_backward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4, CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4

@@ -480,7 +480,11 @@ def encode_prompts(processor, prompts: list[tuple[str, list]], instruction: str 
     texts = [processor.apply_chat_template(build_messages(q, len(imgs), instruction), add_generation_prompt=True,
                                            tokenize=False) for q, imgs in prompts]
     processor.tokenizer.padding_side = "left"  # generation appends on the right
-    return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True)
+    # A template that writes the begin-of-sequence token itself (Gemma 3's) must not get a second one from a
+    # tokenizer that adds it to any text: the prompt would start <bos><bos>, which the model never saw.
+    bos = processor.tokenizer.bos_token
+    extra = {"add_special_tokens": False} if bos and all(t.startswith(bos) for t in texts) else {}
+    return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True, **extra)
 
 
 def load_split(args: Args, split: str):

@@ -212,3 +212,44 @@ def test_tokenizer_check_within_and_across_families(models, tmp_path_factory):
     teacher = AutoProcessor.from_pretrained(os.path.join(BUILT[other], "teacher")).tokenizer
     with pytest.raises(ValueError, match="pick a teacher of the student's model family|use a teacher of the student's"):
         g.check_same_tokenizer(student, teacher)
+
+
+@family_params()
+def test_the_end_of_an_assistant_turn_is_an_end_token(models):
+    """Sampling stops, and the response mask ends, at the token the chat template closes an assistant turn with
+    (<|im_end|> in Qwen-VL, <end_of_turn> in Gemma 3, whose tokenizer's eos_token is <eos>: the generation
+    config lists both)."""
+    from transformers import AutoConfig, AutoProcessor, GenerationConfig
+
+    path = os.path.join(models, "student")
+    tokenizer = AutoProcessor.from_pretrained(path).tokenizer
+    chat = [{"role": "user", "content": [{"type": "text", "text": "one"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "two"}]}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False)
+    after = tokenizer(text[text.rindex("two") + len("two"):], add_special_tokens=False)["input_ids"]
+    closing = next(i for i in after if i in tokenizer.all_special_ids or i in tokenizer.added_tokens_decoder)
+
+    class Model:  # what generation_configs reads from a model, without loading the weights
+        config, generation_config = AutoConfig.from_pretrained(path), GenerationConfig.from_pretrained(path)
+
+    sample_config, _ = g.generation_configs(tokenizer, Model, family_args(models, "", "/nonexistent"))
+    assert closing in sample_config.eos_token_id
+    word = tokenizer("two", add_special_tokens=False)["input_ids"][0]
+    response = torch.tensor([[word, closing, word]])
+    assert g.response_mask_from_ids(response, sample_config.eos_token_id).tolist() == [[1, 1, 0]]
+
+
+@family_params()
+def test_a_prompt_starts_with_the_templates_bos_once(models):
+    """A template that writes <bos> itself (Gemma 3's) must not get a second one from the tokenizer."""
+    import tiny_world
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(os.path.join(models, "student"))
+    bos = processor.tokenizer.bos_token
+    (row,) = tiny_world.make_rows(1, 0)
+    text = processor.apply_chat_template(g.build_messages(row["question"], 1), add_generation_prompt=True,
+                                         tokenize=False)
+    ids = g.encode_prompts(processor, [(row["question"], [row["image"]])])["input_ids"][0]
+    if bos:  # Qwen-VL's tokenizer has none
+        assert (ids == processor.tokenizer.bos_token_id).sum().item() == text.count(bos) == 1

@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 import gndpo_minimal as g
 from estimate_memory import (CHUNK_COPIES_BACKWARD, CHUNK_COPIES_FORWARD, CHUNK_ELEMENTS, LOGIT_GRAD_COPIES, GiB,
-                             estimate, layer_saved_for_backward, lora_layers, meta_model, nf4_weights, text_shape)
+                             estimate, layer_saved_for_backward, lora_layers, meta_model, nf4_weights, text_shape,
+                             vision_shape)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
@@ -80,7 +81,8 @@ def test_grader_reads_the_last_box_and_needs_one():
 
 def test_there_is_a_recipe_per_setup():
     names = {os.path.basename(r) for r in RECIPES}
-    assert names >= {"geometry3k_qwen2.5vl_3b.yaml", "geometry3k_internvl3.5_1b.yaml", "geometry3k_internvl3.5_2b.yaml"}
+    assert names >= {"geometry3k_qwen2.5vl_3b.yaml", "geometry3k_internvl3.5_1b.yaml", "geometry3k_internvl3.5_2b.yaml",
+                     "geometry3k_gemma3_4b.yaml"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
@@ -149,6 +151,23 @@ def test_estimate_of_the_internvl_configs_in_the_expected_ranges():
     assert 8.3e9 < e1["teacher_params"] < 8.7e9  # InternVL3.5-8B: InternViT-300M + Qwen3-8B
     assert 4.5 * GB < e1["teacher_weights"] < 7 * GB
     assert e1["teacher_weights"] == e2["teacher_weights"] and e1["student_weights"] < e2["student_weights"]
+
+
+def test_estimate_of_the_gemma3_configs_in_the_expected_ranges():
+    args = with_fixture_configs(g.parse_args([os.path.join(ROOT, "recipes", "geometry3k_gemma3_4b.yaml")]))
+    e = estimate(args)
+    assert e["student_params"] == 4_300_079_472 and e["teacher_params"] == 12_187_325_040  # the published counts
+    assert 6.5 * GB < e["teacher_weights"] < 8.5 * GB  # nf4, plus the 1B-parameter bf16 embedding (tied lm_head)
+    # LoRA by hand: 34 layers of q (hidden 2560 -> 8 heads of 256), k, v (4 KV heads of 256), o, gate, up, down (10240)
+    h, q, kv, i, r = 2560, 2048, 1024, 10240, args.lora_r
+    assert e["lora_params"] == 34 * r * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + i))
+    # SigLIP at 896 px in 14 px patches: 64 x 64 patches pooled to 256 image tokens, 16 patches and 3 x 56 x 56
+    # float32 pixels each
+    shape = vision_shape(meta_model(args.student_model))
+    assert shape["patches_per_token"] == 16 and shape["pixel_bytes_per_token"] == 4 * 3 * 896 * 896 // 256
+    # four hidden-wide norms per layer (Gemma normalizes the attention and MLP outputs too) and q/k norms per head
+    assert text_shape(meta_model(args.student_model))["norm_inputs"] == 4 * h + q + kv
+    assert e["logits_update"] == (1 + LOGIT_GRAD_COPIES) * (args.max_new_tokens + 1) * 262208 * 2
 
 
 @pytest.mark.slow
