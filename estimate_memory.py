@@ -8,7 +8,8 @@ put through the same bitsandbytes replacement that a 4-bit load does, so the qua
 ones a real load quantizes. Everything after the weights is a bound at the longest lengths (every prompt
 max_prompt_length tokens, every response max_new_tokens), one micro-batch at a time, per process:
 
-  rollout     the student's KV cache while generating a micro-batch (teacher: while evaluating)
+  rollout     the student's KV cache while generating a generation batch (teacher: while evaluating), i.e.
+              --generation_batch_size rows, or all of a process's rollouts (evaluation rows) when it is 0
   scoring     the teacher's forward on prompt + response; logits only for the R + 1 kept positions
   update      the student's forward/backward: saved activations (one hidden state per layer with gradient
               checkpointing) and the kept logits with their gradient
@@ -177,13 +178,18 @@ def estimate(args, num_processes: int = 1) -> dict:
     teacher_params = sum(p.numel() for p in teacher.parameters())
     teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
 
-    def kv_cache(shape):  # keys and values of every layer for mb sequences of T tokens
-        return mb * T * shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+    # rows per generate() call: rollouts, and the teacher's greedy evaluation before training
+    gen = args.generation_batch_size or args.prompts_per_step * args.num_generations // num_processes
+    evals = args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / num_processes))
 
-    def vision(shape):  # one vision layer over a micro-batch's patches (image tokens <= P)
-        return round(mb * shape["patches_per_token"] * P) * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
+    def kv_cache(shape, rows):  # keys and values of every layer for `rows` sequences of T tokens
+        return rows * T * shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
 
-    pixels = mb * P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # a micro-batch's images
+    def vision(shape, rows=mb):  # one vision layer over the patches of `rows` prompts (image tokens <= P)
+        return round(rows * shape["patches_per_token"] * P) * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
+
+    pixel_bytes = P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # one prompt's images
+    pixels = mb * pixel_bytes  # a micro-batch's images
     chunk_forward, chunk_backward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4, CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
     logits_s, logits_t = mb * (R + 1) * s["vocab"] * b, mb * (R + 1) * t["vocab"] * b
     if args.gradient_checkpointing:  # one hidden state per layer kept; one layer recomputed, with its gradients
@@ -198,14 +204,15 @@ def estimate(args, num_processes: int = 1) -> dict:
         "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"],
         "teacher_quantized_params": teacher_w.get("quantized_params", 0),
         "cuda_context": int(CUDA_CONTEXT_GIB * GiB),
-        "kv_cache_student": kv_cache(s), "kv_cache_teacher": kv_cache(t),
+        "generation_rows": gen, "evaluation_rows": evals,
+        "kv_cache_student": kv_cache(s, gen), "kv_cache_teacher": kv_cache(t, evals),
         "logits_scoring": logits_t, "logits_update": logits_s * (1 + LOGIT_GRAD_COPIES),
         "activations_update": activations,
         "host_pixels_per_step": args.prompts_per_step * args.num_generations // num_processes * pixels // mb,
     }
     phases = {
-        "rollout": out["kv_cache_student"] + mb * P * layer_forward_peak(s, b) + vision(sv) + pixels,
-        "teacher_eval": out["kv_cache_teacher"] + mb * P * layer_forward_peak(t, b) + vision(tv) + pixels,
+        "rollout": out["kv_cache_student"] + gen * P * layer_forward_peak(s, b) + vision(sv, gen) + gen * pixel_bytes,
+        "teacher_eval": out["kv_cache_teacher"] + evals * P * layer_forward_peak(t, b) + vision(tv, evals) + evals * pixel_bytes,
         "scoring": mb * T * (layer_forward_peak(t, b) + 2 * t["hidden"] * b) + logits_t + chunk_forward + vision(tv) + pixels,
         "update": activations + out["logits_update"] + chunk_backward + vision(sv) + pixels,
     }
@@ -236,14 +243,17 @@ def print_estimate(args, num_processes: int = 1) -> dict:
         f"  CUDA context, slack  {g(e['cuda_context'])}",
         f"  = resident           {g(e['resident'])}",
         "  + the largest phase (bounds at full length):",
-        f"    rollout            {g(e['phase_rollout'])}   student KV cache {g(e['kv_cache_student'])}",
-        f"    teacher eval       {g(e['phase_teacher_eval'])}   teacher KV cache {g(e['kv_cache_teacher'])}",
+        f"    rollout            {g(e['phase_rollout'])}   student KV cache {g(e['kv_cache_student'])} "
+        f"({e['generation_rows']} rows per generate call)",
+        f"    teacher eval       {g(e['phase_teacher_eval'])}   teacher KV cache {g(e['kv_cache_teacher'])} "
+        f"({e['evaluation_rows']} rows per generate call)",
         f"    scoring            {g(e['phase_scoring'])}   teacher logits {g(e['logits_scoring'])}",
         f"    update             {g(e['phase_update'])}   logits + gradients {g(e['logits_update'])}, "
         f"activations {g(e['activations_update'])}",
         f"  = peak               {g(e['peak'])}   ({e['peak_phase']}); "
         + (f"fits a 24 GB GPU ({GPU_GIB} GiB)" if e["fits_24gb"] else f"does NOT fit a 24 GB GPU ({GPU_GIB} GiB): "
-           "lower --micro_batch_size or --max_new_tokens"
+           f"lower --{'generation_batch_size' if e['peak_phase'] in ('rollout', 'teacher_eval') else 'micro_batch_size'}"
+           " or --max_new_tokens"
            + ("" if args.gradient_checkpointing else ", or turn on --gradient_checkpointing")),
         f"  host memory for the step's images: up to {g(e['host_pixels_per_step'])}",
     ]

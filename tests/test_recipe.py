@@ -121,6 +121,9 @@ def test_recipe_fits_24gb_and_its_micro_batch_is_the_largest_that_does(recipe):
     e = estimate(args)
     assert e["fits_24gb"], f"{os.path.basename(recipe)}: {e['peak'] / GiB:.2f} GiB"
     assert not estimate(dataclasses.replace(args, micro_batch_size=2 * args.micro_batch_size))["fits_24gb"]
+    # generation runs in its own batches, the largest whose KV cache (student rollouts, teacher evaluation) fits
+    assert args.generation_batch_size > 0
+    assert not estimate(dataclasses.replace(args, generation_batch_size=2 * args.generation_batch_size))["fits_24gb"]
     assert not estimate(dataclasses.replace(args, gradient_checkpointing=False))["fits_24gb"]
 
 
@@ -139,7 +142,7 @@ def test_estimate_of_the_qwen_recipe_in_the_expected_ranges():
     h, kv, i, r = 2048, 256, 11008, args.lora_r
     assert e["lora_params"] == 36 * r * ((h + h) + 2 * (h + kv) + (h + h) + 3 * (h + i))
     T = args.max_prompt_length + args.max_new_tokens
-    assert e["kv_cache_student"] == args.micro_batch_size * T * 36 * 2 * 2 * 128 * 2
+    assert e["kv_cache_student"] == args.generation_batch_size * T * 36 * 2 * 2 * 128 * 2  # rows of one generate() call
     assert e["logits_update"] == (1 + LOGIT_GRAD_COPIES) * args.micro_batch_size * (args.max_new_tokens + 1) * 151936 * 2
     assert e["peak"] > e["resident"] > e["student_weights"] + e["teacher_weights"]
 
