@@ -8,14 +8,18 @@ put through the same bitsandbytes replacement that a 4-bit load does, so the qua
 ones a real load quantizes. Everything after the weights is a bound at the longest lengths (every prompt
 max_prompt_length tokens, every response max_new_tokens), one micro-batch at a time, per process:
 
-  rollout     the student's KV cache while generating a generation batch (teacher: while evaluating), i.e.
-              --generation_batch_size rows, or all of a process's rollouts (evaluation rows) when it is 0
+  rollout     the student's cache while generating a generation batch (--generation_batch_size rows, or all
+              of a process's rollouts when it is 0; teacher: while evaluating): keys and values of every
+              attention layer, and for hybrid models (layer_types with linear_attention layers, e.g. Qwen3.5's
+              gated delta nets) each such layer's fixed-size conv and recurrent state instead
   scoring     the teacher's forward on prompt + response; logits only for the R + 1 kept positions
   update      the student's forward/backward: saved activations (one hidden state per layer with gradient
               checkpointing) and the kept logits with their gradient
 
-The per-token activation sizes are counts of the tensors a Qwen-style decoder layer keeps for backward
-(tests/test_recipe.py checks them against what autograd really saves on a tiny model); the CUDA context and
+The per-token activation sizes are counts of the tensors a Qwen-style decoder layer keeps for backward (with
+q/k norms and an output gate where the attention has them), and for a gated delta net layer those of its
+torch implementation (tests/test_recipe.py checks them against what autograd really saves on tiny models: the
+flash-linear-attention kernels, when installed, keep less); the CUDA context and
 allocator slack are a rule of thumb. Real runs are usually lower: most micro-batches are shorter than the bound.
 """
 
@@ -52,26 +56,50 @@ def meta_model(name_or_path: str):
         return AutoModelForImageTextToText.from_config(config)
 
 
+# Layer types whose cache is a fixed-size state (no keys and values per token): linear attention (gated delta
+# nets), convolutions, state-space layers.
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+DELTA_RULE_CHUNK = 64  # the chunk length of transformers' torch gated delta rule
+
+
 def text_shape(model) -> dict:
-    """Sizes of the language model that activations and caches scale with."""
+    """Sizes of the language model that activations and caches scale with, from its config and its first
+    attention module: head_dim as configured (Qwen3: 128 with hidden 2048 / 16 heads, not hidden / heads),
+    q/k norms, an output gate (q_proj twice as wide as the heads), and for hybrid models how many layers are
+    recurrent (layer_types) with the linear-attention sizes (linear_num_value_heads, ...)."""
     c = model.config.get_text_config()
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    # Values per token that the norms of one decoder layer take in: hidden-wide norms (2 in Qwen, 4 in Gemma 3,
-    # which also normalizes the attention and MLP outputs) and per-head norms of queries and keys (q_norm,
-    # k_norm in Qwen3 and Gemma 3), each applied to every head.
-    norm_inputs = 0
-    for name, m in model.get_decoder().layers[0].named_modules():
-        weight = getattr(m, "weight", None) if "norm" in type(m).__name__.lower() else None
-        width = weight.numel() if isinstance(weight, torch.Tensor) else 0
-        if width == c.hidden_size:
-            norm_inputs += width
-        elif width == head_dim:
-            norm_inputs += head_dim * (kv_heads if name.rsplit(".", 1)[-1].startswith("k") else heads)
-    return {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": heads, "head_dim": head_dim,
-            "kv_heads": kv_heads, "intermediate": c.intermediate_size, "norm_inputs": norm_inputs,
-            "vocab": model.get_output_embeddings().weight.shape[0]}
+    attention = next(m for m in model.get_decoder().modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj"))
+    types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    recurrent = sum(t in RECURRENT_LAYER_TYPES for t in types)
+    # Hidden-wide norms of one decoder layer (2 in Qwen; 4 in Gemma 3, which also normalizes the attention and
+    # MLP outputs); per-head norms of queries and keys (q_norm, k_norm in Qwen3 and Gemma 3) come on top.
+    hidden_norms = sum(1 for m in model.get_decoder().layers[0].modules() if "norm" in type(m).__name__.lower()
+                       and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.numel() == c.hidden_size)
+    qk_norm = hasattr(attention, "q_norm")
+    shape = {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": heads, "head_dim": head_dim,
+             "kv_heads": kv_heads, "intermediate": c.intermediate_size,
+             "vocab": model.get_output_embeddings().weight.shape[0], "hidden_norms": hidden_norms,
+             # values per token the norms of an attention layer take in
+             "norm_inputs": hidden_norms * c.hidden_size + (heads + kv_heads) * head_dim * qk_norm,
+             "qk_norm": qk_norm, "gated_attention": attention.q_proj.out_features == 2 * heads * head_dim,
+             "kv_layers": len(types) - recurrent, "linear_layers": recurrent}
+    if recurrent:
+        shape.update(linear_k_heads=c.linear_num_key_heads, linear_v_heads=c.linear_num_value_heads,
+                     linear_k_dim=c.linear_key_head_dim, linear_v_dim=c.linear_value_head_dim,
+                     linear_conv_kernel=c.linear_conv_kernel_dim)
+    return shape
+
+
+def linear_state_bytes(s: dict, b: int) -> int:
+    """Cache of one sequence in one linear-attention layer: the conv state (q, k, v channels x kernel, dtype b)
+    and the recurrent state (value heads x k dim x v dim, float32), whatever the sequence's length."""
+    if not s["linear_layers"]:
+        return 0
+    conv_dim = 2 * s["linear_k_heads"] * s["linear_k_dim"] + s["linear_v_heads"] * s["linear_v_dim"]
+    return conv_dim * s["linear_conv_kernel"] * b + 4 * s["linear_v_heads"] * s["linear_k_dim"] * s["linear_v_dim"]
 
 
 def vision_shape(model) -> dict:
@@ -144,23 +172,61 @@ def nf4_weights(model, double_quant: bool = True, other_bytes: int = 2) -> dict:
 
 
 # Bytes per token of one decoder layer (dtype size b), counting the tensors named in each comment.
+def delta_rule_working_set(s: dict, T: int = DELTA_RULE_CHUNK) -> int:
+    """A gated delta net layer (transformers' torch delta rule, float32 inside), per token of a T-token sequence:
+    five chunk x chunk matrices per value head (decays, the triangular system, intra-chunk attention, ...),
+    about fifteen float32 copies of the per-head q/k/v vectors (transposed, normalized, scaled, beta- and
+    decay-weighted, per chunk), one recurrent state per chunk, and per-head gates; all of it over the sequence
+    padded to whole chunks."""
+    hv, d = s["linear_v_heads"], max(s["linear_k_dim"], s["linear_v_dim"])
+    per_token = 4 * (5 * hv * DELTA_RULE_CHUNK + 15 * hv * d + hv * s["linear_k_dim"] * s["linear_v_dim"] // DELTA_RULE_CHUNK
+                     + 10 * hv)
+    return per_token * math.ceil(T / DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK // T
+
+
 def layer_forward_peak(s: dict, b: int) -> int:
-    """Inference: the residual stream, the layer input and the MLP's gate, up and product held at once."""
-    return b * (3 * s["hidden"] + 3 * s["intermediate"])
+    """Inference: the residual stream, the layer input and the MLP's gate, up and product held at once; in a
+    hybrid model's linear-attention layers, the delta rule's float32 working set if that is larger."""
+    peak = b * (3 * s["hidden"] + 3 * s["intermediate"])
+    return max(peak, b * 2 * s["hidden"] + delta_rule_working_set(s)) if s["linear_layers"] else peak
 
 
-def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], lora_r: int, T: int) -> int:
-    """Training without checkpointing: what autograd keeps for one layer, per token of a T-token sequence.
+def saved_per_layer_type(s: dict, b: int, T: int) -> dict[str, int]:
+    """What autograd keeps per token of a T-token sequence in one layer of each kind, LoRA adapters aside.
 
-    The norms' float32 inputs (4 x norm_inputs: 2h in Qwen2); q, k, v (k, v repeated to all heads) and the
-    attention output (4q) and its log-sum-exp; the padding mask as a (T, T) float per sequence; the MLP's gate,
+    Every layer: the hidden-wide norms' float32 inputs (2 x 4h in Qwen, 4 x 4h in Gemma 3) and the MLP's gate,
     up and activation (3i).
-    Frozen linear layers keep nothing but their weight; LoRA adapters (float32, as peft keeps them) keep a
-    float32 copy of their layer's input and their rank-r projection. Checked against autograd in the tests.
+    Attention: q, k, v (k, v repeated to all heads) and the attention output (4q) and its log-sum-exp; the padding
+    mask as a (T, T) float per sequence; with q/k norms their float32 inputs (q and the kv heads); with an
+    output gate, the gate's sigmoid and the ungated output (2q).
+    Linear attention (gated delta net): the conv's input and output (q, k, v channels) and the delta rule's
+    working set (delta_rule_working_set). Checked against autograd in the tests.
     """
-    q, i, layers = s["heads"] * s["head_dim"], s["intermediate"], s["layers"]
-    adapters = sum(4 * (n_in + lora_r) for _, n_in, _ in lora) // max(layers, 1)
-    return 4 * s["norm_inputs"] + b * (4 * q + 3 * i) + 4 * s["heads"] + b * T + adapters
+    h, q, i, kv = s["hidden"], s["heads"] * s["head_dim"], s["intermediate"], s["kv_heads"] * s["head_dim"]
+    common = 4 * s["hidden_norms"] * h + b * 3 * i
+    attention = (b * 4 * q + 4 * s["heads"] + b * T + (4 * (q + kv) if s["qk_norm"] else 0)
+                 + (b * 2 * q if s["gated_attention"] else 0))
+    kinds = {"attention": common + attention} if s["kv_layers"] else {}
+    if s["linear_layers"]:
+        conv_dim = 2 * s["linear_k_heads"] * s["linear_k_dim"] + s["linear_v_heads"] * s["linear_v_dim"]
+        kinds["linear_attention"] = common + b * 2 * conv_dim + delta_rule_working_set(s, T)
+    return kinds
+
+
+def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], lora_r: int, T: int,
+                             largest: bool = False) -> int:
+    """Training: what autograd keeps for one layer, per token of a T-token sequence: the mean over the model's
+    layers (layers x this = all of them, without checkpointing), or with largest=True the largest kind of layer
+    (the one that gradient checkpointing recomputes at a time). saved_per_layer_type() counts the activations;
+    frozen linear layers keep nothing but their weight; LoRA adapters (float32, as peft keeps them) keep a
+    float32 copy of their layer's input and their rank-r projection (averaged over the layers).
+    """
+    layers = max(s["layers"], 1)
+    adapters = sum(4 * (n_in + lora_r) for _, n_in, _ in lora) // layers
+    kinds = saved_per_layer_type(s, b, T)
+    if largest:
+        return max(kinds.values()) + adapters
+    return (kinds.get("attention", 0) * s["kv_layers"] + kinds.get("linear_attention", 0) * s["linear_layers"]) // layers + adapters
 
 
 def estimate(args, num_processes: int = 1) -> dict:
@@ -182,8 +248,9 @@ def estimate(args, num_processes: int = 1) -> dict:
     gen = args.generation_batch_size or args.prompts_per_step * args.num_generations // num_processes
     evals = args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / num_processes))
 
-    def kv_cache(shape, rows):  # keys and values of every layer for `rows` sequences of T tokens
-        return rows * T * shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+    def kv_cache(shape, rows):  # keys and values of every attention layer (rows x T tokens), linear layers' states
+        return rows * (T * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+                       + shape["linear_layers"] * linear_state_bytes(shape, b))
 
     def vision(shape, rows=mb):  # one vision layer over the patches of `rows` prompts (image tokens <= P)
         return round(rows * shape["patches_per_token"] * P) * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
@@ -193,7 +260,8 @@ def estimate(args, num_processes: int = 1) -> dict:
     chunk_forward, chunk_backward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4, CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
     logits_s, logits_t = mb * (R + 1) * s["vocab"] * b, mb * (R + 1) * t["vocab"] * b
     if args.gradient_checkpointing:  # one hidden state per layer kept; one layer recomputed, with its gradients
-        activations = mb * T * (s["layers"] * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, T))
+        activations = mb * T * (s["layers"] * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, T,
+                                                                                             largest=True))
     else:
         activations = mb * T * s["layers"] * layer_saved_for_backward(s, b, lora, args.lora_r, T)
 
@@ -243,9 +311,9 @@ def print_estimate(args, num_processes: int = 1) -> dict:
         f"  CUDA context, slack  {g(e['cuda_context'])}",
         f"  = resident           {g(e['resident'])}",
         "  + the largest phase (bounds at full length):",
-        f"    rollout            {g(e['phase_rollout'])}   student KV cache {g(e['kv_cache_student'])} "
+        f"    rollout            {g(e['phase_rollout'])}   student cache    {g(e['kv_cache_student'])} "
         f"({e['generation_rows']} rows per generate call)",
-        f"    teacher eval       {g(e['phase_teacher_eval'])}   teacher KV cache {g(e['kv_cache_teacher'])} "
+        f"    teacher eval       {g(e['phase_teacher_eval'])}   teacher cache    {g(e['kv_cache_teacher'])} "
         f"({e['evaluation_rows']} rows per generate call)",
         f"    scoring            {g(e['phase_scoring'])}   teacher logits {g(e['logits_scoring'])}",
         f"    update             {g(e['phase_update'])}   logits + gradients {g(e['logits_update'])}, "

@@ -65,7 +65,9 @@ class Args:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    # in_proj_qkv, in_proj_z, out_proj: the gated delta net layers of hybrid models (Qwen3.5: 3 of every 4 layers);
+    # names a model does not have are skipped (lora_target_names)
+    lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,out_proj",
                                      metadata={"help": "Comma-separated linear layer names of the LANGUAGE model to adapt (the vision tower stays frozen)."})
     # data
     dataset_name: str = field(default=os.path.join(HERE, "assets/tiny/data"),

@@ -253,3 +253,40 @@ def test_a_prompt_starts_with_the_templates_bos_once(models):
     ids = g.encode_prompts(processor, [(row["question"], [row["image"]])])["input_ids"][0]
     if bos:  # Qwen-VL's tokenizer has none
         assert (ids == processor.tokenizer.bos_token_id).sum().item() == text.count(bos) == 1
+
+
+def test_left_padding_changes_no_logprob(models):
+    """Prompts of different lengths, left-padded into one batch: every row's sampled log-probs, its training
+    forward in the batch and the same row scored alone agree. (The micro-batches above happen to hold prompts
+    of one length.) Hybrid models are where this can break: their linear-attention layers (Qwen3.5's gated
+    delta nets) carry a conv and a recurrent state through the pads, and only the padding mask keeps the pads
+    out of them. The teacher is checked unquantized: bitsandbytes' CPU 4-bit kernel computes in bfloat16, where
+    a chunked delta rule's float32 rounding (its chunks start elsewhere in a padded row) grows to ~1e-3."""
+    import dataclasses
+
+    import tiny_world
+    from transformers import AutoProcessor
+
+    args = family_args(models, "", "/nonexistent", max_new_tokens=6)
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    student = g.load_student(args, torch.float32)
+    teacher = g.load_teacher(dataclasses.replace(args, teacher_4bit=False), torch.float32, torch.device("cpu"))
+    sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
+    ignore_ids = torch.tensor(sample_config.suppress_tokens)
+    prompts = [(r["question"] + " Answer with one word." * k, [r["image"]])
+               for k, r in zip((0, 1, 2, 0), tiny_world.make_rows(4, seed=3))]
+    torch.manual_seed(0)
+    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
+    assert (chunk["attention_mask"] == 0).sum(1).max() >= 8  # real left padding
+    valid = chunk["response_mask"].bool()
+    for model in (student, teacher):
+        with torch.no_grad():
+            batched = g.response_logps(model, chunk, ignore_ids)
+            alone = []
+            for i in range(len(prompts)):
+                row = dict(g.encode_prompts(processor, prompts[i:i + 1]), response_ids=chunk["response_ids"][i:i + 1],
+                           response_mask=chunk["response_mask"][i:i + 1])
+                alone.append(g.response_logps(model, row, ignore_ids))
+        torch.testing.assert_close(batched[valid], torch.cat(alone)[valid], atol=1e-4, rtol=0)
+        if model is student:
+            torch.testing.assert_close(chunk["sampled_logps"][valid], batched[valid], atol=1e-4, rtol=0)

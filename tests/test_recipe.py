@@ -278,6 +278,40 @@ def test_activation_bound_matches_what_autograd_saves(untrained_models):
     assert saved[True] < n * T * (shape["layers"] * shape["hidden"] * 2 + 2 * per_layer)
 
 
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    """Stand-ins of other decoder layouts (tests/tiny_families.py), built once: Qwen3-VL (q/k norms, head_dim
+    set apart from hidden / heads) and Qwen3.5 (gated attention between gated delta net layers)."""
+    import tiny_families
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = tiny_families.build(family, str(tmp_path_factory.mktemp(family)))
+        return built[family]
+    return get
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_activation_bound_matches_what_autograd_saves_in_other_layer_layouts(family_models, family):
+    args, chunk, ignore_ids = rollout_chunk(family_models(family))
+    n, R = chunk["response_ids"].shape
+    T = chunk["input_ids"].shape[1] + R
+    shape = text_shape(meta_model(args.student_model))
+    assert shape["qk_norm"] and shape["gated_attention"] == (family == "qwen3_5")
+    assert shape["linear_layers"] == (1 if family == "qwen3_5" else 0)
+    lora = lora_layers(meta_model(args.student_model), args.lora_target_modules)
+    student = g.load_student(args, torch.bfloat16)
+    student.train()
+    # the bound counts every layer; without this, layers before the first adapter (here Qwen3.5's first layer, a
+    # delta net) keep nothing, since no gradient has to pass them (gradient checkpointing turns this on too)
+    student.enable_input_require_grads()
+    saved = saved_for_backward(student, dict(chunk, pixel_values=chunk["pixel_values"].bfloat16()), ignore_ids)
+    saved -= n * (R + 1) * shape["vocab"] * 2  # the kept logits
+    assert saved == pytest.approx(n * T * shape["layers"] * layer_saved_for_backward(shape, 2, lora, args.lora_r, T), rel=0.2)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages that ops run under it have made and that are still alive, and their peak."""
 

@@ -253,6 +253,116 @@ def build_smolvlm(out: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Qwen3-VL and Qwen3.5: Qwen-style tokens and chat format, Qwen3VLProcessor, patch size 16
+# ---------------------------------------------------------------------------------------------
+
+# The special tokens both families' tokenizers carry (as in the published ones); <think> and </think> are
+# plain added tokens there (not special: decoding keeps them, so a <think>...</think> answer survives).
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_THINK_TOKENS = ["<think>", "</think>"]
+
+
+def qwen_chat_template(generation_suffix: str = "") -> str:
+    """The published Qwen3-VL / Qwen3.5 chat format (single-turn subset): an optional system turn, then
+    <|im_start|>role\\n ... <|im_end|>\\n per message, an image as <|vision_start|><|image_pad|><|vision_end|>
+    (the processor expands <|image_pad|> to one per merged patch), a video as ...<|video_pad|>...; the
+    generation prompt is <|im_start|>assistant\\n followed by generation_suffix."""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}{%- for item in message['content'] %}"
+        "{%- if item['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{%- elif item['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+        "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+        "{%- endfor %}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}" + generation_suffix + "{%- endif %}"
+    )
+
+
+def qwen_tokenizer(chat_template: str):
+    """Byte-level BPE with the Qwen special tokens; eos <|im_end|>, pad <|endoftext|> (as published)."""
+    tokenizer = train_tokenizer(QWEN_SPECIAL_TOKENS, chat_template, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                extra={"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
+    tokenizer.add_tokens(QWEN_THINK_TOKENS)  # not special, as in the published tokenizers
+    return tokenizer
+
+
+def qwen3_vl_processor(tokenizer, chat_template: str, image_size: int = 128):
+    """Qwen3VLProcessor with the published image settings (patch 16, merge 2, mean/std 0.5) but a pixel budget
+    that maps the 112 x 112 task images to image_size x image_size: 128 -> an 8 x 8 patch grid -> 16 image
+    tokens (one per 2 x 2 merged patches, i.e. per 32 x 32 pixels)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                            min_pixels=32 * 32, max_pixels=image_size * image_size,
+                                            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            video_processor=Qwen3VLVideoProcessor(), chat_template=chat_template)
+
+
+def qwen_token_ids(tokenizer) -> dict:
+    """The image/video/vision ids of the config, read from the tokenizer (the published configs name them)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+
+
+# Neither family's published text_config names a pad_token_id, and the stand-ins must not either: it would make
+# the pad token's embedding row exactly zero (nn.Embedding(padding_idx=...)), and left padding would then be
+# inert in every layer whether or not the model masks it; with a real (non-zero) pad embedding it is not.
+def qwen_generation_config(model, tokenizer) -> None:
+    """End at <|im_end|> or <|endoftext|>, pad with <|endoftext|>: the published generation_config.json."""
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                            tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+
+# Qwen3-VL: Qwen3 decoder (q/k norms, explicit head_dim) with interleaved M-RoPE, a ViT with learned position
+# embeddings and 2-D rotary, and DeepStack: the ViT's features at deepstack_visual_indexes, each through its
+# own merger, are added to the image tokens' hidden states after the first len(indexes) decoder layers.
+# (text hidden, layers, heads, kv heads, head_dim, vision hidden, depth, deepstack indexes); published 2B:
+# 2048 / 28 / 16 / 8 / 128, ViT 1024 x 24, deepstack [5, 11, 17]; 8B: 4096 / 36 / 32 / 8 / 128, ViT 1152 x 27,
+# deepstack [8, 16, 24].
+QWEN3_VL_SIZES = {"student": (64, 2, 4, 2, 32, 32, 3, [0, 1]), "teacher": (128, 4, 4, 2, 32, 64, 4, [1, 2, 3])}
+
+
+def build_qwen3_vl(out: str) -> str:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    template = qwen_chat_template()
+    tokenizer = qwen_tokenizer(template)
+    processor = qwen3_vl_processor(tokenizer, template)
+
+    def make_model(size: str):
+        hidden, layers, heads, kv_heads, head_dim, v_hidden, v_depth, deepstack = QWEN3_VL_SIZES[size]
+        # interleaved M-RoPE: frequency i goes to t, h, w by i % 3 for the first 3 * 5 frequencies, the
+        # rest to t; the sections (t, h, w) sum to head_dim / 2 = 16 (published: [24, 20, 20] of 64)
+        rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        config = Qwen3VLConfig(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=head_dim, max_position_embeddings=4096, rope_parameters=rope,
+                             bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>")),
+            # 8 x 8 learned position grid (published: 48 x 48 = 2304), bilinearly resampled to each image's grid
+            vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
+                               out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                               num_position_embeddings=64, deepstack_visual_indexes=deepstack),
+            tie_word_embeddings=size == "student",  # as published: the 2B ties its embeddings, the 8B does not
+            **qwen_token_ids(tokenizer),
+        )
+        model = Qwen3VLForConditionalGeneration(config)
+        qwen_generation_config(model, tokenizer)
+        return model
+
+    return save_pair(out, make_model, processor)
+
+
+# ---------------------------------------------------------------------------------------------
 # Gemma 3: Gemma3ForConditionalGeneration (SigLIP vision tower, Gemma 3 text model), Gemma3Processor
 # ---------------------------------------------------------------------------------------------
 
@@ -367,6 +477,58 @@ def build_gemma3(out: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Qwen3.5: natively multimodal with hybrid attention. Its decoder interleaves linear-attention layers (a gated
+# delta net: a causal depthwise conv over q/k/v, then a recurrent state per head, decayed and delta-updated
+# token by token; in the cache a conv state and a recurrent state per layer, no keys/values) with
+# full-attention layers (gated output: q_proj also makes a sigmoid gate, partial rotary over a quarter of
+# head_dim, interleaved M-RoPE); layer_types follow full_attention_interval (every 4th layer full in the
+# published models). The vision tower is Qwen3-VL's without DeepStack; the processor is Qwen3VLProcessor.
+# On CPU (no flash-linear-attention kernels) the delta rule runs its torch fallback: chunked for prefill and
+# training forwards, recurrent for one-token decode steps.
+# (text hidden, layers, full_attention_interval, heads, kv heads, head_dim, linear k heads, linear v heads,
+#  linear head dim, vision hidden, depth); published 2B: 2048 / 24 / 4 / 8 / 2 / 256 / 16 / 16 / 128, ViT 1024 x 24;
+# 9B: 4096 / 32 / 4 / 16 / 4 / 256 / 16 / 32 / 128, ViT 1152 x 27. The teacher keeps the 9B's 32 value heads:
+# in_proj_a and in_proj_b have one output per value head, and bitsandbytes' CPU 4-bit kernel (AVX512-BF16
+# machines) repacks weights in blocks of 32 output rows, so fewer would stop the 4-bit teacher on a CPU.
+QWEN3_5_SIZES = {"student": (64, 2, 2, 4, 2, 32, 2, 2, 16, 32, 2), "teacher": (128, 4, 4, 4, 2, 32, 8, 32, 8, 64, 3)}
+
+
+def build_qwen3_5(out: str) -> str:
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    # the published template opens a thinking block after the generation prompt unless enable_thinking=False
+    template = qwen_chat_template("{%- if enable_thinking is defined and enable_thinking is false %}"
+                                  "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}")
+    tokenizer = qwen_tokenizer(template)
+    processor = qwen3_vl_processor(tokenizer, template)
+
+    def make_model(size: str):
+        hidden, layers, interval, heads, kv_heads, head_dim, lin_k, lin_v, lin_dim, v_hidden, v_depth = QWEN3_5_SIZES[size]
+        # rotary over head_dim * 0.25 = 8 dims = 4 frequencies, split (t, h, w) = (2, 1, 1) and interleaved
+        # (published: 64 of 256 dims, sections [11, 11, 10])
+        rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        config = Qwen3_5Config(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, full_attention_interval=interval,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                             linear_num_key_heads=lin_k, linear_num_value_heads=lin_v, linear_key_head_dim=lin_dim,
+                             linear_value_head_dim=lin_dim, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+                             rope_parameters=rope, eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>")),
+            vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
+                               out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                               num_position_embeddings=64),
+            tie_word_embeddings=size == "student",  # as published: the 2B ties its embeddings, the 9B does not
+            **qwen_token_ids(tokenizer),
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+        qwen_generation_config(model, tokenizer)
+        return model
+
+    return save_pair(out, make_model, processor)
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------------
 
@@ -388,6 +550,9 @@ FAMILIES: dict[str, Family] = {
     "smolvlm": Family(build_smolvlm, "SmolVLMForConditionalGeneration",
                       "HuggingFaceTB/SmolVLM2-256M-Video-Instruct / HuggingFaceTB/SmolVLM2-500M-Video-Instruct"),
     "gemma3": Family(build_gemma3, "Gemma3ForConditionalGeneration", "google/gemma-3-4b-it / google/gemma-3-12b-it"),
+    "qwen3_vl": Family(build_qwen3_vl, "Qwen3VLForConditionalGeneration",
+                       "Qwen/Qwen3-VL-2B-Instruct / Qwen/Qwen3-VL-8B-Instruct"),
+    "qwen3_5": Family(build_qwen3_5, "Qwen3_5ForConditionalGeneration", "Qwen/Qwen3.5-2B / Qwen/Qwen3.5-9B"),
 }
 
 
