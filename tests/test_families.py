@@ -255,6 +255,7 @@ def test_a_prompt_starts_with_the_templates_bos_once(models):
         assert (ids == processor.tokenizer.bos_token_id).sum().item() == text.count(bos) == 1
 
 
+@family_params()
 def test_left_padding_changes_no_logprob(models):
     """Prompts of different lengths, left-padded into one batch: every row's sampled log-probs, its training
     forward in the batch and the same row scored alone agree. (The micro-batches above happen to hold prompts
