@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -181,6 +181,7 @@ def test_estimate_memory_counts_the_loaded_models_exactly(models):
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     estimated = nf4_weights(meta_model(args.teacher_model), other_bytes=4)  # float32 on CPU
     assert estimated["quantized_layers"] == sum(isinstance(m, Linear4bit) for m in teacher.modules())
+    # what the loaded 4-bit model holds: packed weights, their quantization constants, every other parameter
     held = sum(p.untyped_storage().nbytes() for p in teacher.parameters())
     for m in teacher.modules():
         if isinstance(m, Linear4bit):
