@@ -74,13 +74,32 @@ class Args:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     train_split: str = field(default="train", metadata={"help": "Split to train on."})
     eval_split: str = field(default="test", metadata={"help": "Held-out split for greedy evaluation."})
-    image_column: str = field(default="image", metadata={"help": "Column with one image or a list of images."})
-    question_column: str = field(default="question", metadata={"help": "Column with the question text (may contain <image> markers)."})
-    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer."})
+    image_column: str = field(default="image", metadata={"help": "Column with one image or a list of images (left at "
+                                                         "its default, 'images' is also looked for)."})
+    question_column: str = field(default="question", metadata={"help": "Column with the prompt: question text (may contain "
+                                                               "<image> markers) or chat messages (TRL's role/content, LLaVA's "
+                                                               "from/value). Left at its default, 'prompt', 'messages' and "
+                                                               "'conversations' are also looked for."})
+    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer (left at its default, "
+                                                           "'completion' or the first assistant turn of chat messages also "
+                                                           "serve). Only evaluation needs answers."})
+    image_root: str | None = field(default=None, metadata={"help": "Folder that relative image paths are relative to "
+                                                           "(default: the data file's folder; the current directory for a Hub dataset)."})
+    eval_dataset_name: str | None = field(default=None, metadata={"help": "Dataset to evaluate on (default: --dataset_name). "
+                                                                  "Naming one asks for evaluation: a start-up error if it has no answers."})
+    eval_dataset_config: str | None = field(default=None, metadata={"help": "Its configuration (default: --dataset_config "
+                                                                    "when evaluating on the training dataset)."})
+    eval_image_column: str | None = field(default=None, metadata={"help": "Evaluation image column (default: --image_column)."})
+    eval_question_column: str | None = field(default=None, metadata={"help": "Evaluation prompt column (default: --question_column)."})
+    eval_answer_column: str | None = field(default=None, metadata={"help": "Evaluation answer column (default: --answer_column)."})
+    eval_image_root: str | None = field(default=None, metadata={"help": "Folder of the evaluation set's relative image paths "
+                                                                "(default: --image_root)."})
     instruction: str = field(default="", metadata={"help": "Text appended to every question (e.g. the think/boxed instruction)."})
     require_think: bool = field(default=False, metadata={"help": "A well-formed answer must be <think>...</think> then \\boxed{}."})
     max_train_samples: int = field(default=0, metadata={"help": "Use at most this many training rows (0 = all)."})
-    num_eval_samples: int = field(default=200, metadata={"help": "Evaluate on at most this many held-out rows (0 = skip evaluation)."})
+    num_eval_samples: int = field(default=200, metadata={"help": "Evaluate on at most this many held-out rows (0 = skip "
+                                                         "evaluation). Without answers evaluation is skipped, unless this "
+                                                         "or --eval_dataset_name was set: then start-up stops."})
     # rollout
     prompts_per_step: int = field(default=32, metadata={"help": "B: prompts per optimizer step, over all processes."})
     num_generations: int = field(default=4, metadata={"help": "G: sampled responses per prompt."})
@@ -457,27 +476,98 @@ def row_images(row: dict, image_column: str) -> list:
     return [load_image(v) for v in values]
 
 
-def build_messages(question: str, num_images: int, instruction: str = "") -> list[dict]:
-    """A one-turn chat with images placed at the question's <image> markers (or first, if it has none)."""
-    text = question + (("\n" + instruction) if instruction else "")
-    pieces = text.split("<image>")
-    content: list[dict] = []
-    if len(pieces) == 1:
-        content += [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
-    else:
-        if len(pieces) - 1 != num_images:
-            raise ValueError(f"the question has {len(pieces) - 1} <image> markers but the row has {num_images} images")
-        for i, piece in enumerate(pieces):
-            if piece.strip():
-                content.append({"type": "text", "text": piece.strip()})
-            if i < num_images:
+CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+
+
+def message_text(content) -> str | None:
+    """The text of a message's content (a string or a list of items), or None when it has none."""
+    if isinstance(content, (list, tuple)):
+        content = "\n".join(item.get("text") or "" for item in content if isinstance(item, dict) and item.get("type") == "text")
+    return content if isinstance(content, str) and content.strip() else None
+
+
+def split_chat(cell) -> tuple:
+    """A prompt cell as (prompt, the answer it holds or None). Never raises: build_messages judges the prompt.
+
+    Text stays text. Chat messages, TRL's {"role", "content"} or LLaVA's {"from", "value"} ("human", "gpt"), are
+    cut to the turns up to the first user turn (system turns kept); the first assistant turn after it is the
+    answer, later turns are dropped: a rollout answers one turn.
+    """
+    if not isinstance(cell, (list, tuple)) or not cell or not all(isinstance(m, dict) for m in cell):
+        return cell, None
+    prompt, answer = [], None
+    for m in cell:
+        role = m.get("role") or m.get("from")
+        role = CHAT_ROLES.get(role, role) if isinstance(role, str) else role
+        message = {"role": role, "content": m["content"] if m.get("content") is not None else m.get("value")}
+        if not prompt or prompt[-1]["role"] != "user":
+            prompt.append(message)
+        else:
+            answer = message_text(message["content"]) if message["role"] == "assistant" else None
+            break
+    return prompt, answer
+
+
+def answer_text(cell) -> str | None:
+    """A reference answer from an answer cell: text, a number, or messages (TRL's `completion`); None when empty."""
+    if isinstance(cell, (list, tuple)) and cell and all(isinstance(m, dict) for m in cell):
+        return message_text(cell[0].get("content", cell[0].get("value")))
+    return None if cell is None else message_text(str(cell))
+
+
+def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
+    """The chat that the processor's template renders, from a prompt: a question (text) or split_chat's messages.
+
+    Text becomes one user turn; messages keep their system turns. Images go where the prompt has <image> markers
+    or {"type": "image"} items, or first in the user turn when it has none. The instruction ends the user turn.
+    Raises ValueError for a prompt that is neither, or whose image places do not match the row's images.
+    """
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+        raise ValueError(f"the prompt is {prompt!r}, not text or chat messages")
+    roles = [m.get("role") for m in prompt]
+    if roles[-1] != "user" or any(r != "system" for r in roles[:-1]):
+        raise ValueError(f"a chat prompt must be system turns then a user turn, got the roles {roles}")
+    messages, markers = [], 0
+    for m in prompt:
+        items = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
+        if not isinstance(items, (list, tuple)) or not all(isinstance(item, dict) for item in items):
+            raise ValueError(f"a {m['role']} message's content is {items!r}, not text or a list of items")
+        items = list(items)
+        if m["role"] == "user" and instruction:
+            if items and items[-1].get("type") == "text":
+                items[-1] = {"type": "text", "text": (items[-1].get("text") or "") + "\n" + instruction}
+            else:
+                items.append({"type": "text", "text": instruction})
+        content: list[dict] = []
+        for item in items:
+            if item.get("type") == "image":
                 content.append({"type": "image"})
-    return [{"role": "user", "content": content}]
+                markers += 1
+            elif item.get("type") != "text":
+                raise ValueError(f"a message content item of type {item.get('type')!r}, not 'text' or 'image'")
+            elif "<image>" not in (item.get("text") or ""):
+                content.append({"type": "text", "text": item.get("text") or ""})
+            else:
+                pieces = item["text"].split("<image>")
+                for k, piece in enumerate(pieces):
+                    if piece.strip():
+                        content.append({"type": "text", "text": piece.strip()})
+                    if k < len(pieces) - 1:
+                        content.append({"type": "image"})
+                markers += len(pieces) - 1
+        messages.append({"role": m["role"], "content": content})
+    if markers == 0:
+        messages[-1]["content"] = [{"type": "image"}] * num_images + messages[-1]["content"]
+    elif markers != num_images:
+        raise ValueError(f"the prompt has {markers} <image> markers but the row has {num_images} images")
+    return messages
 
 
-def encode_prompts(processor, prompts: list[tuple[str, list]], instruction: str = "") -> dict:
-    """[(question, images)] -> left-padded processor batch: input_ids, attention_mask, mm_token_type_ids (n, P),
-    pixel_values (patches, D), image_grid_thw (images, 3)."""
+def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> dict:
+    """[(prompt, images)] -> left-padded processor batch: input_ids, attention_mask, mm_token_type_ids (n, P),
+    pixel_values (patches, D), image_grid_thw (images, 3). A prompt is text or chat messages (build_messages)."""
     texts = [processor.apply_chat_template(build_messages(q, len(imgs), instruction), add_generation_prompt=True,
                                            tokenize=False) for q, imgs in prompts]
     processor.tokenizer.padding_side = "left"  # generation appends on the right
@@ -488,15 +578,45 @@ def encode_prompts(processor, prompts: list[tuple[str, list]], instruction: str 
     return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True, **extra)
 
 
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+
+def split_files(folder: str, split: str) -> list[str]:
+    """A local folder's data files of a split: <split>.<ext> or its shards <split>-*.<ext>, in the folder or data/.
+
+    Named files are read as they are: left to itself, `datasets` takes a folder with more images than data
+    files for an image folder and drops the text columns. [] for a folder without data files (save_to_disk,
+    imagefolder) or whose README declares its own configs: `datasets` reads those. Raises ValueError listing
+    the splits there are when the split has no file.
+    """
+    if any(os.path.isfile(os.path.join(folder, f)) for f in ("dataset_dict.json", "state.json")):
+        return []  # save_to_disk
+    readme = os.path.join(folder, "README.md")
+    if os.path.isfile(readme) and "\nconfigs:" in open(readme, encoding="utf-8", errors="replace").read():
+        return []
+    by_split: dict[str, list[str]] = {}
+    for sub in (folder, os.path.join(folder, "data")):
+        for f in sorted(os.listdir(sub)) if os.path.isdir(sub) else []:
+            stem, ext = os.path.splitext(f)
+            if ext in DATA_FILE_BUILDERS and stem != "metadata" and os.path.isfile(os.path.join(sub, f)):
+                by_split.setdefault(stem.split("-")[0], []).append(os.path.join(sub, f))  # train-00000-of-00002
+    if by_split and split not in by_split:
+        raise ValueError(f"Unknown split {split!r}. Should be one of {list(by_split)}.")
+    return by_split.get(split, [])
+
+
 def load_split(args: Args, split: str):
-    """A split of the training data as a `datasets.Dataset`, images left undecoded."""
+    """A split of the dataset as a `datasets.Dataset`, images left undecoded."""
     import datasets
 
     name = args.dataset_name
     try:
-        if os.path.isfile(name):  # a single data file: its extension names the builder; it serves every split
-            ext = os.path.splitext(name)[1].lstrip(".").replace("jsonl", "json")
-            ds = datasets.load_dataset(ext, data_files={split: name}, split=split)
+        files = [name] if os.path.isfile(name) else []  # a single data file serves every split
+        if os.path.isdir(name):
+            files = split_files(name, split)
+        if files:  # the extension names the builder
+            ext = os.path.splitext(files[0])[1]
+            ds = datasets.load_dataset(DATA_FILE_BUILDERS.get(ext, ext.lstrip(".")), data_files={split: files}, split=split)
         elif any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
             # a save_to_disk folder (load_dataset refuses a single saved Dataset); a saved Dataset has no
             # splits and, like a single file, serves every split
@@ -513,53 +633,137 @@ def load_split(args: Args, split: str):
     return ds
 
 
-def check_columns(ds, args: Args, split: str) -> None:
-    """Stops with the column flags to set when a needed column is missing."""
+def image_roots(args: Args, split: str, flag_prefix: str = "--") -> tuple[list[str], str]:
+    """(folders a relative image path is looked up in, in order; where they come from, for messages)."""
+    if args.image_root:
+        return [os.path.abspath(args.image_root)], f"{os.path.abspath(args.image_root)} ({flag_prefix}image_root)"
+    name, cwd = args.dataset_name, os.getcwd()
+    folder = None
+    if os.path.isfile(name):
+        folder = os.path.dirname(os.path.abspath(name))
+    elif os.path.isdir(name):
+        try:
+            files = split_files(name, split)
+        except ValueError:  # a split load_split did not read from this folder's files
+            files = []
+        folder = os.path.dirname(os.path.abspath(files[0])) if files else os.path.abspath(name)
+    # then the current directory: paths written relative to where runs start keep working
+    roots = [folder, cwd] if folder and folder != cwd else [cwd]
+    return roots, " and ".join(f"{r} ({'the current directory' if r == cwd else 'the data file folder'})" for r in roots)
+
+
+def resolve_image(value, roots: list[str]):
+    """An image cell whose relative path is made absolute: the first of roots that holds the file (else the first)."""
+    path = value.get("path") if isinstance(value, dict) and value.get("bytes") is None else value
+    if not isinstance(path, str) or not path or os.path.isabs(path) or "://" in path:
+        return value
+    candidates = [os.path.join(root, path) for root in roots]
+    full = next((c for c in candidates if os.path.exists(c)), candidates[0])
+    return {"bytes": None, "path": full} if isinstance(value, dict) else full
+
+
+COLUMN_FALLBACKS = {"image_column": ("images",), "question_column": ("prompt", "messages", "conversations"),
+                    "answer_column": ("completion",)}
+
+
+def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
+    """The columns holding a split's images, prompts and answers, by flag (answer_column None: no answers).
+
+    A flag left at its default also finds the names TRL and LLaVA data use (COLUMN_FALLBACKS). Stops with the
+    flag to set when the images or prompts are missing, or an answer column named explicitly (need_answer).
+    """
+    columns = {}
     for flag in ("image_column", "question_column", "answer_column"):
-        column = getattr(args, flag)
-        if column not in ds.column_names:
-            raise ValueError(f"the {split!r} split has no column {column!r} (--{flag}); its columns are "
-                             f"{ds.column_names}: pass --{flag} with one of them")
+        name = getattr(args, flag)
+        default = name == Args.__dataclass_fields__[flag].default
+        names = [name] + list(COLUMN_FALLBACKS[flag] if default else ())
+        columns[flag] = next((c for c in names if c in ds.column_names), None)
+        if columns[flag] is None and (flag != "answer_column" or (need_answer and not default)):
+            also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
+            raise ValueError(f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
+                             f"{ds.column_names}: pass {flag_prefix}{flag} with one of them")
+    return columns
 
 
-def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print) -> tuple:
+def normalize_rows(batch: dict, columns: dict, args: Args, roots: list[str]) -> dict:
+    """Raw rows (a batch, as `with_transform` gives) in one form, under args' column names: the prompt (text or
+    split_chat's messages), the images (a list, relative paths resolved) and the answer (None when absent)."""
+    prompts = batch[columns["question_column"]]
+    answers = batch[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
+    out = {args.question_column: [], args.image_column: [], args.answer_column: []}
+    for cell, images, answer in zip(prompts, batch[columns["image_column"]], answers):
+        prompt, chat_answer = split_chat(cell)
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        out[args.question_column].append(prompt)
+        out[args.image_column].append([resolve_image(v, roots) for v in images])
+        out[args.answer_column].append(answer_text(answer) or chat_answer)
+    return out
+
+
+def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print, need_answer: bool = False,
+                  flag_prefix: str = "--") -> tuple:
     """Checks every row once: decodes its images and measures its prompt.
 
-    Rows without a readable image, with no question text or <image> markers that do not match the images, or
-    with a prompt longer than max_prompt_length are skipped, counted and logged (one bad row should not
-    stop a long run). Returns (dataset, kept row indices, skip counts).
+    Rows without a readable image, with a prompt that is neither text nor chat messages or whose image places
+    do not match the images, without an answer (need_answer: evaluation rows) or with a prompt longer than
+    max_prompt_length are skipped, counted and logged (one bad row should not stop a long run). Stops when
+    none of the first rows' image files exists: a wrong folder, not bad rows. Returns (dataset, kept row
+    indices, skip counts); the dataset's rows hold the prompt, the images and the answer in one form
+    (normalize_rows), under args' column names, whatever the data's columns and format.
     """
     import datasets
     from tqdm.auto import tqdm
 
     if len(ds) == 0:
         raise ValueError(f"the {split!r} split of {args.dataset_name} is empty")
-    check_columns(ds, args, split)
-    feature = ds.features[args.image_column]  # decode images ourselves, so a broken one can be skipped
+    columns = check_columns(ds, args, split, need_answer, flag_prefix)
+    feature = ds.features[columns["image_column"]]  # decode images ourselves, so a broken one can be skipped
     if isinstance(feature, datasets.Image):
-        ds = ds.cast_column(args.image_column, datasets.Image(decode=False))
+        ds = ds.cast_column(columns["image_column"], datasets.Image(decode=False))
     elif isinstance(getattr(feature, "feature", None), datasets.Image):
-        ds = ds.cast_column(args.image_column, datasets.List(datasets.Image(decode=False)))
+        ds = ds.cast_column(columns["image_column"], datasets.List(datasets.Image(decode=False)))
+    roots, where = image_roots(args, split, flag_prefix)
+    raw, ds = ds, ds.with_transform(lambda batch: normalize_rows(batch, columns, args, roots))
+    chat = isinstance(ds[0][args.question_column], list)
+    if log and (chat or columns != {f: getattr(args, f) for f in columns}):
+        answers = (f"answers from {columns['answer_column']!r}" if columns["answer_column"] else
+                   "answers from the first assistant turn" if chat else "no answers")
+        log(f"{split}: prompts from column {columns['question_column']!r} ({'chat messages' if chat else 'text'}), "
+            f"images from {columns['image_column']!r}, {answers}")
     n = min(len(ds), limit) if limit else len(ds)
     keep, skipped = [], {"no_or_unreadable_image": 0, "unusable_prompt": 0, "prompt_too_long": 0}
+    if need_answer:
+        skipped["no_answer"] = 0
+    missing, first_missing = 0, None  # rows whose image file does not exist, the first of them
     chunk_size = 64  # rows decoded and measured together: one processor call per chunk, not per row
     for start in tqdm(range(0, n, chunk_size), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
-        good = []  # (row index, question, images)
+        good, notes = [], []  # (row index, prompt, images); skip lines, logged once the chunk is judged
         for i in range(start, min(start + chunk_size, n)):
             row = ds[i]
-            reason = "no_or_unreadable_image"
+            reason = "no_answer"
             try:
+                if need_answer and row[args.answer_column] is None:
+                    raise ValueError("no reference answer")
+                reason = "no_or_unreadable_image"
                 images = row_images(row, args.image_column)
-                reason = "unusable_prompt"  # no question text, <image> markers that do not match the images, ...
-                if not isinstance(row[args.question_column], str):
-                    raise ValueError(f"the question is {row[args.question_column]!r}, not text")
+                reason = "unusable_prompt"  # neither text nor chat, <image> markers that do not match the images, ...
                 build_messages(row[args.question_column], len(images), args.instruction)
             except ValueError as e:
                 skipped[reason] += 1
-                if log:
-                    log(f"skipping {split} row {i}: {e}")
+                if isinstance(e.__cause__, FileNotFoundError):
+                    missing, first_missing = missing + 1, i if first_missing is None else first_missing
+                notes.append(f"skipping {split} row {i}: {e}")
                 continue
             good.append((i, row[args.question_column], images))
+        if not keep and not good and missing == min(start + chunk_size, n):  # no image file found at all
+            cell = raw[first_missing][columns["image_column"]]
+            paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
+            path = next(p for p in paths if isinstance(p, str) and not os.path.exists(resolve_image(p, roots)))
+            raise ValueError(f"the images of the {split!r} split were not found: row {first_missing}'s image "
+                             f"{path!r} was looked for in {where}. Pass {flag_prefix}image_root with the folder "
+                             f"that the image paths are relative to")
+        for note in notes if log else ():
+            log(note)
         if not good:
             continue
         lengths = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)["attention_mask"].sum(1)
@@ -572,8 +776,49 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
         log(f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
             f"--max_prompt_length {args.max_prompt_length}")
     if not keep:
-        raise ValueError(f"no usable row in the {split!r} split ({skipped}); check the image column and --max_prompt_length")
+        fixes = {"no_or_unreadable_image": f"{flag_prefix}image_column and {flag_prefix}image_root",
+                 "unusable_prompt": f"{flag_prefix}question_column", "prompt_too_long": "--max_prompt_length",
+                 "no_answer": f"{flag_prefix}answer_column"}
+        raise ValueError(f"no usable row in the {split!r} split ({skipped}): check "
+                         + ", ".join(fixes[k] for k, v in skipped.items() if v))
     return ds, keep, skipped
+
+
+def eval_args(args: Args) -> Args:
+    """The arguments that load and check the evaluation set: each eval_* field, or its training one when unset
+    (the dataset config only when evaluating on the training dataset)."""
+    pick = {name: getattr(args, "eval_" + name) if getattr(args, "eval_" + name) is not None else getattr(args, name)
+            for name in ("dataset_name", "image_column", "question_column", "answer_column", "image_root")}
+    config = args.eval_dataset_config if args.eval_dataset_config is not None or args.eval_dataset_name else args.dataset_config
+    return Args(**{**asdict(args), **pick, "dataset_config": config})
+
+
+def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
+    """Evaluation rows [(prompt, images, answer)], at most num_eval_samples of them ([] when 0).
+
+    Only evaluation needs answers. A set without any (no answer column, no assistant turn in chat prompts) is
+    skipped with a log line, unless evaluation was asked for (--eval_dataset_name or --num_eval_samples set):
+    then start-up stops.
+    """
+    if not args.num_eval_samples:
+        return []
+    e = eval_args(args)
+    ds = load_split(e, args.eval_split)
+    columns = check_columns(ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
+    first_prompt = ds.select_columns([columns["question_column"]])[0][columns["question_column"]] if len(ds) else None
+    if len(ds) and not columns["answer_column"] and split_chat(first_prompt)[1] is None:
+        problem = (f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
+                   f"{e.answer_column!r}, no assistant turn in its prompts)")
+        if args.eval_dataset_name is not None or args.num_eval_samples != Args.num_eval_samples:
+            raise ValueError(f"{problem}, and evaluation needs them: pass --eval_dataset_name (and "
+                             f"--eval_answer_column) for a set with answers, or --num_eval_samples 0")
+        if log:
+            log(f"evaluation skipped: {problem}; --eval_dataset_name names a set to measure accuracy on")
+        return []
+    ds, keep, _ = prepare_split(ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True,
+                                flag_prefix="--eval_")
+    rows = [ds[i] for i in keep]
+    return [(row[e.question_column], row_images(row, e.image_column), row[e.answer_column]) for row in rows]
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -1281,16 +1526,12 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
 
 
 def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
-    """(train dataset, its usable row indices, skip counts, eval rows [(question, images, answer)])."""
+    """(train dataset, its usable row indices, skip counts, eval rows [(prompt, images, answer)]). Training rows
+    need images and prompts only."""
     split_log = log if is_main else None  # None also hides the progress bar elsewhere
     train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split), args, processor,
                                                         args.train_split, args.max_train_samples, split_log)
-    eval_rows = []
-    if args.num_eval_samples:
-        eval_ds, eval_keep, _ = prepare_split(load_split(args, args.eval_split), args, processor, args.eval_split,
-                                              args.num_eval_samples, split_log)
-        eval_rows = [(eval_ds[i][args.question_column], row_images(eval_ds[i], args.image_column),
-                      str(eval_ds[i][args.answer_column])) for i in eval_keep]
+    eval_rows = load_eval_rows(args, processor, split_log)
     log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
     step_prompt_indices(0, len(train_keep), args.prompts_per_step, args.seed)  # fails now if rows < prompts_per_step
     return train_ds, train_keep, train_skipped, eval_rows

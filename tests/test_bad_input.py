@@ -146,13 +146,13 @@ def test_prepare_split_empty_split_or_no_usable_row_stops(processor):
 
 
 def test_missing_column_is_named_with_the_available_ones(processor):
-    ds = datasets.Dataset.from_dict({"images": [shape_image(0)], "problem": [QUESTION], "answer": ["one"]})
+    ds = datasets.Dataset.from_dict({"picture": [shape_image(0)], "problem": [QUESTION], "answer": ["one"]})
     with pytest.raises(ValueError) as err:
         g.prepare_split(ds, g.Args(), processor, "train", log=None)
     message = str(err.value)
-    assert "no column 'image' (--image_column)" in message and "['images', 'problem', 'answer']" in message
+    assert "no column 'image' (--image_column) nor 'images'" in message and "['picture', 'problem', 'answer']" in message
     # with the flags it names, the same data is accepted
-    args = g.Args(image_column="images", question_column="problem")
+    args = g.Args(image_column="picture", question_column="problem")
     assert g.prepare_split(ds, args, processor, "train", log=None)[1] == [0]
 
 
