@@ -15,6 +15,16 @@ The shipped weights and dataset in `assets/tiny/` are regenerated with:
     python tiny_world.py --out assets/tiny --seed 0       # models (about 40 min on 2 cores) and data
     python tiny_world.py --out assets/tiny --data_only    # the dataset alone (assets/tiny/data, seconds)
 
+A second variant of the same world, "trace", answers with a short reasoning trace that names what the
+image shows before the boxed word (37 tokens on average instead of 6), e.g.
+
+    <think>I look at the image. I see three shapes. They are red circles. The question asks the color.
+    The color is red.</think>\\boxed{red}
+
+so the student's misconception is a few wrong words inside a long response that is otherwise agreed on:
+
+    python tiny_world.py --variant trace --out assets/trace   # models (SFT only, reusing assets/tiny's vision towers) and data
+
 The task is written as a dataset on disk (`assets/tiny/data/{train,test}.parquet`) that the default run
 loads through `--dataset_name`, the same path a user's data takes.
 
@@ -512,8 +522,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="assets/tiny", help="folder for teacher/, student/ and world.json")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--teacher_steps", type=int, default=2000)
-    parser.add_argument("--student_steps", type=int, default=1000)
+    parser.add_argument("--teacher_steps", type=int, default=None, help="2000 (answer), 800 (trace)")
+    parser.add_argument("--student_steps", type=int, default=None, help="1000 (answer), 500 (trace)")
     parser.add_argument("--vision_steps", type=int, default=1200)
     parser.add_argument("--models", default="teacher,student", help="which models to (re)build, comma-separated")
     parser.add_argument("--student_swap_prob", type=float, default=STUDENT_SWAP_PROB,
@@ -526,6 +536,9 @@ if __name__ == "__main__":
                         help="folder with teacher/ and student/ whose vision towers to reuse, frozen ('none': pre-train "
                              "them; 'auto': assets/tiny for the trace variant when it exists, else none)")
     a = parser.parse_args()
+    # the trace's template carries every attribute in every example, so its SFT needs fewer steps
+    a.teacher_steps = a.teacher_steps or (800 if a.variant == "trace" else 2000)
+    a.student_steps = a.student_steps or (500 if a.variant == "trace" else 1000)
     if a.vision_from == "auto":
         tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny")
         a.vision_from = tiny if a.variant == "trace" and os.path.isdir(tiny) else "none"
