@@ -54,9 +54,10 @@ def test_answer_variant_unchanged():
         assert (ra["answer"], ra["kind"], ra["attributes"]) == (rt["answer"], rt["kind"], rt["attributes"])
         assert w.response_text(ra) == w.format_answer(ra["answer"])
         assert w.response_text(ra, swap=w.STUDENT_SWAP) == w.format_answer(w.STUDENT_SWAP.get(ra["answer"], ra["answer"]))
-    shipped = json.load(open(os.path.join(ROOT, "assets", "tiny", "student", "tokenizer.json")))["model"]["vocab"]
-    assert w.build_tokenizer().get_vocab() == {**shipped, **{k: v for k, v in w.build_tokenizer().get_vocab().items()
-                                                             if k in w.SPECIAL_TOKENS}}
+    from transformers import AutoTokenizer
+
+    shipped = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny", "student"))
+    assert w.build_tokenizer().get_vocab() == shipped.get_vocab()
     assert w.max_new_tokens(w.build_tokenizer()) == 8
 
 
@@ -78,7 +79,12 @@ def test_shipped_trace_world_meets_its_targets():
     assert report["teacher_accuracy"] >= 0.85 and report["teacher_well_formed"] >= 0.85
     assert report["student_accuracy"] <= 0.5 and report["student_wrong_words_in_trace"] >= 0.5
     assert report["teacher_mean_response_tokens"] >= 30 and report["student_mean_response_tokens"] >= 30
+    from transformers import AutoTokenizer
+
+    trace_vocab = w.build_tokenizer(variant="trace").get_vocab()  # the code still builds the shipped tokenizer
     for sub in ("teacher", "student"):
         assert os.path.isfile(os.path.join(path, sub, "model.safetensors")), sub
+        assert AutoTokenizer.from_pretrained(os.path.join(path, sub)).get_vocab() == trace_vocab, sub
+    assert report["max_new_tokens"] == w.max_new_tokens(w.build_tokenizer(variant="trace"), "trace")
     for split in w.DATA_SPLITS:
         assert os.path.isfile(os.path.join(path, "data", f"{split}.parquet")), split
