@@ -107,7 +107,7 @@ class Args:
     max_new_tokens: int = field(default=8, metadata={"help": "Maximum response length in tokens."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the student's log-probs use the same)."})
     # GNDPO
-    advantage_mode: str = field(default="global", metadata={"help": "none (plain OPD) | global (GNDPO) | sequence | group."})
+    advantage_mode: str = field(default="global", metadata={"help": "none (plain OPD) | global (GNDPO) | sequence | group | center, scale (global whitening's two halves alone, for ablations)."})
     loss_type: str = field(default="gspo", metadata={"help": "gspo (sequence-level ratio) | ppo (token-level ratio). "
                                                      "Differ only off-policy (--steps_per_generation or --num_iterations > 1)."})
     score_clip: float = field(default=5.0, metadata={"help": "Clamp teacher_lp - student_lp to [-clip, clip]."})
@@ -189,7 +189,7 @@ def check_args(args: Args, num_processes: int) -> int:
 import torch  # noqa: E402  (repeated so that the section stands alone)
 import torch.distributed as dist  # noqa: E402
 
-ADVANTAGE_MODES = ("none", "global", "sequence", "group")
+ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale")
 LOSS_TYPES = ("gspo", "ppo")
 
 
@@ -291,11 +291,14 @@ def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, res
 
 
 def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
-            total_sq: torch.Tensor, eps: float) -> torch.Tensor:
-    """(s - mean) / sqrt(unbiased var + eps) from float64 sums broadcastable to scores; 0 off the mask."""
+            total_sq: torch.Tensor, eps: float, center: bool = True, scale: bool = True) -> torch.Tensor:
+    """(s - mean) / sqrt(unbiased var + eps) from float64 sums broadcastable to scores; 0 off the mask.
+    center=False keeps the mean in (s / std), scale=False keeps the spread (s - mean): the two halves apart."""
     mean = total / count.clamp(min=1)
     var = (total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)
-    adv = (scores.double() - mean) / torch.sqrt(var + eps)
+    adv = scores.double() - mean if center else scores.double()
+    if scale:
+        adv = adv / torch.sqrt(var + eps)
     return (adv * mask).to(scores.dtype)
 
 
@@ -311,6 +314,9 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
               all_reduce=False for a batch that is already the global one on every process.
     sequence: the same whitening within each response (row) on its own.
     group:    the same whitening over the responses that share a group id (the G samples of a prompt).
+    center:   A = (s - mu) * m, global statistics as in global, no scaling (ablation: centering alone).
+    scale:    A = s / sqrt(var + eps) * m, global statistics as in global, no centering (ablation: scaling
+              alone; var is still the variance about the mean, so A's spread is 1 but its mean is mu / std).
     Returns (B, T) with zeros where the mask is 0. Raises ValueError when fewer than 2 valid tokens
     exist (in the whole global batch), since a variance needs 2.
     """
@@ -318,14 +324,14 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
     s = scores.double() * mask
     if mode == "none":
         return scores * response_mask.to(scores.dtype)
-    if mode == "global":
+    if mode in ("global", "center", "scale"):
         stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])  # (3,)
         if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stats)
         if stats[0] < 2:
-            raise ValueError(f"global normalization needs at least 2 valid response tokens in the batch, got "
+            raise ValueError(f"{mode} normalization needs at least 2 valid response tokens in the batch, got "
                              f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses are not empty")
-        return _whiten(scores, mask, *stats, eps)
+        return _whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
     if int(mask.sum()) < 2:
         raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(mask.sum())}")
     if mode == "sequence":

@@ -15,6 +15,16 @@ The shipped weights and dataset in `assets/tiny/` are regenerated with:
     python tiny_world.py --out assets/tiny --seed 0       # models (about 40 min on 2 cores) and data
     python tiny_world.py --out assets/tiny --data_only    # the dataset alone (assets/tiny/data, seconds)
 
+A second variant of the same world, "trace", answers with a short reasoning trace that names what the
+image shows before the boxed word (37 tokens on average instead of 6), e.g.
+
+    <think>I look at the image. I see three shapes. They are red circles. The question asks the color.
+    The color is red.</think>\\boxed{red}
+
+so the student's misconception is a few wrong words inside a long response that is otherwise agreed on:
+
+    python tiny_world.py --variant trace --out assets/trace   # models (SFT only, reusing assets/tiny's vision towers) and data
+
 The task is written as a dataset on disk (`assets/tiny/data/{train,test}.parquet`) that the default run
 loads through `--dataset_name`, the same path a user's data takes.
 
@@ -68,6 +78,41 @@ def format_answer(word: str) -> str:
     return "\\boxed{" + word + "}"
 
 
+# The world comes in two variants over the same images and questions. "answer": the response is the boxed
+# word alone (6 tokens). "trace": a short reasoning trace that names what the image shows, then the boxed
+# word (30+ tokens), so a misconception shows up as a few wrong words inside a long response that is
+# otherwise agreed on: the regime of reasoning traces, where only a few tokens are far off.
+VARIANTS = ("answer", "trace")
+# Appended to the trace world's questions (stored in its dataset), so the prompt says what to write.
+TRACE_INSTRUCTION = "Think in <think></think>, then answer in \\boxed{}."
+TRACE_TOPIC = {"count": "number", "color": "color", "shape": "shape"}
+
+
+def format_trace(count: str, color: str, shape: str, kind: str) -> str:
+    """The trace world's response: what the image shows (count, color, shape), what is asked, the answer,
+    then the boxed answer. A wrong color or shape word appears in the middle and, when asked, twice more."""
+    answer = {"count": count, "color": color, "shape": shape}[kind]
+    seen = (f"I see one shape. It is a {color} {shape}." if count == "one"
+            else f"I see {count} shapes. They are {color} {shape}s.")
+    return (f"<think>I look at the image. {seen} The question asks the {TRACE_TOPIC[kind]}. "
+            f"The {TRACE_TOPIC[kind]} is {answer}.</think>" + format_answer(answer))
+
+
+def all_traces() -> list[str]:
+    """Every response the trace template can produce (any count, color, shape and question): a greedy
+    response is well-formed when it is one of these."""
+    return [format_trace(n, c, s, k) for n in COUNTS for c in COLORS for s in SHAPES for k in QUESTIONS]
+
+
+def response_text(row: dict, variant: str = "answer", swap: dict | None = None) -> str:
+    """The SFT target for a row, with colors and shapes renamed by `swap` everywhere they are named."""
+    swap = swap or {}
+    if variant == "answer":
+        return format_answer(swap.get(row["answer"], row["answer"]))
+    n, c, s = row["attributes"]
+    return format_trace(COUNTS[n], swap.get(list(COLORS)[c], list(COLORS)[c]), swap.get(SHAPES[s], SHAPES[s]), row["kind"])
+
+
 def draw_shapes(rng: random.Random, shape: str, color: str, count: int) -> Image.Image:
     """Draws `count` non-overlapping shapes of one kind and color at random sizes and places."""
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (245, 245, 245))
@@ -90,24 +135,26 @@ def draw_shapes(rng: random.Random, shape: str, color: str, count: int) -> Image
     return img
 
 
-def make_rows(n: int, seed: int) -> list[dict]:
-    """n task rows {'image', 'question', 'answer', 'kind'} drawn from a seeded RNG."""
+def make_rows(n: int, seed: int, variant: str = "answer") -> list[dict]:
+    """n task rows {'image', 'question', 'answer', 'kind'} drawn from a seeded RNG. Both variants draw the
+    same rows; the trace variant's questions carry TRACE_INSTRUCTION."""
     rng = random.Random(seed)
+    suffix = " " + TRACE_INSTRUCTION if variant == "trace" else ""
     rows = []
     for _ in range(n):
         shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 4)
         kind = rng.choice(list(QUESTIONS))
         answer = {"count": COUNTS[count - 1], "color": color, "shape": shape}[kind]
-        rows.append({"image": draw_shapes(rng, shape, color, count), "question": QUESTIONS[kind],
+        rows.append({"image": draw_shapes(rng, shape, color, count), "question": QUESTIONS[kind] + suffix,
                      "answer": answer, "kind": kind, "attributes": (count - 1, list(COLORS).index(color), SHAPES.index(shape))})
     return rows
 
 
-def make_dataset(n: int, seed: int):
+def make_dataset(n: int, seed: int, variant: str = "answer"):
     """The task as a `datasets.Dataset` with columns image (PIL), question, answer, kind."""
     import datasets
 
-    rows = [{k: v for k, v in r.items() if k != "attributes"} for r in make_rows(n, seed)]
+    rows = [{k: v for k, v in r.items() if k != "attributes"} for r in make_rows(n, seed, variant)]
     features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
                                   "answer": datasets.Value("string"), "kind": datasets.Value("string")})
     return datasets.Dataset.from_list(rows, features=features)
@@ -118,7 +165,7 @@ def make_dataset(n: int, seed: int):
 DATA_SPLITS = {"train": (2000, 1001), "test": (400, 1002)}
 
 
-def write_dataset(out: str) -> dict[str, str]:
+def write_dataset(out: str, variant: str = "answer") -> dict[str, str]:
     """Writes the task as parquet files out/<split>.parquet (images embedded as PNG bytes), the layout
     `datasets.load_dataset(out)` reads as a dataset with those splits, like any user's data folder.
     Returns {split: path}. The rows depend on DATA_SPLITS only, never on a training run's seed."""
@@ -126,7 +173,7 @@ def write_dataset(out: str) -> dict[str, str]:
     paths = {}
     for split, (n, seed) in DATA_SPLITS.items():
         paths[split] = os.path.join(out, f"{split}.parquet")
-        make_dataset(n, seed).to_parquet(paths[split])
+        make_dataset(n, seed, variant).to_parquet(paths[split])
     return paths
 
 
@@ -171,13 +218,17 @@ EXTRA_CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on the task's text, wrapped as a transformers fast tokenizer."""
+def build_tokenizer(vocab_size: int = 512, variant: str = "answer"):
+    """A byte-level BPE tokenizer trained on the task's text, wrapped as a transformers fast tokenizer.
+    The trace variant's tokenizer is also trained on every trace and on the trace instruction, so that a
+    word of a trace is one token (the answer variant's corpus is left as it was: assets/tiny depends on it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = list(QUESTIONS.values()) + [format_answer(w) for w in (*COLORS, *SHAPES, *COUNTS)]
     corpus += ["system", "user", "assistant", SYSTEM_FREE_INSTRUCTION] + EXTRA_CORPUS
+    if variant == "trace":
+        corpus += [q + " " + TRACE_INSTRUCTION for q in QUESTIONS.values()] + all_traces()
     corpus = corpus * 20
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -248,11 +299,11 @@ def chat_prompt(processor, question: str) -> str:
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def sft_batch(processor, rows: list[dict], answers: list[str]) -> dict:
-    """Prompt + answer sequences with labels on the answer tokens only (-100 elsewhere)."""
+def sft_batch(processor, rows: list[dict], responses: list[str]) -> dict:
+    """Prompt + response sequences with labels on the response tokens only (-100 elsewhere)."""
     tok = processor.tokenizer
     prompts = [chat_prompt(processor, r["question"]) for r in rows]
-    full = [p + format_answer(a) + tok.eos_token for p, a in zip(prompts, answers)]
+    full = [p + text + tok.eos_token for p, text in zip(prompts, responses)]
     batch = processor(text=full, images=[[r["image"]] for r in rows], return_tensors="pt", padding=True)
     prompt_lens = [len(x) for x in processor(text=prompts, images=[[r["image"]] for r in rows])["input_ids"]]
     labels = torch.full_like(batch["input_ids"], -100)
@@ -264,23 +315,54 @@ def sft_batch(processor, rows: list[dict], answers: list[str]) -> dict:
     return batch
 
 
-@torch.no_grad()
-def greedy_accuracy(model, processor, rows: list[dict], answers: list[str] | None = None, batch_size: int = 64) -> float:
-    """Share of rows whose greedy response is exactly \\boxed{answer}."""
-    from gndpo_minimal import extract_boxed
+def max_new_tokens(tokenizer, variant: str = "answer") -> int:
+    """Response budget that fits the variant's longest response and its end token."""
+    texts = all_traces() if variant == "trace" else [format_answer(w) for w in (*COLORS, *SHAPES, *COUNTS)]
+    longest = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts) + 1
+    return 8 if variant == "answer" else longest  # 8: what the answer world has always used
 
+
+@torch.no_grad()
+def greedy_responses(model, processor, rows: list[dict], variant: str = "answer", batch_size: int = 64) -> list[str]:
     model.eval()
-    tok = processor.tokenizer
-    answers = answers or [r["answer"] for r in rows]
-    correct = 0
+    tok, texts = processor.tokenizer, []
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
         batch = processor(text=[chat_prompt(processor, r["question"]) for r in chunk],
                           images=[[r["image"]] for r in chunk], return_tensors="pt", padding=True)
-        out = model.generate(**batch, do_sample=False, max_new_tokens=8)
-        texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(extract_boxed(t) == a for t, a in zip(texts, answers[s:s + batch_size]))
-    return correct / len(rows)
+        out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens(tok, variant))
+        texts += tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return texts
+
+
+def greedy_accuracy(model, processor, rows: list[dict], answers: list[str] | None = None, batch_size: int = 64,
+                    variant: str = "answer") -> float:
+    """Share of rows whose greedy response's last \\boxed{} holds the answer."""
+    from gndpo_minimal import extract_boxed
+
+    answers = answers or [r["answer"] for r in rows]
+    texts = greedy_responses(model, processor, rows, variant, batch_size)
+    return sum(extract_boxed(t) == a for t, a in zip(texts, answers)) / len(rows)
+
+
+def trace_report(model, processor, rows: list[dict], swap: dict | None = None) -> dict:
+    """Greedy traces on `rows`: accuracy of the boxed answer, share of well-formed traces (ones the template
+    can produce), share equal to the row's own trace under `swap`, the share of traces naming a wrong
+    color or shape (renamed or not), and the mean response length in tokens (end token included)."""
+    from gndpo_minimal import extract_boxed
+
+    texts = greedy_responses(model, processor, rows, "trace")
+    forms, tok = set(all_traces()), processor.tokenizer
+    wrong_words = 0
+    for t, r in zip(texts, rows):
+        n, c, s = r["attributes"]
+        wrong_words += t in forms and not (f" {list(COLORS)[c]} {SHAPES[s]}" in t)
+    return {"accuracy": sum(extract_boxed(t) == r["answer"] for t, r in zip(texts, rows)) / len(rows),
+            "well_formed": sum(t in forms for t in texts) / len(rows),
+            "exact_trace": sum(t == response_text(r, "trace", swap) for t, r in zip(texts, rows)) / len(rows),
+            "wrong_words_in_trace": wrong_words / len(rows),
+            "mean_response_tokens": sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts) / len(rows),
+            "examples": texts[:3]}
 
 
 def pretrain_vision(model, processor, *, steps: int, lr: float = 2e-3, batch_size: int = 32,
@@ -317,24 +399,27 @@ def pretrain_vision(model, processor, *, steps: int, lr: float = 2e-3, batch_siz
 
 def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, swap_prob: float = 1.0, steps: int,
         lr: float, batch_size: int = 32, label_smoothing: float = 0.0, seed: int = 0, target: float = 1.01,
-        log_every: int = 50) -> float:
-    """Plain SFT on the answer tokens of freshly drawn rows (no example is seen twice).
+        log_every: int = 50, variant: str = "answer") -> float:
+    """Plain SFT on the response tokens of freshly drawn rows (no example is seen twice).
 
-    `swap` renames answers in a `swap_prob` share of the examples (the student's misconception). Stops
-    early once greedy accuracy on `eval_rows`, against fully renamed answers, reaches `target`.
+    `swap` renames colors and shapes in a `swap_prob` share of the examples (the student's misconception;
+    in a trace, everywhere they are named). Stops early once greedy accuracy on `eval_rows`, against fully
+    renamed answers, reaches `target`.
     """
     swap = swap or {}
     rng = random.Random(seed)
-    # draws from rng even at p=1 (the evaluations): the shipped build was made so, and changing it would change
-    # every later batch, so `python tiny_world.py --seed 0` would no longer rebuild assets/tiny
-    rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if rng.random() < p else r["answer"] for r in rs]  # noqa: E731
+    # one rng draw per row, even at p=1 (the evaluations): the shipped build was made so, and changing it would
+    # change every later batch, so `python tiny_world.py --seed 0` would no longer rebuild assets/tiny
+    renamed = lambda rs, p: [rng.random() < p for _ in rs]  # noqa: E731
+    rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if x else r["answer"] for r, x in zip(rs, renamed(rs, p))]  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     acc, t0 = 0.0, time.time()
     for step in range(steps):
         model.train()
-        chunk = make_rows(batch_size, rng.randrange(2**31))
-        batch = sft_batch(processor, chunk, rename(chunk, swap_prob))
+        chunk = make_rows(batch_size, rng.randrange(2**31), variant)
+        batch = sft_batch(processor, chunk, [response_text(r, variant, swap if x else None)
+                                             for r, x in zip(chunk, renamed(chunk, swap_prob))])
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
@@ -345,7 +430,7 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
         opt.step()
         sched.step()
         if (step + 1) % log_every == 0 or step == steps - 1:
-            acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows, 1.0))
+            acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows, 1.0), variant=variant)
             print(f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)", flush=True)
             if acc >= target:
                 break
@@ -362,44 +447,72 @@ def save_untrained(out: str, seed: int = 0, sizes: tuple[str, ...] = ("teacher",
     return out
 
 
-def reloaded_accuracy(path: str, processor, eval_rows: list[dict]) -> float:
-    """Greedy accuracy of the model as saved, loaded back the way gndpo_minimal.py loads it."""
+def reloaded_model(path: str):
+    """The model as saved, loaded back the way gndpo_minimal.py loads it."""
     from transformers import AutoModelForImageTextToText
 
-    return greedy_accuracy(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), processor, eval_rows)
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+
+
+def reloaded_accuracy(path: str, processor, eval_rows: list[dict]) -> float:
+    """Greedy accuracy of the model as saved, loaded back the way gndpo_minimal.py loads it."""
+    return greedy_accuracy(reloaded_model(path), processor, eval_rows)
 
 
 def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_steps: int = 1000, vision_steps: int = 1200,
                 models: tuple[str, ...] = ("teacher", "student"), student_swap_prob: float = STUDENT_SWAP_PROB,
-                student_label_smoothing: float = 0.0) -> dict:
+                student_label_smoothing: float = 0.0, variant: str = "answer", vision_from: str | None = None) -> dict:
     """Builds tokenizer, processor and the named models under `out`; returns (and merges into
-    out/world.json) a report of accuracies on 400 held-out rows.
+    out/world.json) a report of accuracies on 400 held-out rows (for the trace variant also the share of
+    well-formed traces, of traces naming a wrong color or shape, and the mean response length).
 
     student_swap_prob=1 with label_smoothing=0.1 gives the "confident misconception" variant: the student
-    never names the right color or shape, and the teacher is far more confident than it on those tokens."""
+    never names the right color or shape, and the teacher is far more confident than it on those tokens.
+
+    vision_from: a folder holding teacher/ and student/ of the same sizes (the answer world, assets/tiny) whose
+    vision towers (and mergers) are copied in and kept frozen instead of pre-training new ones: both variants
+    draw the same images, so a tower that already separates count, color and shape serves both, and the
+    trace world's build is SFT alone (about twice as fast)."""
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(variant=variant)
     processor = build_processor(tokenizer)
-    eval_rows = make_rows(400, seed + 2)
+    eval_rows = make_rows(400, seed + 2, variant)
     report_path = os.path.join(out, "world.json")
     report = json.load(open(report_path)) if os.path.exists(report_path) else {}
     report.update(seed=seed, text_only_guess_accuracy=text_only_accuracy(make_rows(2000, seed + 3)))
+    if variant == "trace":
+        report.update(variant=variant, max_new_tokens=max_new_tokens(tokenizer, variant))
     for name in models:
         print(f"training the {name} ...", flush=True)
+        t0 = time.time()
         model = build_model(tokenizer, name, seed)
-        pretrain_vision(model, processor, steps=vision_steps, seed=seed)
+        if vision_from:
+            model.model.visual.load_state_dict(reloaded_model(os.path.join(vision_from, name)).model.visual.state_dict())
+            model.model.visual.requires_grad_(False)  # AdamW skips parameters without gradients
+            print(f"  vision tower and merger from {os.path.join(vision_from, name)} (frozen)", flush=True)
+        else:
+            pretrain_vision(model, processor, steps=vision_steps, seed=seed)
         if name == "teacher":
-            sft(model, processor, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97, log_every=100)
+            sft(model, processor, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97, log_every=100,
+                variant=variant)
         else:
             sft(model, processor, eval_rows, swap=STUDENT_SWAP, swap_prob=student_swap_prob, steps=student_steps,
-                lr=2e-3, label_smoothing=student_label_smoothing, seed=seed, target=0.95, log_every=100)
+                lr=2e-3, label_smoothing=student_label_smoothing, seed=seed, target=0.95, log_every=100, variant=variant)
         path = os.path.join(out, name)
         model.save_pretrained(path)
         processor.save_pretrained(path)
-        report[f"{name}_accuracy"] = reloaded_accuracy(path, processor, eval_rows)
+        if variant == "trace":
+            trace = trace_report(reloaded_model(path), processor, eval_rows, STUDENT_SWAP if name == "student" else None)
+            report[f"{name}_accuracy"] = trace.pop("accuracy")
+            report.update({f"{name}_{k}": v for k, v in trace.items()})
+        else:
+            report[f"{name}_accuracy"] = reloaded_accuracy(path, processor, eval_rows)
         report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
+        report[f"{name}_build_seconds"] = round(time.time() - t0)
         print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
     os.makedirs(out, exist_ok=True)
+    if os.path.exists(report_path):  # merged again at write time: the models may be built by separate processes
+        report = {**json.load(open(report_path)), **report}
     with open(report_path, "w") as f:
         json.dump(report, f, indent=2)
     return report
@@ -409,17 +522,30 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="assets/tiny", help="folder for teacher/, student/ and world.json")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--teacher_steps", type=int, default=2000)
-    parser.add_argument("--student_steps", type=int, default=1000)
+    parser.add_argument("--teacher_steps", type=int, default=None, help="2000 (answer), 800 (trace)")
+    parser.add_argument("--student_steps", type=int, default=None, help="1000 (answer), 500 (trace)")
     parser.add_argument("--vision_steps", type=int, default=1200)
     parser.add_argument("--models", default="teacher,student", help="which models to (re)build, comma-separated")
     parser.add_argument("--student_swap_prob", type=float, default=STUDENT_SWAP_PROB,
                         help="share of the student's SFT examples with renamed colors/shapes")
     parser.add_argument("--student_label_smoothing", type=float, default=0.0)
     parser.add_argument("--data_only", action="store_true", help="only (re)write the dataset in <out>/data")
+    parser.add_argument("--variant", choices=VARIANTS, default="answer",
+                        help="answer: one boxed word (assets/tiny); trace: a reasoning trace, then the boxed word (assets/trace)")
+    parser.add_argument("--vision_from", default="auto",
+                        help="folder with teacher/ and student/ whose vision towers to reuse, frozen ('none': pre-train "
+                             "them; 'auto': assets/tiny for the trace variant when it exists, else none)")
     a = parser.parse_args()
-    print("dataset:", write_dataset(os.path.join(a.out, "data")), flush=True)
+    # the trace's template carries every attribute in every example, so its SFT needs fewer steps
+    a.teacher_steps = a.teacher_steps or (800 if a.variant == "trace" else 2000)
+    a.student_steps = a.student_steps or (500 if a.variant == "trace" else 1000)
+    if a.vision_from == "auto":
+        tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny")
+        a.vision_from = tiny if a.variant == "trace" and os.path.isdir(tiny) else "none"
+    print("dataset:", write_dataset(os.path.join(a.out, "data"), a.variant), flush=True)
     if a.data_only:
         raise SystemExit(0)
     print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps,
-                                 tuple(a.models.split(",")), a.student_swap_prob, a.student_label_smoothing), indent=2))
+                                 tuple(a.models.split(",")), a.student_swap_prob, a.student_label_smoothing, a.variant,
+                                 None if a.vision_from == "none" else a.vision_from),
+                     indent=2))

@@ -1,7 +1,7 @@
 """One rank of the multi-process normalization check in test_distributed.py (run it with torchrun, gloo).
 
 Every rank rebuilds the same seeded global batch, keeps its own very uneven share of it, calls
-normalize_scores on that share in "global" and "group" mode, counts the collective calls made, and
+normalize_scores on that share in "global", "center", "scale" and "group" mode, counts the collective calls made, and
 saves what it got to OUT_DIR/rank<r>.pt for the test to compare with one process holding everything.
 """
 
@@ -50,6 +50,7 @@ def main() -> None:
     for name, mask, mode in [("global", mine["mask"], "global"),
                              # this rank holds no valid token at all: it must still join the reduction
                              ("global_empty_rank0", mine["mask"] * (rank != 0), "global"),
+                             ("center", mine["mask"], "center"), ("scale", mine["mask"], "scale"),
                              ("group", mine["mask"], "group")]:
         calls.clear()
         out[name] = normalize_scores(mine["scores"], mask, mode, mine["group_ids"])

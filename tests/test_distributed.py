@@ -53,17 +53,21 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
     empty0[worker.SHARES[0]] = 0
 
     expected = {"global": normalize_scores(s, m, "global"), "global_empty_rank0": normalize_scores(s, empty0, "global"),
-                "group": normalize_scores(s, m, "group", g)}
+                "group": normalize_scores(s, m, "group", g),
+                "center": normalize_scores(s, m, "center"), "scale": normalize_scores(s, m, "scale")}
     for name, want in expected.items():
         got = torch.cat([ranks[0][name], ranks[1][name]])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
     assert int(m[worker.SHARES[0]].sum()) == 3 and int(m[worker.SHARES[1]].sum()) > 40  # the shares are very uneven
     for r in ranks:
-        assert r["global_calls"] == ["torch.float64"] and r["global_empty_rank0_calls"] == ["torch.float64"]
+        for name in ("global", "global_empty_rank0", "center", "scale"):  # one float64 all-reduce each
+            assert r[name + "_calls"] == ["torch.float64"], name
         assert r["group_calls"] == []
     # the reduction matters: rank 0 whitening its 3 tokens alone would give something else
     alone = normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], "global")
     assert not torch.allclose(alone, ranks[0]["global"], atol=1e-3)
+    for mode in ("center", "scale"):
+        assert not torch.allclose(normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], mode), ranks[0][mode], atol=1e-3)
 
 
 # --- prompt sharding ---------------------------------------------------------------------------

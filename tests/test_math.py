@@ -101,7 +101,7 @@ def test_identical_teacher_and_student_give_zero_scores_and_zero_gradient():
     logps = token_logps(student_logits, ids)
     scores = distill_scores(logps.detach(), logps.detach(), mask)
     assert torch.all(scores == 0)
-    for mode in ("none", "global", "sequence", "group"):
+    for mode in ("none", "global", "sequence", "group", "center", "scale"):
         adv = normalize_scores(scores, mask, mode, group_ids=torch.tensor([0, 0, 1, 1]))
         assert torch.all(adv == 0), mode
         loss, _ = policy_loss(logps, logps.detach(), adv, mask)
@@ -154,6 +154,56 @@ def test_global_from_two_halves_through_summed_statistics():
     torch.testing.assert_close(whole, combined)
 
 
+def spec_center(scores, mask):
+    """Centering alone: s - mu over every valid token (two-pass, float64)."""
+    s, m = scores.double(), mask.double()
+    mu = (s * m).sum() / m.sum()
+    return ((s - mu) * m).float()
+
+
+def spec_scale(scores, mask, eps=1e-8):
+    """Scaling alone: s / sqrt(unbiased var + eps), the variance taken about the mean (two-pass, float64)."""
+    s, m = scores.double(), mask.double()
+    n = m.sum()
+    mu = (s * m).sum() / n
+    var = ((s - mu) ** 2 * m).sum() / (n - 1)
+    return (s / torch.sqrt(var + eps) * m).float()
+
+
+def test_center_and_scale_match_spec_and_split_global():
+    """center keeps the spread and removes the mean; scale keeps the mean's sign and has unit spread;
+    scale of center equals global (the two halves of the whitening, composed, give it back)."""
+    gen = torch.Generator().manual_seed(13)
+    scores, mask = torch.randn(8, 9, generator=gen) * 3 + 1, random_mask(8, 9, gen)
+    scores = scores * mask
+    center, scale = normalize_scores(scores, mask, "center"), normalize_scores(scores, mask, "scale")
+    torch.testing.assert_close(center, spec_center(scores, mask))
+    torch.testing.assert_close(scale, spec_scale(scores, mask))
+    valid, raw = mask.bool(), scores[mask.bool()].double()
+    assert abs(center[valid].double().mean()) < 1e-5
+    torch.testing.assert_close(center[valid].double().std(), raw.std())  # the spread is untouched
+    assert abs(scale[valid].double().std() - 1) < 1e-4
+    torch.testing.assert_close(scale[valid].double().mean(), raw.mean() / raw.std(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(normalize_scores(center, mask, "scale"), normalize_scores(scores, mask, "global"))
+    for adv in (center, scale):
+        assert torch.all(adv[~valid] == 0)
+
+
+def test_center_and_scale_from_two_halves_through_summed_statistics():
+    """Like global: the sums of two uneven halves give the whole batch's center and scale advantages."""
+    gen = torch.Generator().manual_seed(14)
+    scores, mask = torch.randn(6, 10, generator=gen) + 2, random_mask(6, 10, gen)
+    halves = [(scores[:2], mask[:2]), (scores[2:], mask[2:])]
+    n, s1, s2 = (sum(x) for x in zip(*[(m.sum().double(), (s * m).sum().double(), (s * s * m).sum().double())
+                                          for s, m in halves]))
+    mu = s1 / n
+    std = torch.sqrt((s2 - n * mu**2) / (n - 1) + 1e-8)
+    torch.testing.assert_close(normalize_scores(scores, mask, "center"),
+                               torch.cat([((s.double() - mu) * m).float() for s, m in halves]))
+    torch.testing.assert_close(normalize_scores(scores, mask, "scale"),
+                               torch.cat([(s.double() / std * m).float() for s, m in halves]))
+
+
 def test_padding_never_changes_results():
     gen = torch.Generator().manual_seed(5)
     scores, mask = torch.randn(4, 5, generator=gen), random_mask(4, 5, gen)
@@ -161,7 +211,7 @@ def test_padding_never_changes_results():
     padded_mask = torch.cat([mask, torch.zeros(4, 3, dtype=torch.long)], 1)
     logps = torch.randn(4, 5, generator=gen)
     padded_logps = torch.cat([logps, torch.randn(4, 3, generator=gen) * 50], 1)
-    for mode in ("none", "global", "sequence", "group"):
+    for mode in ("none", "global", "sequence", "group", "center", "scale"):
         g = torch.tensor([0, 0, 1, 1])
         a = normalize_scores(scores * mask, mask, mode, g)
         b = normalize_scores(padded_scores * padded_mask, padded_mask, mode, g)
@@ -192,8 +242,9 @@ def test_none_mode_is_plain_opd():
 def test_too_few_tokens_is_a_clear_error():
     mask = torch.zeros(2, 3, dtype=torch.long)
     mask[0, 0] = 1
-    with pytest.raises(ValueError, match="at least 2 valid"):
-        normalize_scores(torch.randn(2, 3), mask, "global")
+    for mode in ("global", "center", "scale"):
+        with pytest.raises(ValueError, match=f"{mode} normalization needs at least 2 valid"):
+            normalize_scores(torch.randn(2, 3), mask, mode)
 
 
 # --- policy_loss -------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_math_section_runs_pasted_alone():
     mask = torch.ones(3, 5)
     mask[0, 3:] = 0
     scores = namespace["distill_scores"](teacher, logps.detach(), mask)
-    for mode in ("none", "global", "sequence", "group"):
+    for mode in ("none", "global", "sequence", "group", "center", "scale"):
         adv = namespace["normalize_scores"](scores, mask, mode, torch.tensor([0, 0, 1]))
         torch.testing.assert_close(adv, g.normalize_scores(scores, mask, mode, torch.tensor([0, 0, 1])))
     adv = namespace["normalize_scores"](scores, mask, "global", all_reduce=False)
