@@ -51,7 +51,7 @@ import torch
 from matplotlib.ticker import NullLocator
 from transformers import AutoProcessor
 
-from gndpo_minimal import (ADVANTAGE_MODES, Args, generate_and_score, generation_configs, load_split, load_student,
+from gndpo_minimal import (Args, generate_and_score, generation_configs, load_split, load_student,
                            load_teacher, make_accelerator, make_optimizer, normalize_scores, pad_cat, prepare_split,
                            step_prompts, step_seed, update_student)
 
@@ -96,7 +96,8 @@ print(f"{args.prompts_per_step} prompts x {args.num_generations} samples, {int(v
 # ## The same scores under each advantage mode
 
 # %%
-advantages = {mode: normalize_scores(scores, mask, mode, group_ids) for mode in ADVANTAGE_MODES}
+MODES = ("none", "global", "sequence", "group")  # OPD, GNDPO and the two local variants (center/scale are ablations)
+advantages = {mode: normalize_scores(scores, mask, mode, group_ids) for mode in MODES}
 names = {"none": "OPD (none)", "global": "GNDPO (global)", "sequence": "sequence", "group": "group"}
 print(f"generate_and_score's advantages (advantage_mode={args.advantage_mode!r}) equal these: "
       f"{torch.equal(batch['advantages'], advantages[args.advantage_mode])}")
@@ -113,7 +114,7 @@ stats = pd.DataFrame({
 stats
 
 # %%
-panels = [("raw teacher - student (before the clamp)", raw)] + [(names[m], advantages[m]) for m in ADVANTAGE_MODES]
+panels = [("raw teacher - student (before the clamp)", raw)] + [(names[m], advantages[m]) for m in MODES]
 fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.8))
 for ax, (title, values) in zip(axes, panels):
     normal, out = values[valid & ~outlier].numpy(), values[outlier].numpy()
@@ -149,7 +150,7 @@ pd.DataFrame({
     "distinct of G": [len(set(texts[i:i + G])) for i in firsts],
     "lowest token": [tokenizer.decode(response_ids[i, worst[i]]) for i in firsts],
     "teacher - student": [raw[i, worst[i]].item() for i in firsts],
-    **{f"A {names[mode]}": [advantages[mode][i, worst[i]].item() for i in firsts] for mode in ADVANTAGE_MODES},
+    **{f"A {names[mode]}": [advantages[mode][i, worst[i]].item() for i in firsts] for mode in MODES},
 }).round(3)
 
 # %% [markdown]
@@ -207,8 +208,8 @@ scaled = {mode: [grad_norms[mode] if k == 1 else
                  for k in factors] for mode in ("none", "global")}
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-labels = [names[m] for m in ADVANTAGE_MODES]
-axes[0].bar(labels, [grad_norms[m] for m in ADVANTAGE_MODES], color=["#c44e52", "#4c72b0", "#8c8c8c", "#8c8c8c"])
+labels = [names[m] for m in MODES]
+axes[0].bar(labels, [grad_norms[m] for m in MODES], color=["#c44e52", "#4c72b0", "#8c8c8c", "#8c8c8c"])
 axes[0].axhline(args.max_grad_norm, color="black", ls="--", lw=1, label=f"max_grad_norm = {args.max_grad_norm:g}")
 axes[0].set_ylabel("pre-clip gradient norm")
 axes[0].set_title("One update on the same batch, per advantage mode")
