@@ -116,9 +116,10 @@ class Args:
     clip_high: float = field(default=0.2, metadata={"help": "Upper ratio clip (1 + clip_high). Acts only off-policy."})
     steps_per_generation: int = field(default=1, metadata={"help": "K: the step's rollout batch is cut into K mini-batches, "
                                                            "one optimizer update each. K > 1 costs one extra no-grad "
-                                                           "student forward per step (the old policy's log-probs)."})
+                                                           "student forward over the K - 1 later mini-batches (their "
+                                                           "old policy's log-probs)."})
     num_iterations: int = field(default=1, metadata={"help": "E: passes over the rollout batch per step (K * E updates). "
-                                                     "E > 1 costs the same extra forward as K > 1."})
+                                                     "E > 1 alone needs no extra forward."})
     # optimization
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate (LoRA wants a larger one than full fine-tuning)."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
@@ -986,7 +987,7 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
 
 
 # Keys that rollout() adds to the processor's batch; everything else the processor returned goes to the model.
-ROLLOUT_KEYS = ("response_ids", "response_mask", "sampled_logps", "teacher_logps", "old_logps")
+ROLLOUT_KEYS = ("response_ids", "response_mask", "sampled_logps", "teacher_logps")
 
 
 def model_inputs(batch: dict) -> dict:
@@ -1074,12 +1075,17 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
     batch = dict(batch)
     batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
                  sampled_logps=capture.finish(sequences))
-    # A step keeps all B*G/processes rollouts until its update; their float32 pixels (~19 KB per image token
-    # for Qwen-VL) would fill a 24 GB GPU, so they wait in host memory and each forward moves back its own.
-    # Every per-pixel tensor does: SmolVLM/Idefics3's int64 pixel_attention_mask is 2/3 the size of its pixels.
-    for key in [k for k in batch if k.startswith("pixel_")]:
-        batch[key] = batch[key].cpu()
-    return batch
+    return pixels_on_host(batch, device)
+
+
+def pixels_on_host(batch: dict, device) -> dict:
+    """The batch on `device`, except its per-pixel tensors, which go to host memory.
+
+    A step keeps all B*G/processes rollouts until its update; their float32 pixels (~19 KB per image token for
+    Qwen-VL) would fill a 24 GB GPU, so they wait on the host and each forward moves back its own. Every
+    pixel_* tensor does: SmolVLM/Idefics3's int64 pixel_attention_mask is 2/3 the size of its pixels.
+    """
+    return {k: v.cpu() if k.startswith("pixel_") else v.to(device) for k, v in batch.items()}
 
 
 def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict], size: int, args: Args) -> list[dict]:
@@ -1099,9 +1105,7 @@ def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict
     chunks = []
     for i in range(0, len(prompts), size):
         R = max(1, int(mask[i:i + size].sum(1).max()))
-        chunk = dict(encode_prompts(processor, prompts[i:i + size], args.instruction).to(device))
-        if "pixel_values" in chunk:
-            chunk["pixel_values"] = chunk["pixel_values"].cpu()
+        chunk = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device)
         chunk.update(response_ids=ids[i:i + size, :R], response_mask=mask[i:i + size, :R],
                      sampled_logps=sampled[i:i + size, :R])
         chunks.append(chunk)
@@ -1359,9 +1363,10 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
     """The step's optimizer updates on the scored rollouts of generate_and_score().
 
     The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates
-    run E = num_iterations times. With K = E = 1 the old policy is the current one: old_logps = logps.detach()
-    (ratio 1, no extra forward). Otherwise one no-grad student forward before the first update records
-    old_logps, so later updates see ratios away from 1 and the clip acts. An update whose loss or gradient is
+    run E = num_iterations times. The first mini-batch's first forward runs before any update, so its detached
+    log-probs are the old policy's (with K = E = 1 that is all: ratio 1, no extra forward); the other K - 1
+    mini-batches get theirs from one no-grad student forward before the first update, so later updates see
+    ratios away from 1 and the clip acts. An update whose loss or gradient is
     not finite (on any process) is dropped, not applied: one NaN would poison the adapter for good.
     loss_fn has policy_loss's signature. Returns loss (mean over micro-batch forwards), clip_frac and
     ratio_mean (over the updates' tokens), logp_mismatch (|old or first-pass logps - sampling logps| per
@@ -1373,12 +1378,11 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
     rows = [0]  # chunk i holds rows rows[i]:rows[i + 1] of the (n, R) step tensors
     for c in chunks:
         rows.append(rows[-1] + c["response_ids"].shape[0])
-    off_policy = K * E > 1
-    if off_policy:  # the policy that sampled, as the training forward sees it, before it moves
-        with torch.no_grad():
-            for c in chunks:
-                c["old_logps"] = response_logps(student, c, ignore_ids, args.temperature)
     per_update = len(chunks) // K  # check_args made it divide
+    old_logps = {}  # chunk index -> the log-probs of the policy that sampled, as the training forward sees it
+    with torch.no_grad():  # taken now, before the policy moves, for the mini-batches updated after the first
+        for i in range(per_update, len(chunks)):
+            old_logps[i] = response_logps(student, chunks[i], ignore_ids, args.temperature)
     sums = {"loss": 0.0, "forwards": 0, "clip": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0, "mismatch_tokens": 0.0}
     grad_norms, lr, skipped = [], float("nan"), 0
     for epoch in range(E):
@@ -1390,7 +1394,7 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
                 adv, mask = batch["advantages"][rows[i]:rows[i + 1], :R], batch["response_mask"][rows[i]:rows[i + 1], :R]
                 with accelerator.accumulate(student):
                     logps = response_logps(student, c, ignore_ids, args.temperature)
-                    old = c["old_logps"] if off_policy else logps.detach()
+                    old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
                     loss, m = loss_fn(logps, old, adv, mask, args.loss_type, args.clip_low, args.clip_high)
                     accelerator.backward(loss)
                 n_tok = mask.sum().item()
@@ -1399,7 +1403,7 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
                 sums["clip"] += m["clip_frac"] * n_tok
                 sums["ratio"] += m["ratio_mean"] * n_tok
                 sums["tokens"] += n_tok
-                if epoch == 0 and (k == 0 or off_policy):  # sampling vs training log-probs of the policy that sampled
+                if epoch == 0:  # sampling vs training log-probs of the policy that sampled
                     sums["mismatch"] += ((old - c["sampled_logps"]).abs() * mask).sum().item()
                     sums["mismatch_tokens"] += n_tok
             sums["loss"] += loss_sum

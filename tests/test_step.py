@@ -56,7 +56,7 @@ def run_update(setup, batch: dict | None = None, **changes) -> tuple[dict, dict]
     accelerator.gradient_accumulation_steps = accum
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
     batch = batch or setup["batch"]
-    batch = {**batch, "chunks": [dict(c) for c in batch["chunks"]]}  # old_logps go into copies
+    batch = {**batch, "chunks": [dict(c) for c in batch["chunks"]]}
     update = g.update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=setup["ignore_ids"],
                               log=lambda msg: None)
     return update, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
@@ -140,7 +140,7 @@ def test_off_policy_updates_move_the_ratio_and_clip(setup):
     gspo, gspo_weights = run_update(setup, batch, steps_per_generation=4, learning_rate=5e-2)
     assert gspo["updates"] == 4 and gspo["skipped_updates"] == 0
     assert gspo["ratio_mean"] > 1.05 and gspo["clip_frac"] > 0
-    # old_logps come from one no-grad forward before the first update: they equal the sampling log-probs
+    # old_logps are taken before the first update: they equal the sampling log-probs
     assert gspo["logp_mismatch"] < 1e-5
     ppo, ppo_weights = run_update(setup, batch, steps_per_generation=4, learning_rate=5e-2, loss_type="ppo")
     assert ppo["clip_frac"] > 0 and ppo["loss"] != pytest.approx(gspo["loss"], abs=1e-6)
