@@ -129,6 +129,10 @@ class Args:
     micro_batch_size: int = field(default=32, metadata={"help": "Sequences per training and scoring forward pass on each process."})
     generation_batch_size: int = field(default=0, metadata={"help": "Rows per generate() call, rollouts and evaluation, on each "
                                                             "process; 0 = all of this process's rollouts of a step at once."})
+    share_prompt_prefix: bool = field(default=True, metadata={"help": "Read each prompt and its images once per micro-batch in "
+                                                              "the teacher's scoring and the student's update forwards, "
+                                                              "its KV cache shared by the G samples (checked against the "
+                                                              "plain forward on the first micro-batch; falls back if unequal)."})
     gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer update; 0 = derived, "
                                                                   "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation)."})
     max_consecutive_skips: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row."})
@@ -987,7 +991,14 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
 
 
 # Keys that rollout() adds to the processor's batch; everything else the processor returned goes to the model.
-ROLLOUT_KEYS = ("response_ids", "response_mask", "sampled_logps", "teacher_logps")
+ROLLOUT_KEYS = ("response_ids", "response_mask", "sampled_logps", "teacher_logps", "prompt_inputs", "prompt_index")
+
+
+def language_model(model):
+    """The text decoder inside a (LoRA-wrapped, Accelerate-wrapped) vision-language model."""
+    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+        model = model.module
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
 
 
 def model_inputs(batch: dict) -> dict:
@@ -1075,7 +1086,17 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
     batch = dict(batch)
     batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
                  sampled_logps=capture.finish(sequences))
+    if args.share_prompt_prefix:
+        batch.update(distinct_prompts(processor, prompts, args, device))
     return pixels_on_host(batch, device)
+
+
+def distinct_prompts(processor, prompts: list[tuple[str, list]], args: Args, device) -> dict:
+    """prompt_inputs: the processor batch of the rows' distinct prompts (u rows, pixels on the host);
+    prompt_index: (n,) which of them each row carries. shared_prompt_logps reads each prompt once from these."""
+    unique, index = prompt_groups(prompts)
+    return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, args.instruction), device),
+            "prompt_index": torch.tensor(index, device=device)}
 
 
 def pixels_on_host(batch: dict, device) -> dict:
@@ -1085,7 +1106,7 @@ def pixels_on_host(batch: dict, device) -> dict:
     Qwen-VL) would fill a 24 GB GPU, so they wait on the host and each forward moves back its own. Every
     pixel_* tensor does: SmolVLM/Idefics3's int64 pixel_attention_mask is 2/3 the size of its pixels.
     """
-    return {k: v.cpu() if k.startswith("pixel_") else v.to(device) for k, v in batch.items()}
+    return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict], size: int, args: Args) -> list[dict]:
@@ -1108,6 +1129,8 @@ def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict
         chunk = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device)
         chunk.update(response_ids=ids[i:i + size, :R], response_mask=mask[i:i + size, :R],
                      sampled_logps=sampled[i:i + size, :R])
+        if args.share_prompt_prefix:
+            chunk.update(distinct_prompts(processor, prompts[i:i + size], args, device))
         chunks.append(chunk)
     return chunks
 
@@ -1137,6 +1160,109 @@ def response_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: fl
     inputs = {k: v.to(chunk["response_ids"].device) for k, v in sequence_inputs(chunk).items()}  # pixels: from the host
     logits = model(**inputs, logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (n, R, V)
     return token_logps(logits, chunk["response_ids"], ignore_ids, temperature)  # temperature applied chunk by chunk
+
+
+def prompt_groups(prompts: list) -> tuple[list, list[int]]:
+    """Rows -> (distinct prompts, (n,) index of each row's prompt). A prompt repeated G times by step_prompts is
+    one object, so identity tells the G samples of a prompt apart from another draw of the same row."""
+    position, unique, index = {}, [], []
+    for p in prompts:
+        if id(p) not in position:
+            position[id(p)] = len(unique)
+            unique.append(p)
+        index.append(position[id(p)])
+    return unique, index
+
+
+def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """response_logps, reading each distinct prompt (and its images) once: (n, R) float32.
+
+    The u distinct prompts (chunk["prompt_inputs"]) go through the model once with a KV cache; the cache is then
+    indexed to the n rows (chunk["prompt_index"]), and the responses run on it. Positions are the trap: the
+    response continues each prompt's own last position (M-RoPE models place text after an image at an offset
+    of their own), so the positions the language model got for the prompt are read with a hook and the response
+    gets last + 1 + t in every rotary dimension; models that compute positions from the cache length get none.
+    Gradients flow through the cache into the prompt's forward, so the student's update can use it too.
+    """
+    device, ids, mask = chunk["response_ids"].device, chunk["response_ids"], chunk["response_mask"]
+    index = chunk["prompt_index"].to(device)  # (n,)
+    prompt = {k: v.to(device) for k, v in chunk["prompt_inputs"].items()}  # (u, P) ids and mask, images
+    seen = {}
+    hook = language_model(model).register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
+    try:
+        out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V): the first response token's logits
+    finally:
+        hook.remove()
+    first = token_logps(out.logits.index_select(0, index), ids[:, :1], ignore_ids, temperature)  # (n, 1)
+    if ids.shape[1] == 1:
+        return first
+    cache = out.cache
+    cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys and values
+    step = ids[:, :-1]  # the last response token predicts nothing that is scored
+    inputs = {"input_ids": step, "attention_mask": torch.cat([prompt["attention_mask"].index_select(0, index),
+                                                              mask[:, :-1]], 1)}
+    for key, value in prompt.items():  # token types (mm_token_type_ids, token_type_ids): response tokens are text
+        if key not in inputs and torch.is_tensor(value) and value.shape == prompt["input_ids"].shape:
+            inputs[key] = torch.zeros_like(step, dtype=value.dtype)
+    positions = seen.get("position_ids")
+    if positions is not None:  # (..., u or 1, P) -> (..., n, R - 1)
+        last = positions[..., -1:].expand(*positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
+        inputs["position_ids"] = last + 1 + torch.arange(step.shape[1], device=device)
+    logits = model(**inputs, cache=cache, use_cache=True).logits  # (n, R - 1, V)
+    return torch.cat([first, token_logps(logits, ids[:, 1:], ignore_ids, temperature)], 1)
+
+
+def logps_tolerance(model) -> float:
+    """How far shared_prompt_logps may be from response_logps and still count as equal: float32 rounding
+    (1e-4) when the model computes in float32; 16-bit compute (bf16/fp16 weights, or 4-bit weights computing in
+    16 bits) rounds logits to ~3 significant digits, so there the tolerance is 0.05 nats (a wrong position or
+    mask moves log-probs by whole nats in a trained model)."""
+    compute = {getattr(m, "compute_dtype", None) for m in model.modules()} - {None}  # bitsandbytes Linear4bit
+    dtypes = compute | {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return 1e-4 if dtypes <= {torch.float32} else 0.05
+
+
+class PromptSharing:
+    """The scoring call of a model: shared_prompt_logps once a check on the first chunk found it equal to
+    response_logps (max |difference| over valid tokens within logps_tolerance), else response_logps.
+
+    agree(ok) -> bool makes every process take the same decision (with sharded weights they must run the same
+    forwards). `reason` set at construction disables sharing from the start (it is logged, not checked).
+    """
+
+    def __init__(self, name: str, log=print, agree=lambda ok: ok, reason: str | None = None):
+        self.name, self.log, self.agree = name, log, agree
+        self.shared, self.difference = (False if reason else None), None
+        if reason:
+            log(f"{name}: each sample reads its prompt itself ({reason})")
+
+    def __call__(self, model, chunk: dict, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+        if self.shared is None:
+            self.shared = self.check(model, chunk, ignore_ids, temperature)
+        return (shared_prompt_logps if self.shared else response_logps)(model, chunk, ignore_ids, temperature)
+
+    def check(self, model, chunk: dict, ignore_ids: torch.Tensor | None, temperature: float) -> bool:
+        if "prompt_index" not in chunk:
+            ok, why = False, "the rollouts carry no distinct prompts (--share_prompt_prefix off when they were made)"
+        else:
+            with torch.no_grad():
+                plain = response_logps(model, chunk, ignore_ids, temperature)
+                try:
+                    shared = shared_prompt_logps(model, chunk, ignore_ids, temperature)
+                    valid = chunk["response_mask"].bool()
+                    self.difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
+                    ok = math.isfinite(self.difference) and self.difference <= logps_tolerance(model)
+                    why = f"max |difference| {self.difference:.2e} vs tolerance {logps_tolerance(model):.0e}"
+                except Exception as e:  # a model whose forward cannot continue from an expanded cache
+                    ok, why = False, f"{type(e).__name__}: {e}"
+        agreed = self.agree(ok)
+        if agreed:
+            self.log(f"{self.name}: each prompt read once for its G samples (checked on the first micro-batch: {why})")
+        else:
+            self.log(f"{self.name}: falling back to one full forward per sample "
+                     f"({why if not ok else 'another process found the shared prompt unequal'})")
+        return agreed
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -1359,7 +1485,8 @@ def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list
 
 
 def update_student(student, optimizer, scheduler, accelerator, batch: dict, args: Args, *,
-                   ignore_ids: torch.Tensor | None = None, loss_fn=policy_loss, log=print, step: int = 0) -> dict:
+                   ignore_ids: torch.Tensor | None = None, loss_fn=policy_loss, student_logps=response_logps,
+                   log=print, step: int = 0) -> dict:
     """The step's optimizer updates on the scored rollouts of generate_and_score().
 
     The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates
@@ -1368,7 +1495,8 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
     mini-batches get theirs from one no-grad student forward before the first update, so later updates see
     ratios away from 1 and the clip acts. An update whose loss or gradient is
     not finite (on any process) is dropped, not applied: one NaN would poison the adapter for good.
-    loss_fn has policy_loss's signature. Returns loss (mean over micro-batch forwards), clip_frac and
+    loss_fn has policy_loss's signature; student_logps is the student's forward (response_logps, or a
+    PromptSharing that reads each prompt once). Returns loss (mean over micro-batch forwards), clip_frac and
     ratio_mean (over the updates' tokens), logp_mismatch (|old or first-pass logps - sampling logps| per
     token: ~0 when scoring inputs are right), grad_norm (mean pre-clip norm over the updates), grad_norm_max,
     lr (the last update's), updates, skipped_updates, time_update.
@@ -1382,7 +1510,7 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
     old_logps = {}  # chunk index -> the log-probs of the policy that sampled, as the training forward sees it
     with torch.no_grad():  # taken now, before the policy moves, for the mini-batches updated after the first
         for i in range(per_update, len(chunks)):
-            old_logps[i] = response_logps(student, chunks[i], ignore_ids, args.temperature)
+            old_logps[i] = student_logps(student, chunks[i], ignore_ids, args.temperature)
     sums = {"loss": 0.0, "forwards": 0, "clip": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0, "mismatch_tokens": 0.0}
     grad_norms, lr, skipped = [], float("nan"), 0
     for epoch in range(E):
@@ -1393,7 +1521,7 @@ def update_student(student, optimizer, scheduler, accelerator, batch: dict, args
                 R = c["response_ids"].shape[1]
                 adv, mask = batch["advantages"][rows[i]:rows[i + 1], :R], batch["response_mask"][rows[i]:rows[i + 1], :R]
                 with accelerator.accumulate(student):
-                    logps = response_logps(student, c, ignore_ids, args.temperature)
+                    logps = student_logps(student, c, ignore_ids, args.temperature)
                     old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
                     loss, m = loss_fn(logps, old, adv, mask, args.loss_type, args.clip_low, args.clip_high)
                     accelerator.backward(loss)
@@ -1572,6 +1700,23 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     return student, optimizer, scheduler
 
 
+def prompt_sharing(args: Args, accelerator, teacher_logps, log=print) -> tuple:
+    """(teacher scoring call, student forward): PromptSharing where --share_prompt_prefix allows it, else as given.
+    The student's update keeps one forward per sample under gradient checkpointing (recomputing a layer would
+    write its keys into the cache a second time) and with sharded weights (two forwards per backward)."""
+    if not args.share_prompt_prefix:
+        return teacher_logps, response_logps
+    n = accelerator.num_processes
+    agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device), reduction="sum").item() == n  # noqa: E731
+    if teacher_logps is response_logps:  # tests pass their own scoring calls: those stay as they are
+        teacher_logps = PromptSharing("teacher", log, agree)
+    reason = ("--gradient_checkpointing recomputes layers, which would write the prompt's keys twice"
+              if args.gradient_checkpointing else
+              "the weights are sharded: each forward gathers them, two per backward is untested" if weights_are_sharded(accelerator)
+              else None)
+    return teacher_logps, PromptSharing("student", log, agree, reason)
+
+
 def format_metrics(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
@@ -1605,6 +1750,7 @@ def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_
     # With sharded weights each forward gathers parameters from every process, so all of them must keep
     # stepping generate() until the last one is done.
     synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
+    teacher_logps, student_logps = prompt_sharing(args, accelerator, teacher_logps, log)
     evaluate_policy = lambda: evaluate(policy, processor, eval_rows, args, accelerator, greedy_config,  # noqa: E731
                                        synced_gpus=synced_gpus)
 
@@ -1644,7 +1790,7 @@ def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_
                                    seed=step_seed(args.seed, step, accelerator.process_index), ignore_ids=ignore_ids,
                                    synced_gpus=synced_gpus, teacher_logps=teacher_logps, log=log, step=step)
         update = update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=ignore_ids,
-                                loss_fn=loss_fn, log=log, step=step)
+                                loss_fn=loss_fn, student_logps=student_logps, log=log, step=step)
         counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
         counters["skipped_steps"] += bool(update["skipped_updates"])
         metrics = step_metrics(accelerator, batch, update, args.score_clip, step, time.time() - t_step)
@@ -1678,6 +1824,8 @@ def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_
     summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
                    advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
                    skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"])
+    summary["prompt_read_once"] = {name: getattr(f, "shared", None) for name, f in (("teacher", teacher_logps),
+                                                                                   ("student", student_logps))}
     if accelerator.is_main_process:
         if eval_rows:
             log("\n          accuracy  before   after\n"
