@@ -1015,11 +1015,14 @@ def model_inputs(batch: dict) -> dict:
 
 
 class SampledTokenLogps:
-    """A generate() logits processor that records log pi(y_t) of each sampled token under the exact
-    distribution generate() samples from (after token suppression; temperature applied here, since
-    generate applies its own temperature after custom processors), holding one (n, V) step at a time.
+    """A generate() logits processor that samples each token and records log pi(y_t) of it under the exact
+    distribution it samples from (after token suppression, at the temperature), holding one (n, V) step at a time.
 
     These are the student_lp of the distillation scores: no extra student forward pass is needed.
+    It also draws the token: by inverting the cumulative distribution of softmax(scores / T) (float64 sums) at
+    one uniform number per row, then returning scores that are -inf everywhere but there, so that generate(),
+    decoding greedily (the sampling config has do_sample=False), takes exactly that token. At a 152k vocabulary
+    torch.multinomial took half of a CPU rollout (0.10 s per step for 32 rows); this takes a quarter of that.
     """
 
     def __init__(self, temperature: float):
@@ -1034,7 +1037,11 @@ class SampledTokenLogps:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self._record(input_ids[:, -1])
         self.last_scores = scores
-        return scores
+        cdf = (scores.float() / self.temperature).softmax(-1).cumsum(-1, dtype=torch.float64)  # (n, V)
+        # u in (0, total]: the first id whose cdf reaches u has probability > 0 (suppressed ids never come out)
+        u = (1.0 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device)) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)  # (n, 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)  # a new tensor: the recorded scores stay
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
         """(n, P + R) generated sequences -> (n, R) float32 log-probs of the R sampled tokens."""
@@ -1045,9 +1052,11 @@ class SampledTokenLogps:
 def generation_configs(tokenizer, model, args: Args) -> tuple:
     """(sampling config, greedy config) for rollouts and evaluation.
 
-    Sampling uses top_k=0, top_p=1 and no repetition penalty: the loss assumes samples from the full
-    distribution, and checkpoints often ship top_k=50 or a low top_p. Both suppress the vision special
-    tokens and stop at any of the tokenizer's or the model's end tokens (eos_token_id: a sorted list).
+    Rollouts sample from the full distribution, which the loss assumes (checkpoints often ship top_k=50 or a
+    low top_p): rollout() adds SampledTokenLogps, which perturbs the scores so that generate()'s argmax is an
+    exact sample at the temperature, so the sampling config decodes greedily with no top-k, top-p or repetition
+    penalty of its own. Both suppress the vision special tokens and stop at any of the tokenizer's or the
+    model's end tokens (eos_token_id: a sorted list).
     """
     from transformers import GenerationConfig
 
@@ -1055,8 +1064,7 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
     eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
     common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
                   eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    sample = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, min_p=None,
-                              repetition_penalty=1.0, **common)
+    sample = GenerationConfig(do_sample=False, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0, **common)
     return sample, GenerationConfig(do_sample=False, **common)
 
 

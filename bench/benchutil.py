@@ -55,7 +55,7 @@ def tiny_dataset() -> str:
     return out
 
 
-def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
+def pad_vocabulary(src: str, dst: str, vocab: int, image_pixels: int = 0) -> None:
     """A copy of the model at `src` whose (tied) embedding table and LM head have `vocab` rows, the extra rows
     randomly initialized: the tiny models' cost structure with a real model's vocabulary (the tokenizer is
     unchanged; the extra ids are sampled and scored like any other, never decoded)."""
@@ -63,17 +63,22 @@ def pad_vocabulary(src: str, dst: str, vocab: int) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
-    model.resize_token_embeddings(vocab, mean_resizing=False)
+    if vocab:
+        model.resize_token_embeddings(vocab, mean_resizing=False)
     model.save_pretrained(dst)
-    AutoProcessor.from_pretrained(src).save_pretrained(dst)
+    processor = AutoProcessor.from_pretrained(src)
+    if image_pixels:  # Qwen-VL image processors: every image resized to this many pixels (14-pixel patches, 2x2 merged)
+        processor.image_processor.size = {"shortest_edge": image_pixels, "longest_edge": image_pixels}
+    processor.save_pretrained(dst)
 
 
-def padded_models(student: str, teacher: str, vocab: int, out_dir: str) -> tuple[str, str]:
-    """Copies of both models under out_dir with their vocabulary padded to `vocab` (see pad_vocabulary)."""
+def padded_models(student: str, teacher: str, vocab: int, out_dir: str, image_pixels: int = 0) -> tuple[str, str]:
+    """Copies of both models under out_dir with their vocabulary padded to `vocab` (see pad_vocabulary), and
+    with image_pixels, their processors resizing every image to that many pixels."""
     paths = []
     for name, src in (("student", student), ("teacher", teacher)):
         paths.append(os.path.join(out_dir, name))
-        pad_vocabulary(src, paths[-1], vocab)
+        pad_vocabulary(src, paths[-1], vocab, image_pixels)
     return paths[0], paths[1]
 
 

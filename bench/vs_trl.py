@@ -45,7 +45,9 @@ from benchutil import (add_json_flag, median, mib, padded_models, peak_rss_bytes
                        report, rss_bytes, tiny_models)
 
 SIDES = ("ours", "trl")
-LABELS = {"ours": "gndpo_minimal.main()", "trl": "TRL DistillationTrainer"}
+LABELS = {"ours": "gndpo_minimal.main()", "ours_plain": "gndpo_minimal.main(), --share_prompt_prefix false",
+          "trl": "TRL DistillationTrainer"}
+PARTS = ("time_generate", "time_score", "time_update")  # what main() logs of each step's parts
 RESULT_TAG = "BENCH_RESULT "
 
 
@@ -55,9 +57,12 @@ class StepClock:
     def __init__(self, warmup: int, steps: int):
         self.warmup, self.total, self.marks, self.tokens = warmup, warmup + steps, [], []
         self.rss_at_start = self.peak_rss = 0
+        self.parts = []  # per measured step: {part: seconds} where the side logs them
 
-    def step_end(self, response_tokens: float) -> None:
+    def step_end(self, response_tokens: float, parts: dict | None = None) -> None:
         self.marks.append(time.perf_counter())
+        if parts is not None and len(self.marks) > self.warmup:
+            self.parts.append(parts)
         if len(self.marks) > self.warmup:
             self.tokens.append(response_tokens)
         if len(self.marks) == self.warmup:
@@ -71,7 +76,7 @@ class StepClock:
             raise RuntimeError(f"{side}: saw {len(self.marks)} step ends, expected {self.total}")
         seconds = [b - a for a, b in zip(self.marks[self.warmup - 1:], self.marks[self.warmup:])]
         return {"side": side, "step_seconds": seconds, "peak_rss": self.peak_rss, "rss_at_start": self.rss_at_start,
-                "libraries_rss": libraries_rss,
+                "libraries_rss": libraries_rss, "parts": self.parts,
                 "response_tokens_per_step": sum(self.tokens) / len(self.tokens)}
 
 
@@ -82,11 +87,23 @@ def gndpo_args(cfg: dict):
                   dataset_name=cfg["dataset"], num_eval_samples=0, prompts_per_step=cfg["prompts"],
                   num_generations=cfg["G"], max_new_tokens=cfg["max_new_tokens"],
                   micro_batch_size=cfg["prompts"] * cfg["G"], max_steps=cfg["warmup"] + cfg["steps"], save_steps=0,
-                  output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"])
+                  output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"],
+                  share_prompt_prefix=cfg.get("share_prompt_prefix", True))
+
+
+def forced_length(generation_configs, min_new_tokens: int):
+    """generation_configs with the end token suppressed until min_new_tokens: every sampled answer is at least
+    that long (a benchmark's workload shape; training never does this, it biases the samples)."""
+    def configs(*args, **kwargs):
+        sample, greedy = generation_configs(*args, **kwargs)
+        sample.min_new_tokens = min_new_tokens
+        return sample, greedy
+    return configs
 
 
 def ours_worker(cfg: dict) -> dict:
-    """gndpo_minimal.main() as is; step ends are taken from its one accelerator.log() call per step."""
+    """gndpo_minimal.main() as is; step ends (and its parts' seconds) are taken from its one accelerator.log()
+    call per step. With cfg["min_new_tokens"], sampled answers are forced to that length (forced_length)."""
     import accelerate
     import peft  # noqa: F401  (imported by main(): counted with the libraries)
     import torch  # noqa: F401
@@ -99,10 +116,12 @@ def ours_worker(cfg: dict) -> dict:
     original_log = accelerate.Accelerator.log
 
     def log(self, values, *a, **k):
-        clock.step_end(values["response_length"] * cfg["prompts"] * cfg["G"])
+        clock.step_end(values["response_length"] * cfg["prompts"] * cfg["G"], {p: values[p] for p in PARTS})
         return original_log(self, values, *a, **k)
 
     accelerate.Accelerator.log = log
+    if cfg.get("min_new_tokens"):
+        g.generation_configs = forced_length(g.generation_configs, cfg["min_new_tokens"])
     g.main(gndpo_args(cfg))
     return clock.result("ours", libraries_rss)
 
@@ -140,7 +159,8 @@ def trl_worker(cfg: dict) -> dict:
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, bf16=False, gradient_checkpointing=False,
         shuffle_dataset=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
-        generation_kwargs={"suppress_tokens": g.vision_token_ids(processor.tokenizer)})  # the ids ours suppresses
+        generation_kwargs={"suppress_tokens": g.vision_token_ids(processor.tokenizer),  # the ids ours suppresses
+                           **({"min_new_tokens": cfg["min_new_tokens"]} if cfg.get("min_new_tokens") else {})})
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                   train_dataset=datasets.Dataset.from_list(data), processing_class=processor,
                                   callbacks=[Clock()])
@@ -160,44 +180,58 @@ def run_worker(side: str, cfg: dict) -> dict:
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, warmup: int | None = None, steps: int | None = None,
         rounds: int | None = None, teacher_4bit: bool = False, vocab: int = 0, student: str | None = None,
-        teacher: str | None = None, json_path: str | None = None, verbose: bool = True) -> dict:
-    """Alternates fresh ours / TRL processes `rounds` times; returns each side's medians and ours / TRL ratios
-    (also written to json_path when given)."""
+        teacher: str | None = None, json_path: str | None = None, verbose: bool = True, sides: tuple = SIDES,
+        min_new_tokens: int = 0, image_pixels: int = 0) -> dict:
+    """Alternates fresh processes of each side (ours, TRL, and ours_plain: ours without prompt sharing) `rounds`
+    times; returns each side's medians and ours / TRL ratios (also written to json_path when given).
+    min_new_tokens forces every sampled answer to at least that length on every side; image_pixels resizes
+    every image to that many pixels (with vocab, on the padded copies)."""
     import tiny_world
 
     student_dir, teacher_dir, which = tiny_models(student, teacher)
     cfg = {"student": student_dir, "teacher": teacher_dir, "teacher_4bit": teacher_4bit,
            "prompts": prompts or (2 if quick else 8), "G": generations or (2 if quick else 4),
            "max_new_tokens": max_new_tokens or (4 if quick else 8), "warmup": warmup or (1 if quick else 2),
-           "steps": steps or (1 if quick else 4), "seed": 0}
+           "steps": steps or (1 if quick else 4), "seed": 0, "min_new_tokens": min_new_tokens}
     rounds = rounds or (1 if quick else 2)
-    per_side = {side: [] for side in SIDES}
+    per_side = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="gndpo-vs-trl-") as tmp:
-        cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for both sides
+        cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for every side
         tiny_world.make_dataset(cfg["prompts"] * (cfg["warmup"] + cfg["steps"]), seed=1).save_to_disk(cfg["dataset"])
-        if vocab:
-            cfg["student"], cfg["teacher"] = padded_models(cfg["student"], cfg["teacher"], vocab, tmp)
-            which += f", vocabulary padded to {vocab}"
+        if vocab or image_pixels:
+            cfg["student"], cfg["teacher"] = padded_models(cfg["student"], cfg["teacher"], vocab or None, tmp, image_pixels)
+            which += f", vocabulary padded to {vocab}" if vocab else ""
         for r in range(rounds):
-            for side in SIDES:
-                cfg["output_dir"] = os.path.join(tmp, f"{side}-{r}")
-                per_side[side].append(run_worker(side, cfg))
+            for side in sides:
+                side_cfg = dict(cfg, output_dir=os.path.join(tmp, f"{side}-{r}"), share_prompt_prefix=side != "ours_plain")
+                per_side[side].append(run_worker("trl" if side == "trl" else "ours", side_cfg))
     out = {"config": cfg, "rounds": rounds, "models": which, "runs": per_side}
-    for side in SIDES:
+    for side in sides:
         runs = per_side[side]
         out[side] = {"seconds_per_step": median([s for run in runs for s in run["step_seconds"]]),
                      "round_medians": [median(run["step_seconds"]) for run in runs],
                      "peak_rss": median([run["peak_rss"] for run in runs]),
                      "libraries_rss": median([run["libraries_rss"] for run in runs]),
                      "response_tokens_per_step": median([run["response_tokens_per_step"] for run in runs])}
-    out["time_ratio"] = out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"]
-    out["peak_rss_ratio"] = out["ours"]["peak_rss"] / out["trl"]["peak_rss"]
+        if runs[0]["parts"]:
+            out[side]["parts"] = {p: median([s[p] for run in runs for s in run["parts"]]) for p in PARTS}
+    if "trl" in sides:
+        out["time_ratio"] = out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"]
+        out["peak_rss_ratio"] = out["ours"]["peak_rss"] / out["trl"]["peak_rss"]
+    if "ours_plain" in sides:
+        out["shared_vs_plain_time_ratio"] = out["ours"]["seconds_per_step"] / out["ours_plain"]["seconds_per_step"]
+        out["shared_vs_plain_peak_rss_ratio"] = out["ours"]["peak_rss"] / out["ours_plain"]["peak_rss"]
     rows = [[LABELS[side], out[side]["seconds_per_step"], ", ".join(f"{x:.3g}" for x in out[side]["round_medians"]),
              f"{mib(out[side]['peak_rss']):.0f}", f"{mib(out[side]['libraries_rss']):.0f}",
-             f"{out[side]['response_tokens_per_step']:.0f}"] for side in SIDES]
-    rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
+             f"{out[side]['response_tokens_per_step']:.0f}"] for side in sides]
+    if "trl" in sides:
+        rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
+    if "ours_plain" in sides:
+        rows.append(["ratio ours / ours_plain", out["shared_vs_plain_time_ratio"], "",
+                     f"{out['shared_vs_plain_peak_rss_ratio']:.2f}", "", ""])
     return report(out, [
-        f"{which}; B={cfg['prompts']} x G={cfg['G']}, max_new_tokens={cfg['max_new_tokens']}, teacher "
+        f"{which}; B={cfg['prompts']} x G={cfg['G']}, max_new_tokens={cfg['max_new_tokens']}"
+        f"{f' (at least {min_new_tokens})' if min_new_tokens else ''}, teacher "
         f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
         f"{rounds} round(s), sides alternating in fresh processes; threads: OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
@@ -225,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--config", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        result = (ours_worker if a.worker == "ours" else trl_worker)(json.loads(a.config))
+        result = (ours_worker if a.worker == "ours" else trl_worker)(json.loads(a.config))  # ours_plain: ours
         print(RESULT_TAG + json.dumps(result), flush=True)
         return None
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.warmup, a.steps, a.rounds, a.teacher_4bit,

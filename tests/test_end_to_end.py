@@ -195,7 +195,8 @@ def test_rollout_logps_match_full_forward(args, temperature):
     student.train()  # as in main(): rollouts come from the training-mode policy
     config, _ = g.generation_configs(tokenizer, student, args)  # the sampling settings main() uses
     ignore_list, eos_ids = g.vision_token_ids(tokenizer), config.eos_token_id
-    assert config.suppress_tokens == ignore_list and config.top_k == 0 and config.temperature == temperature
+    # no top-k / top-p / penalty of generate()'s own: rollout()'s SampledTokenLogps draws from the full distribution
+    assert config.suppress_tokens == ignore_list and not config.do_sample and config.top_k is None and config.top_p is None
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") in ignore_list
     ignore_ids = torch.tensor(ignore_list)
     # Tilt the random model so that the checks bite: vision tokens would take most of the mass if they
