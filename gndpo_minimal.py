@@ -1223,12 +1223,13 @@ def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperatur
 
 def logps_tolerance(model) -> float:
     """How far shared_prompt_logps may be from response_logps and still count as equal: float32 rounding
-    (1e-4) when the model computes in float32; 16-bit compute (bf16/fp16 weights, or 4-bit weights computing in
-    16 bits) rounds logits to ~3 significant digits, so there the tolerance is 0.05 nats (a wrong position or
-    mask moves log-probs by whole nats in a trained model)."""
-    compute = {getattr(m, "compute_dtype", None) for m in model.modules()} - {None}  # bitsandbytes Linear4bit
-    dtypes = compute | {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return 1e-4 if dtypes <= {torch.float32} else 0.05
+    (1e-4) when the model computes in float32. 16-bit weights, and 4-bit ones (bitsandbytes' CPU kernel
+    computes in bf16 whatever the compute dtype, and its rounding changes with the batch's shape), round logits
+    to ~3 significant digits: there the tolerance is 0.05 nats (measured: up to 2e-3 on the stand-ins; a wrong
+    position or mask moves a trained model's log-probs by whole nats)."""
+    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
 
 
 class PromptSharing:
@@ -1251,13 +1252,23 @@ class PromptSharing:
         return (shared_prompt_logps if self.shared else response_logps)(model, chunk, ignore_ids, temperature)
 
     def check(self, model, chunk: dict, ignore_ids: torch.Tensor | None, temperature: float) -> bool:
+        """Both forwards on the chunk; a trainable model also takes a gradient through the shared one (a cache
+        updated in place, as hybrid linear-attention layers do, cannot be differentiated through). The check calls
+        the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
+        while hasattr(model, "module"):
+            model = model.module
+        trainable = [p for p in model.parameters() if p.requires_grad]
         if "prompt_index" not in chunk:
             ok, why = False, "the rollouts carry no distinct prompts (--share_prompt_prefix off when they were made)"
         else:
             with torch.no_grad():
                 plain = response_logps(model, chunk, ignore_ids, temperature)
+            with torch.enable_grad() if trainable else torch.no_grad():
                 try:
                     shared = shared_prompt_logps(model, chunk, ignore_ids, temperature)
+                    if trainable and shared.requires_grad:
+                        torch.autograd.grad(shared.sum(), trainable, allow_unused=True)
+                        shared = shared.detach()
                     valid = chunk["response_mask"].bool()
                     self.difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
                     ok = math.isfinite(self.difference) and self.difference <= logps_tolerance(model)

@@ -7,6 +7,7 @@ base; no image special token ever sampled; estimate_memory exact on the loaded m
 passing within a family and stopping across families.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -78,6 +79,10 @@ def test_one_step_through_main(run):
     assert os.path.isfile(os.path.join(run["out"], "adapter", "adapter_model.safetensors"))
     for key in ("teacher_accuracy", "student_accuracy_before", "student_accuracy_after"):
         assert 0.0 <= run["summary"][key] <= 1.0
+    # the start-up check found the shared prompt equal to the plain forward (4-bit teacher): the student of a
+    # hybrid model falls back, since its linear-attention layers update the cache's state in place
+    student_shares = "qwen3_5" not in run["args"].student_model
+    assert run["summary"]["prompt_read_once"] == {"teacher": True, "student": student_shares}
 
 
 @family_params()
@@ -121,6 +126,21 @@ def test_teacher_scoring_equals_a_plain_full_forward(models, family_data):
     full = logits[:, -R - 1:-1].log_softmax(-1).gather(-1, chunk["response_ids"][..., None]).squeeze(-1)
     valid = chunk["response_mask"].bool()
     torch.testing.assert_close(scored[valid], full[valid], atol=1e-4, rtol=0)
+
+
+@family_params()
+def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
+    """shared_prompt_logps (one forward per distinct prompt, its cache indexed to the samples) == the plain full
+    forward, for the teacher and the LoRA student: the family's positions (M-RoPE), left padding, token types
+    and hybrid-attention caches all go through it."""
+    args, _, student, chunk, ignore_ids = scored_chunk(models, family_data)
+    teacher = g.load_teacher(dataclasses.replace(args, teacher_4bit=False), torch.float32, torch.device("cpu"))
+    assert chunk["prompt_index"].tolist() == [0, 1, 0, 1] and chunk["prompt_inputs"]["input_ids"].shape[0] == 2
+    valid = chunk["response_mask"].bool()
+    with torch.no_grad():
+        for model in (teacher, student):
+            shared, plain = g.shared_prompt_logps(model, chunk, ignore_ids), g.response_logps(model, chunk, ignore_ids)
+            torch.testing.assert_close(shared[valid], plain[valid], atol=1e-4, rtol=0)
 
 
 @family_params()
