@@ -7,6 +7,7 @@ load_models, load_data and make_optimizer), timed from outside.
     OMP_NUM_THREADS=1 python bench/step_breakdown.py --prompts 8 --steps 5
     python bench/step_breakdown.py --prompts 8 --vocab 151936   # both models' vocabulary padded to Qwen2.5's
     python bench/step_breakdown.py --quick --json out.json      # the printed numbers as one JSON dict too
+    python bench/step_breakdown.py --compare   # also each step with --share_prompt_prefix false: ratios per part
 
 Where each part's seconds come from, so that nothing of the step is re-implemented here:
   prompts, metrics           the step_prompts / step_metrics calls, timed around them;
@@ -27,6 +28,7 @@ mean step time. Tokens per second counts valid response tokens, as metrics.jsonl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -123,7 +125,9 @@ def setup_step(args: g.Args, log) -> dict:
     train_ds, train_keep, _, _ = g.load_data(args, processor, True, log)
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
     student.train()
-    return {"accelerator": accelerator, "processor": processor, "student": student, "teacher": teacher,
+    # the scoring calls main() makes: each prompt read once where --share_prompt_prefix and the check allow
+    teacher_logps, student_logps = g.prompt_sharing(args, accelerator, g.response_logps, log)
+    return {"teacher_logps": teacher_logps, "student_logps": student_logps, "accelerator": accelerator, "processor": processor, "student": student, "teacher": teacher,
             "policy": accelerator.unwrap_model(student), "optimizer": optimizer, "scheduler": scheduler,
             "sample_config": sample_config, "ignore_ids": ignore_ids, "train_ds": train_ds, "train_keep": train_keep,
             "log": log}
@@ -138,21 +142,23 @@ def time_update_calls(clock: Clock, accelerator, optimizer, scheduler) -> None:
     scheduler.step = clock.wrap("optimizer", scheduler.step)
 
 
-def one_step(step: int, args: g.Args, setup: dict, clock: Clock, timers: dict[str, ForwardTimer]) -> dict:
-    """One step as main() runs it; returns seconds per part, the step's seconds, model and vision tower seconds
+def one_step(step: int, args: g.Args, setup: dict, clock: Clock, timers: dict[str, ForwardTimer],
+             scoring: tuple | None = None) -> dict:
+    """One step as main() runs it (with scoring = (teacher_logps, student_logps) instead of the setup's); returns seconds per part, the step's seconds, model and vision tower seconds
     per COMPUTE_PARTS part and the valid response tokens."""
     accelerator, student, policy, teacher = setup["accelerator"], setup["student"], setup["policy"], setup["teacher"]
     clock.take()
     model_seconds = lambda: {name: dict(t.seconds) for name, t in timers.items()}  # noqa: E731
     before = model_seconds()
+    teacher_logps, student_logps = scoring or (setup["teacher_logps"], setup["student_logps"])
     start = time.perf_counter()
     prompts, group_ids = clock.wrap("prompts", g.step_prompts)(setup["train_ds"], setup["train_keep"], args, step)
     batch = g.generate_and_score(policy, teacher, setup["processor"], prompts, group_ids, args, setup["sample_config"],
                                  seed=g.step_seed(args.seed, step, 0), ignore_ids=setup["ignore_ids"],
-                                 log=setup["log"], step=step)
+                                 teacher_logps=teacher_logps, log=setup["log"], step=step)
     after_generate = model_seconds()
     update = g.update_student(student, setup["optimizer"], setup["scheduler"], accelerator, batch, args,
-                              ignore_ids=setup["ignore_ids"], log=setup["log"], step=step)
+                              ignore_ids=setup["ignore_ids"], student_logps=student_logps, log=setup["log"], step=step)
     after_update = model_seconds()
     clock.wrap("metrics", g.step_metrics)(accelerator, batch, update, args.score_clip, step, time.perf_counter() - start)
     total = time.perf_counter() - start
@@ -174,9 +180,11 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         max_new_tokens: int | None = None, micro_batch_size: int | None = None, warmup: int | None = None,
         steps: int | None = None, teacher_4bit: bool = True, vocab: int = 0, student: str | None = None,
         teacher: str | None = None, steps_per_generation: int = 1, num_iterations: int = 1,
-        json_path: str | None = None, verbose: bool = True) -> dict:
+        json_path: str | None = None, verbose: bool = True, compare: bool = False) -> dict:
     """Measures `steps` steps after `warmup` ones; returns mean seconds per part, mean step seconds, part
-    shares, model and vision tower seconds per part, tokens/s (and writes them to json_path when given)."""
+    shares, model and vision tower seconds per part, tokens/s (and writes them to json_path when given).
+    compare: every step also runs with --share_prompt_prefix false (each sample reads its own prompt), the two
+    sides alternating which goes first; "plain" and "shared_vs_plain" (ratios per part) are added."""
     student_dir, teacher_dir, which = tiny_models(student, teacher)
     with tempfile.TemporaryDirectory(prefix="gndpo-step-") as tmp:
         if vocab:
@@ -199,11 +207,16 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         clock = Clock()
         time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
         timers = {"student": ForwardTimer(setup["policy"].get_base_model()), "teacher": ForwardTimer(setup["teacher"])}
-        measured = []
+        sides = {"shared": (args, None)}
+        if compare:
+            sides["plain"] = (dataclasses.replace(args, share_prompt_prefix=False), (g.response_logps, g.response_logps))
+        runs = {side: [] for side in sides}
         for step in range(warmup + steps):
-            result = one_step(step, args, setup, clock, timers)
-            if step >= warmup:
-                measured.append(result)
+            for side in (list(sides) if step % 2 == 0 else list(sides)[::-1]):
+                result = one_step(step, sides[side][0], setup, clock, timers, sides[side][1])
+                if step >= warmup:
+                    runs[side].append(result)
+        measured = runs["shared"]
 
     n = len(measured)
     parts = {p: sum(m["parts"][p] for m in measured) / n for p in PARTS}
@@ -237,6 +250,20 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
                                                                compute[part]["model_seconds"])]
                     for part, model in COMPUTE_PARTS]
     compute_rows.append(["all parts", all_model, "", all_vision, percent(all_vision, all_model)])
+    extra = []
+    if compare:
+        plain = {p: sum(m["parts"][p] for m in runs["plain"]) / n for p in PARTS}
+        plain_step = sum(m["total"] for m in runs["plain"]) / n
+        out["plain"] = {"parts": plain, "step": plain_step, "largest_part": max(plain, key=plain.get)}
+        out["shared_vs_plain"] = {"step": step_time / plain_step,
+                                  **{p: parts[p] / plain[p] for p in PARTS if plain[p] > 0}}
+        out["largest_part"] = max(parts, key=parts.get)
+        extra = ["", "each prompt read once (shared) against every sample reading its own (plain, "
+                 "--share_prompt_prefix false), alternating step by step:",
+                 (["part", "plain s", "shared s", "shared / plain"],
+                  [[p, plain[p], parts[p], parts[p] / plain[p] if plain[p] > 0 else ""] for p in PARTS]
+                  + [["step", plain_step, step_time, step_time / plain_step]]),
+                 f"largest part: plain {out['plain']['largest_part']}, shared {out['largest_part']}"]
     return report(out, [
         f"GNDPO step on {which}; B={B} x G={G}, max_new_tokens={args.max_new_tokens}, micro-batch "
         f"{args.micro_batch_size}, {steps_per_generation * num_iterations} update(s) per step, teacher "
@@ -248,6 +275,7 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         "model compute inside the parts (forward hooks on the model and its vision tower), and the vision tower's share:",
         (["part (model)", "model compute s", "share of the part", "vision tower s", "share of the model compute"],
          compute_rows),
+        *extra,
     ], json_path, verbose)
 
 
@@ -261,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps_per_generation", type=int, default=1, help="K updates per step (default 1).")
     p.add_argument("--num_iterations", type=int, default=1, help="E passes over the rollouts per step (default 1).")
     p.add_argument("--warmup", type=int, help="Unmeasured steps first (default 1).")
+    p.add_argument("--compare", action="store_true", help="Also run every step with --share_prompt_prefix false, "
+                   "alternating, and print the ratios.")
     p.add_argument("--steps", type=int, help="Measured steps (default 5; 2 with --quick).")
     p.add_argument("--fp32_teacher", action="store_true", help="Full-precision teacher instead of 4-bit nf4.")
     p.add_argument("--vocab", type=int, default=0, help="Pad both models' vocabulary to this size (e.g. 151936) first.")
@@ -270,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.micro_batch_size, a.warmup, a.steps,
                not a.fp32_teacher, a.vocab, a.student_model, a.teacher_model, a.steps_per_generation,
-               a.num_iterations, a.json)
+               a.num_iterations, a.json, compare=a.compare)
 
 
 if __name__ == "__main__":
