@@ -142,21 +142,33 @@ def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
 
 
 def test_the_sampler_draws_from_the_tempered_distribution():
-    """SampledTokenLogps draws by inverse CDF: frequencies follow softmax(scores / T), suppressed (-inf) ids never
-    come out, and the log-prob it records is the drawn token's under that distribution."""
+    """SampledTokenLogps draws by inverse CDF: frequencies follow softmax(scores / T), suppressed ids never come
+    out, and the log-prob it records is the drawn token's under that distribution."""
     V, n, T = 6, 40_000, 0.7
-    scores = torch.tensor([[1.0, 0.0, -1.0, float("-inf"), 2.0, 0.5]]).expand(n, V)
+    scores = torch.tensor([[1.0, 0.0, -1.0, 5.0, 2.0, 0.5]]).repeat(n, 1)
+    expected = (scores[0].index_fill(0, torch.tensor([3]), float("-inf")) / T).softmax(-1).double()
     torch.manual_seed(0)
-    sampler = g.SampledTokenLogps(T)
-    out = sampler(torch.zeros(n, 1, dtype=torch.long), scores)
+    sampler = g.SampledTokenLogps(T, suppress_ids=[3])  # id 3 would take most of the mass
+    out = sampler(torch.zeros(n, 1, dtype=torch.long), scores.clone())
     drawn = out.argmax(-1)  # what generate()'s greedy decoding takes
     assert torch.isinf(out).sum() == n * (V - 1)
     freq = torch.bincount(drawn, minlength=V).double() / n
-    expected = (scores[0] / T).softmax(-1).double()
     assert freq[3] == 0
     assert (freq - expected).abs().max() < 4 * (expected * (1 - expected) / n).sqrt().max()  # within 4 sigma
-    recorded = sampler.finish(drawn[:, None])[:, 0]
-    torch.testing.assert_close(recorded, (scores / T).log_softmax(-1).gather(1, drawn[:, None])[:, 0])
+    torch.testing.assert_close(sampler.finish()[:, 0], expected.log().float()[drawn])
+
+
+def test_draw_tokens_is_exact_across_blocks():
+    """The two-level inverse CDF (block, then id in the block) over a vocabulary that does not fill its last
+    block: mass in several blocks, zeros between, never an id of probability 0 or beyond the vocabulary."""
+    V, n = 2500, 60_000
+    probs = torch.zeros(V)
+    probs[[0, 1023, 1024, 2047, 2499]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    torch.manual_seed(0)
+    drawn = g.draw_tokens(probs.repeat(n, 1), block=1024)[:, 0]
+    freq = torch.bincount(drawn, minlength=V).double() / n
+    assert drawn.max() < V and (freq[probs == 0] == 0).all()
+    assert (freq - probs.double()).abs().max() < 4 * (0.25 / n) ** 0.5
 
 
 @pytest.mark.slow
