@@ -1094,28 +1094,54 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
 
 @torch.no_grad()
 def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args: Args, eos_ids: list[int],
-            synced_gpus: bool = False) -> dict:
+            synced_gpus: bool = False, share_prompts: bool = False) -> dict:
     """Samples one response per prompt (prompts are already repeated G times).
 
     Returns the processor batch (left-padded prompts, image inputs) plus response_ids (n, R),
     response_mask (n, R) and sampled_logps (n, R): log pi_student(y_t) of the sampling policy.
     synced_gpus: keep running forwards until every process is done (needed when weights are sharded).
+    share_prompts: read each distinct prompt once and decode on its shared cache (sample_on_shared_prompts)
+    instead of generate(), which reads (and encodes the images of) every row's prompt.
     """
     device = next(model.parameters()).device
     batch = encode_prompts(processor, prompts, args.instruction).to(device)
+    if args.share_prompt_prefix:
+        batch.update(distinct_prompts(processor, prompts, args, device))
     capture = SampledTokenLogps(args.temperature, gen_config.suppress_tokens)
-    config = copy.copy(gen_config)  # the suppression moves into capture
-    config.suppress_tokens = None
-    sequences = model.generate(**model_inputs(batch), generation_config=config, logits_processor=[capture],
-                               synced_gpus=synced_gpus)
-    response_ids = sequences[:, batch["input_ids"].shape[1]:]  # (n, R)
+    if share_prompts:
+        response_ids = sample_on_shared_prompts(model, batch, capture, gen_config)
+    else:
+        config = copy.copy(gen_config)  # the suppression moves into capture
+        config.suppress_tokens = None
+        sequences = model.generate(**model_inputs(batch), generation_config=config, logits_processor=[capture],
+                                   synced_gpus=synced_gpus)
+        response_ids = sequences[:, batch["input_ids"].shape[1]:]  # (n, R)
     mask = response_mask_from_ids(response_ids, eos_ids)
     batch = dict(batch)
     batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
                  sampled_logps=capture.finish())
-    if args.share_prompt_prefix:
-        batch.update(distinct_prompts(processor, prompts, args, device))
     return pixels_on_host(batch, device)
+
+
+def sample_on_shared_prompts(model, batch: dict, capture: SampledTokenLogps, gen_config) -> torch.Tensor:
+    """generate()'s sampling loop on SharedPrompts: the distinct prompts read once, then one token per forward
+    for all n rows, until every row has ended or max_new_tokens. The end tokens are held back until
+    min_new_tokens (as generate() would). Returns (n, R) ids, padding after a row's end."""
+    shared = SharedPrompts(model, batch["prompt_inputs"], batch["prompt_index"])
+    end = torch.tensor(gen_config.eos_token_id, device=shared.first.device)
+    running = torch.ones(len(shared.first), dtype=torch.bool, device=end.device)
+    scores, tokens = shared.first.float(), []  # (n, V)
+    for t in range(gen_config.max_new_tokens):
+        if t < (gen_config.min_new_tokens or 0):
+            scores[:, end] = float("-inf")
+        token = capture(None, scores).argmax(-1).masked_fill(~running, gen_config.pad_token_id)  # (n,)
+        tokens.append(token)
+        running &= ~torch.isin(token, end)
+        if not running.any() or t + 1 == gen_config.max_new_tokens:
+            break
+        # like generate(): a row that has ended goes on with padding, attended to; its mask hides it later
+        scores = shared.forward(token[:, None], torch.ones_like(token[:, None]))[:, -1].float()
+    return torch.stack(tokens, 1)
 
 
 def distinct_prompts(processor, prompts: list[tuple[str, list]], args: Args, device) -> dict:
@@ -1201,42 +1227,59 @@ def prompt_groups(prompts: list) -> tuple[list, list[int]]:
     return unique, index
 
 
-def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """response_logps, reading each distinct prompt (and its images) once: (n, R) float32.
+class SharedPrompts:
+    """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
+    continue on it, in one forward or token by token (rollouts).
 
-    The u distinct prompts (chunk["prompt_inputs"]) go through the model once with a KV cache; the cache is then
-    indexed to the n rows (chunk["prompt_index"]), and the responses run on it. Positions are the trap: the
-    response continues each prompt's own last position (M-RoPE models place text after an image at an offset
-    of their own), so the positions the language model got for the prompt are read with a hook and the response
-    gets last + 1 + t in every rotary dimension; models that compute positions from the cache length get none.
-    Gradients flow through the cache into the prompt's forward, so the student's update can use it too.
+    prompt_inputs: the processor batch of the u prompts; index: (n,) each row's prompt. After construction,
+    `first` holds the (n, V) logits of each row's first response token (the prompt's last position). Positions
+    are the trap: a response continues its prompt's own last position (M-RoPE models place text after an image
+    at an offset of their own), so the positions the language model got for the prompt are read with a hook and
+    the response gets last + 1 + t in every rotary dimension; models that compute positions from the cache
+    length get none. Gradients flow through the cache into the prompt's forward.
     """
-    device, ids, mask = chunk["response_ids"].device, chunk["response_ids"], chunk["response_mask"]
-    index = chunk["prompt_index"].to(device)  # (n,)
-    prompt = {k: v.to(device) for k, v in chunk["prompt_inputs"].items()}  # (u, P) ids and mask, images
-    seen = {}
-    hook = language_model(model).register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
-    try:
-        out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V): the first response token's logits
-    finally:
-        hook.remove()
-    first = token_logps(out.logits.index_select(0, index), ids[:, :1], ignore_ids, temperature)  # (n, 1)
+
+    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
+        device = index.device
+        prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
+        seen = {}
+        hook = language_model(model).register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
+        try:
+            out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
+        finally:
+            hook.remove()
+        self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
+        self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys and values
+        self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
+        # token types (mm_token_type_ids, token_type_ids): response tokens are text
+        self.types = {k: v.dtype for k, v in prompt.items() if k not in ("input_ids", "attention_mask")
+                      and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
+        positions = seen.get("position_ids")  # (..., u or 1, P) -> (..., n, 1)
+        self.last = None if positions is None else positions[..., -1:].expand(
+            *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
+        self.length = 0  # response tokens already in the cache
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next (n, T) response tokens (mask: (n, T), 0 after a row's end) on the cache -> (n, T, V) logits."""
+        self.mask = torch.cat([self.mask, mask], 1)
+        inputs = {"input_ids": ids, "attention_mask": self.mask,
+                  **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
+        if self.last is not None:
+            inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
+        self.length += ids.shape[1]
+        return self.model(**inputs, cache=self.cache, use_cache=True).logits
+
+
+def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """response_logps, reading each distinct prompt (and its images) once (SharedPrompts): (n, R) float32.
+    Gradients flow through the cache into the prompt's forward, so the student's update can use it too."""
+    ids, mask = chunk["response_ids"], chunk["response_mask"]
+    shared = SharedPrompts(model, chunk["prompt_inputs"], chunk["prompt_index"].to(ids.device))
+    first = token_logps(shared.first[:, None], ids[:, :1], ignore_ids, temperature)  # (n, 1)
     if ids.shape[1] == 1:
         return first
-    cache = out.cache
-    cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys and values
-    step = ids[:, :-1]  # the last response token predicts nothing that is scored
-    inputs = {"input_ids": step, "attention_mask": torch.cat([prompt["attention_mask"].index_select(0, index),
-                                                              mask[:, :-1]], 1)}
-    for key, value in prompt.items():  # token types (mm_token_type_ids, token_type_ids): response tokens are text
-        if key not in inputs and torch.is_tensor(value) and value.shape == prompt["input_ids"].shape:
-            inputs[key] = torch.zeros_like(step, dtype=value.dtype)
-    positions = seen.get("position_ids")
-    if positions is not None:  # (..., u or 1, P) -> (..., n, R - 1)
-        last = positions[..., -1:].expand(*positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
-        inputs["position_ids"] = last + 1 + torch.arange(step.shape[1], device=device)
-    logits = model(**inputs, cache=cache, use_cache=True).logits  # (n, R - 1, V)
+    logits = shared.forward(ids[:, :-1], mask[:, :-1])  # (n, R - 1, V): the last token predicts nothing scored
     return torch.cat([first, token_logps(logits, ids[:, 1:], ignore_ids, temperature)], 1)
 
 
@@ -1482,12 +1525,13 @@ def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_pro
 
 def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list]], group_ids: list[int], args: Args,
                        gen_config, *, seed: int, ignore_ids: torch.Tensor | None = None, synced_gpus: bool = False,
-                       teacher_logps=response_logps, log=print, step: int = 0) -> dict:
+                       teacher_logps=response_logps, student_logps=None, log=print, step: int = 0) -> dict:
     """Rollouts of this process's prompts, their teacher log-probs, scores and advantages.
 
     prompts: n = (prompts of this process) x G, already repeated; group_ids: (n,) prompt ids.
     teacher_logps(model, chunk, ignore_ids) -> (n_chunk, R) is the teacher's scoring call (a parameter so that
-    tests can feed it broken numbers). Advantages are normalized over the global batch (the all-reduce inside
+    tests can feed it broken numbers). The rollouts read each prompt once where student_logps (the update's
+    PromptSharing) has found that equal to the plain forward, from the step after its check on. Advantages are normalized over the global batch (the all-reduce inside
     normalize_scores), once, before any update. Returns
       chunks: micro-batches of rollout() output (+ teacher_logps), in order;
       response_mask (n, R) (0 where a log-prob is not finite), teacher_logps, student_logps (the sampling
@@ -1497,8 +1541,9 @@ def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list
     t0 = time.time()
     torch.manual_seed(seed)
     gb = args.generation_batch_size or len(prompts)
-    rollouts = [rollout(policy, processor, prompts[i:i + gb], gen_config, args, gen_config.eos_token_id, synced_gpus)
-                for i in range(0, len(prompts), gb)]
+    share = getattr(student_logps, "shared", None) is True
+    rollouts = [rollout(policy, processor, prompts[i:i + gb], gen_config, args, gen_config.eos_token_id, synced_gpus,
+                        share) for i in range(0, len(prompts), gb)]
     chunks = cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)
     t_generate, t0 = time.time() - t0, time.time()
     with torch.no_grad():  # the teacher scores the same ids and images; student_lp is the sampling policy's
@@ -1826,7 +1871,8 @@ def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_
                                           accelerator.process_index)
         batch = generate_and_score(policy, teacher, processor, prompts, group_ids, args, sample_config,
                                    seed=step_seed(args.seed, step, accelerator.process_index), ignore_ids=ignore_ids,
-                                   synced_gpus=synced_gpus, teacher_logps=teacher_logps, log=log, step=step)
+                                   synced_gpus=synced_gpus, teacher_logps=teacher_logps, student_logps=student_logps,
+                                   log=log, step=step)
         update = update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=ignore_ids,
                                 loss_fn=loss_fn, student_logps=student_logps, log=log, step=step)
         counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0

@@ -155,7 +155,7 @@ def one_step(step: int, args: g.Args, setup: dict, clock: Clock, timers: dict[st
     prompts, group_ids = clock.wrap("prompts", g.step_prompts)(setup["train_ds"], setup["train_keep"], args, step)
     batch = g.generate_and_score(policy, teacher, setup["processor"], prompts, group_ids, args, setup["sample_config"],
                                  seed=g.step_seed(args.seed, step, 0), ignore_ids=setup["ignore_ids"],
-                                 teacher_logps=teacher_logps, log=setup["log"], step=step)
+                                 teacher_logps=teacher_logps, student_logps=student_logps, log=setup["log"], step=step)
     after_generate = model_seconds()
     update = g.update_student(student, setup["optimizer"], setup["scheduler"], accelerator, batch, args,
                               ignore_ids=setup["ignore_ids"], student_logps=student_logps, log=setup["log"], step=step)

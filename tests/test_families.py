@@ -91,9 +91,10 @@ def test_sampling_logps_equal_the_training_forward(run):
     assert run["metrics"][0]["logp_mismatch"] < 1e-4
 
 
-def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0):
+def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0, share_prompts: bool = False):
     """A rollout of the family's plain student on the first rows of the data, as main() makes it; with `bias`
-    added to the logits of every vision special token (in generate and in any later forward alike)."""
+    added to the logits of every vision special token (in generate and in any later forward alike); with
+    share_prompts, decoded on the distinct prompts' shared cache instead of by generate()."""
     from transformers import AutoProcessor
 
     args = family_args(models, data, "/nonexistent", max_new_tokens=8)
@@ -109,7 +110,8 @@ def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0):
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=n_prompts, log=None)
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
     torch.manual_seed(0)
-    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
+    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id,
+                      share_prompts=share_prompts)
     return args, processor, student, chunk, ignore_ids
 
 
@@ -141,6 +143,13 @@ def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
         for model in (teacher, student):
             shared, plain = g.shared_prompt_logps(model, chunk, ignore_ids), g.response_logps(model, chunk, ignore_ids)
             torch.testing.assert_close(shared[valid], plain[valid], atol=1e-4, rtol=0)
+    # the rollout decoded token by token on the shared cache: its recorded log-probs are the plain forward's
+    _, _, student, chunk, _ = scored_chunk(models, family_data, share_prompts=True)
+    valid = chunk["response_mask"].bool()
+    assert valid.sum(1).max() > 1 and not torch.isin(chunk["response_ids"], ignore_ids).any()
+    with torch.no_grad():
+        plain = g.response_logps(student, chunk, ignore_ids)
+    torch.testing.assert_close(chunk["sampled_logps"][valid], plain[valid], atol=1e-4, rtol=0)
 
 
 @family_params()
