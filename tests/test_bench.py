@@ -97,3 +97,37 @@ def test_vs_trl_measures_both_sides_on_the_same_work(untrained_models, tmp_path,
     assert out["time_ratio"] == pytest.approx(out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"])
     assert out["peak_rss_ratio"] == pytest.approx(out["ours"]["peak_rss"] / out["trl"]["peak_rss"])
     assert "| ratio ours / TRL |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_step_breakdown_compare_alternates_shared_and_plain(untrained_models, tmp_path, capsys):
+    student, teacher = models(untrained_models)
+    out = run_cli(step_breakdown, ["--quick", "--compare", "--student_model", student, "--teacher_model", teacher],
+                  tmp_path)
+    plain = out["plain"]
+    assert set(plain["parts"]) == set(step_breakdown.PARTS) and plain["step"] > 0
+    assert out["shared_vs_plain"]["step"] == pytest.approx(out["step"] / plain["step"])
+    for part, ratio in out["shared_vs_plain"].items():
+        if part != "step":
+            assert ratio == pytest.approx(out["parts"][part] / plain["parts"][part])
+    assert out["largest_part"] == max(out["parts"], key=out["parts"].get)
+    assert "| step |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_paper_shape_forces_the_shape_on_both_of_our_sides(tmp_path, capsys):
+    import paper_shape
+
+    out = run_cli(paper_shape, ["--quick", "--no_trl"], tmp_path)
+    cfg = out["config"]
+    assert set(out["runs"]) == {"ours", "ours_plain"}
+    for side in ("ours", "ours_plain"):
+        (run,) = out["runs"][side]
+        # every sampled answer is forced to the full length: the sides do the same work
+        assert run["response_tokens_per_step"] == cfg["prompts"] * cfg["G"] * cfg["min_new_tokens"]
+        assert set(out[side]["parts"]) == set(paper_shape.PART_NAMES)
+    assert out["shared_vs_plain_time_ratio"] == pytest.approx(out["ours"]["seconds_per_step"] /
+                                                             out["ours_plain"]["seconds_per_step"])
+    for part, ratio in out["part_ratios"].items():
+        assert ratio == pytest.approx(out["ours"]["parts"][part] / out["ours_plain"]["parts"][part])
+    assert "| teacher scoring |" in capsys.readouterr().out

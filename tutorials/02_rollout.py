@@ -60,8 +60,11 @@ student.print_trainable_parameters()
 #
 # `generation_configs()` builds it, as `main()` does. Three details make the samples come from the policy that the
 # loss assumes:
-# * `top_k=0, top_p=1.0` and no repetition penalty: the **full** distribution (checkpoints often ship `top_k=50`,
-#   which would sample from a truncated one);
+# * no top-k, top-p or repetition penalty: the **full** distribution (checkpoints often ship `top_k=50`,
+#   which would sample from a truncated one). `generate()` itself decodes greedily (`do_sample=False`): `rollout()`
+#   adds a logits processor, `SampledTokenLogps`, that draws each token from softmax(logits / temperature) by
+#   inverting its cumulative distribution (`draw_tokens`), records the token's log-prob, and hands `generate()`
+#   scores that are -inf everywhere but at the drawn token;
 # * `suppress_tokens`: image special tokens can never be sampled (one would crash the scoring forward);
 #   scoring gives the same ids -inf, so sampling and scoring see the same distribution;
 # * the end tokens stop a response; padding after them is masked out.
@@ -70,8 +73,8 @@ student.print_trainable_parameters()
 sample_config, greedy_config = generation_configs(tokenizer, student, args)  # greedy is for evaluation
 eos_ids = sample_config.eos_token_id  # a sorted list: the tokenizer's and the model's end tokens
 ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)  # scoring gives these -inf
-print({k: getattr(sample_config, k) for k in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
-                                              "max_new_tokens")})
+print({k: getattr(sample_config, k) for k in ("do_sample", "top_k", "top_p", "repetition_penalty", "max_new_tokens")},
+      "| temperature (applied by SampledTokenLogps):", args.temperature)
 print("end tokens:", tokenizer.convert_ids_to_tokens(eos_ids), "| pad:", tokenizer.pad_token)
 print("suppressed:", tokenizer.convert_ids_to_tokens(sample_config.suppress_tokens))
 
