@@ -284,6 +284,59 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch
     return out
 
 
+class _HeadTokenLogps(torch.autograd.Function):
+    """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
+    hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
+    gradient, (softmax - onehot(y)) / tau @ W times the incoming gradient. The head's weight is frozen."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, rows):
+        flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+        out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for r in range(0, len(ids), rows):
+            out[r:r + rows], lse[r:r + rows] = _rows_logps(flat[r:r + rows] @ weight.T, ids[r:r + rows], ignore_ids,
+                                                           temperature)
+        ctx.save_for_backward(hidden, weight, token_ids, lse)
+        ctx.ignore_ids, ctx.temperature, ctx.rows = ignore_ids, temperature, rows
+        return out.view(token_ids.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, token_ids, lse = ctx.saved_tensors
+        flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
+        grad = torch.empty_like(flat)
+        for r in range(0, len(ids), ctx.rows):
+            g = grad_out[r:r + ctx.rows, None].float()  # (rows, 1)
+            logits = _float_rows(flat[r:r + ctx.rows] @ weight.T, ctx.ignore_ids, ctx.temperature)
+            logits.sub_(lse[r:r + ctx.rows, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + ctx.rows, None], g)
+            if ctx.temperature != 1.0:
+                logits.div_(ctx.temperature)
+            grad[r:r + ctx.rows] = logits.to(weight.dtype) @ weight  # (rows, H)
+        return grad.view_as(hidden), None, None, None, None, None
+
+
+def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
+    (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
+    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden` only (the
+    head's weight is frozen: a LoRA student does not train it).
+
+    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T). Returns (B, T) float32.
+    """
+    if weight.requires_grad:
+        raise ValueError("head_logps leaves the LM head's weight without a gradient: freeze it or use token_logps")
+    rows = max(1, chunk_elements // weight.shape[0])
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, rows)
+    flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+    out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
+    for r in range(0, len(ids), rows):
+        out[r:r + rows] = _rows_logps(flat[r:r + rows] @ weight.T, ids[r:r + rows], ignore_ids, temperature)[0]
+    return out.view(token_ids.shape)
+
+
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                    clip: float = 5.0) -> torch.Tensor:
     """Raw per-token distillation score s = clamp(teacher_lp - student_lp, -clip, clip) (GNDPO's reward).
@@ -1206,13 +1259,51 @@ def sequence_inputs(chunk: dict) -> dict:
     return inputs
 
 
+@contextlib.contextmanager
+def without_lm_head(model):
+    """Within it, the model's forward returns its last hidden states where it returned logits, and this yields
+    the LM head's weight, for head_logps. Yields None, leaving the model as it is, where the head is not a
+    plain frozen bias-free Linear holding its whole weight (sharded under FSDP or ZeRO-3) or its logits are
+    changed (a hook on it, final-logit soft-capping)."""
+    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers: the head is swapped inside, the wrapper still runs
+        model = model.module
+    head = model.get_output_embeddings()
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    plain = (type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
+             and type(head.weight.data) is torch.Tensor and head.weight.numel() > 0
+             and not (head._forward_hooks or head._forward_pre_hooks)  # something changes its logits
+             and getattr(text_config, "final_logit_softcapping", None) is None)
+    name = next((n for n, m in model.named_modules() if m is head), None) if plain else None
+    if name is None:
+        yield None
+        return
+    parent, attr = (model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model), name.rsplit(".", 1)[-1]
+    setattr(parent, attr, torch.nn.Identity())
+    try:
+        yield head.weight
+    finally:
+        setattr(parent, attr, head)
+
+
+def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+               keep: int, drop_last: bool) -> torch.Tensor:
+    """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
+    log-probs of token_ids there: through head_logps (no (n, T, V) logits) where without_lm_head allows, else
+    through the logits and token_logps."""
+    with without_lm_head(model) as weight:
+        out = model(**inputs, logits_to_keep=keep).logits  # (n, keep, H or V)
+    out = out[:, :-1] if drop_last else out
+    if weight is None:
+        return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
+    return head_logps(out, weight, token_ids, ignore_ids, temperature)
+
+
 def response_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """(n, R) float32 log-probs of the response tokens. Only the R + 1 last positions go through the
-    LM head (logits_to_keep), so no (n, P + R, V) logits tensor exists."""
+    LM head (logits_to_keep), chunk by chunk (logps_from), so no (n, P + R, V) or (n, R, V) logits exist."""
     R = chunk["response_ids"].shape[1]
     inputs = {k: v.to(chunk["response_ids"].device) for k, v in sequence_inputs(chunk).items()}  # pixels: from the host
-    logits = model(**inputs, logits_to_keep=R + 1, use_cache=False).logits[:, :-1]  # (n, R, V)
-    return token_logps(logits, chunk["response_ids"], ignore_ids, temperature)  # temperature applied chunk by chunk
+    return logps_from(model, {**inputs, "use_cache": False}, chunk["response_ids"], ignore_ids, temperature, R + 1, True)
 
 
 def prompt_groups(prompts: list) -> tuple[list, list[int]]:
@@ -1260,15 +1351,19 @@ class SharedPrompts:
             *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
         self.length = 0  # response tokens already in the cache
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The next (n, T) response tokens (mask: (n, T), 0 after a row's end) on the cache -> (n, T, V) logits."""
+    def inputs(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end)."""
         self.mask = torch.cat([self.mask, mask], 1)
-        inputs = {"input_ids": ids, "attention_mask": self.mask,
+        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": self.cache, "use_cache": True,
                   **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
         if self.last is not None:
             inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
         self.length += ids.shape[1]
-        return self.model(**inputs, cache=self.cache, use_cache=True).logits
+        return inputs
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next (n, T) response tokens on the cache -> (n, T, V) logits."""
+        return self.model(**self.inputs(ids, mask)).logits
 
 
 def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -1279,8 +1374,9 @@ def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperatur
     first = token_logps(shared.first[:, None], ids[:, :1], ignore_ids, temperature)  # (n, 1)
     if ids.shape[1] == 1:
         return first
-    logits = shared.forward(ids[:, :-1], mask[:, :-1])  # (n, R - 1, V): the last token predicts nothing scored
-    return torch.cat([first, token_logps(logits, ids[:, 1:], ignore_ids, temperature)], 1)
+    inputs = shared.inputs(ids[:, :-1], mask[:, :-1])  # the last response token predicts nothing that is scored
+    rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False)  # (n, R - 1)
+    return torch.cat([first, rest], 1)
 
 
 def logps_tolerance(model) -> float:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gndpo_minimal import distill_scores, normalize_scores, policy_loss, token_logps
+from gndpo_minimal import distill_scores, head_logps, normalize_scores, policy_loss, token_logps
 
 
 def random_mask(B, T, gen, min_len=1):
@@ -299,3 +299,33 @@ def test_ratio_one_gradient_is_minus_advantage_over_length():
     loss.backward()
     expected = -A * mask / mask.sum(1, keepdim=True) / 2
     torch.testing.assert_close(logps.grad, expected.float())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logps_equals_token_logps_on_the_logits_in_value_and_gradient(temperature):
+    """The LM head fused with the log-probs (no (B, T, V) logits): same values and the same gradient on the hidden
+    states as the logits path, over chunks smaller than the rows, with ignored ids; the frozen weight gets none."""
+    torch.manual_seed(0)
+    B, T, H, V = 3, 5, 8, 50
+    weight = torch.randn(V, H)
+    ids = torch.randint(0, V, (B, T))
+    ignore = torch.tensor([3, 7])
+    ids[ids == 3], ids[ids == 7] = 4, 8
+    grad_out = torch.randn(B, T)
+    results = []
+    for path in ("logits", "head"):
+        hidden = torch.randn(B, T, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        if path == "logits":
+            out = token_logps(hidden @ weight.T, ids, ignore, temperature)
+        else:
+            out = head_logps(hidden, weight, ids, ignore, temperature, chunk_elements=2 * V)  # 2 rows per chunk
+        (out * grad_out).sum().backward()
+        results.append((out.detach(), hidden.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the no-autograd path gives the same values
+        torch.testing.assert_close(head_logps(torch.randn(B, T, H, generator=torch.Generator().manual_seed(1)),
+                                                weight, ids, ignore, temperature, chunk_elements=3), results[0][0],
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="freeze it"):
+        head_logps(torch.randn(B, T, H), weight.requires_grad_(), ids)

@@ -191,3 +191,23 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
         for key, value in off.items():
             if not key.startswith("time") and key != "tokens_per_second":
                 assert on[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_without_lm_head_gives_hidden_states_and_puts_the_head_back(pair):
+    teacher, chunk = pair["teacher"], pair["chunk"]
+    head = teacher.get_output_embeddings()
+    inputs = g.sequence_inputs(chunk)
+    with torch.no_grad():
+        with g.without_lm_head(teacher) as weight:
+            hidden = teacher(**inputs, logits_to_keep=3).logits
+        logits = teacher(**inputs, logits_to_keep=3).logits
+    assert weight is head.weight and teacher.get_output_embeddings() is head
+    assert hidden.shape[-1] == weight.shape[1] and logits.shape[-1] == weight.shape[0]
+    torch.testing.assert_close(hidden @ weight.T, logits, atol=1e-5, rtol=1e-5)
+    # a hook on the head changes its logits: the head stays, and scoring goes through the logits
+    hook = head.register_forward_hook(lambda module, args, out: out + 1.0)
+    try:
+        with g.without_lm_head(teacher) as weight:
+            assert weight is None and teacher.get_output_embeddings() is head
+    finally:
+        hook.remove()
