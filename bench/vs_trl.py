@@ -46,7 +46,7 @@ from benchutil import (add_json_flag, median, mib, padded_models, peak_rss_bytes
 
 SIDES = ("ours", "trl")
 LABELS = {"ours": "gndpo_minimal.main()", "ours_plain": "gndpo_minimal.main(), --share_prompt_prefix false",
-          "trl": "TRL DistillationTrainer"}
+          "baseline": "gndpo_minimal.main() of the --baseline checkout", "trl": "TRL DistillationTrainer"}
 PARTS = ("time_generate", "time_score", "time_update")  # what main() logs of each step's parts
 RESULT_TAG = "BENCH_RESULT "
 
@@ -81,14 +81,17 @@ class StepClock:
 
 
 def gndpo_args(cfg: dict):
+    import dataclasses
+
     import gndpo_minimal as g
 
-    return g.Args(student_model=cfg["student"], teacher_model=cfg["teacher"], teacher_4bit=cfg["teacher_4bit"],
+    extra = {"share_prompt_prefix": cfg.get("share_prompt_prefix", True)}
+    extra = {k: v for k, v in extra.items() if k in {f.name for f in dataclasses.fields(g.Args)}}  # older checkouts
+    return g.Args(**extra,student_model=cfg["student"], teacher_model=cfg["teacher"], teacher_4bit=cfg["teacher_4bit"],
                   dataset_name=cfg["dataset"], num_eval_samples=0, prompts_per_step=cfg["prompts"],
                   num_generations=cfg["G"], max_new_tokens=cfg["max_new_tokens"],
                   micro_batch_size=cfg["prompts"] * cfg["G"], max_steps=cfg["warmup"] + cfg["steps"], save_steps=0,
-                  output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"],
-                  share_prompt_prefix=cfg.get("share_prompt_prefix", True))
+                  output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"])
 
 
 def forced_length(generation_configs, min_new_tokens: int):
@@ -104,6 +107,8 @@ def forced_length(generation_configs, min_new_tokens: int):
 def ours_worker(cfg: dict) -> dict:
     """gndpo_minimal.main() as is; step ends (and its parts' seconds) are taken from its one accelerator.log()
     call per step. With cfg["min_new_tokens"], sampled answers are forced to that length (forced_length)."""
+    if cfg.get("code_dir"):  # the baseline side: gndpo_minimal.py of another checkout
+        sys.path.insert(0, cfg["code_dir"])
     import accelerate
     import peft  # noqa: F401  (imported by main(): counted with the libraries)
     import torch  # noqa: F401
@@ -181,11 +186,12 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         max_new_tokens: int | None = None, warmup: int | None = None, steps: int | None = None,
         rounds: int | None = None, teacher_4bit: bool = False, vocab: int = 0, student: str | None = None,
         teacher: str | None = None, json_path: str | None = None, verbose: bool = True, sides: tuple = SIDES,
-        min_new_tokens: int = 0, image_pixels: int = 0) -> dict:
+        min_new_tokens: int = 0, image_pixels: int = 0, baseline: str | None = None) -> dict:
     """Alternates fresh processes of each side (ours, TRL, and ours_plain: ours without prompt sharing) `rounds`
     times; returns each side's medians and ours / TRL ratios (also written to json_path when given).
     min_new_tokens forces every sampled answer to at least that length on every side; image_pixels resizes
-    every image to that many pixels (with vocab, on the padded copies)."""
+    every image to that many pixels (with vocab, on the padded copies). baseline: a checkout of this repository
+    (e.g. `git worktree add /tmp/before <commit>`) whose gndpo_minimal.py the "baseline" side runs."""
     import tiny_world
 
     student_dir, teacher_dir, which = tiny_models(student, teacher)
@@ -203,7 +209,8 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
             which += f", vocabulary padded to {vocab}" if vocab else ""
         for r in range(rounds):
             for side in sides:
-                side_cfg = dict(cfg, output_dir=os.path.join(tmp, f"{side}-{r}"), share_prompt_prefix=side != "ours_plain")
+                side_cfg = dict(cfg, output_dir=os.path.join(tmp, f"{side}-{r}"), share_prompt_prefix=side != "ours_plain",
+                                code_dir=os.path.abspath(baseline) if side == "baseline" else None)
                 per_side[side].append(run_worker("trl" if side == "trl" else "ours", side_cfg))
     out = {"config": cfg, "rounds": rounds, "models": which, "runs": per_side}
     for side in sides:
@@ -218,6 +225,9 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
     if "trl" in sides:
         out["time_ratio"] = out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"]
         out["peak_rss_ratio"] = out["ours"]["peak_rss"] / out["trl"]["peak_rss"]
+    if "baseline" in sides:
+        out["vs_baseline_time_ratio"] = out["ours"]["seconds_per_step"] / out["baseline"]["seconds_per_step"]
+        out["vs_baseline_peak_rss_ratio"] = out["ours"]["peak_rss"] / out["baseline"]["peak_rss"]
     if "ours_plain" in sides:
         out["shared_vs_plain_time_ratio"] = out["ours"]["seconds_per_step"] / out["ours_plain"]["seconds_per_step"]
         out["shared_vs_plain_peak_rss_ratio"] = out["ours"]["peak_rss"] / out["ours_plain"]["peak_rss"]
@@ -226,6 +236,9 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
              f"{out[side]['response_tokens_per_step']:.0f}"] for side in sides]
     if "trl" in sides:
         rows.append(["ratio ours / TRL", out["time_ratio"], "", f"{out['peak_rss_ratio']:.2f}", "", ""])
+    if "baseline" in sides:
+        rows.append(["ratio ours / baseline", out["vs_baseline_time_ratio"], "",
+                     f"{out['vs_baseline_peak_rss_ratio']:.2f}", "", ""])
     if "ours_plain" in sides:
         rows.append(["ratio ours / ours_plain", out["shared_vs_plain_time_ratio"], "",
                      f"{out['shared_vs_plain_peak_rss_ratio']:.2f}", "", ""])
@@ -255,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
     p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
     add_json_flag(p)
+    p.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(LABELS),
+                   help="Sides to run, alternating (default: ours trl).")
+    p.add_argument("--baseline", help="A checkout of this repository: adds its gndpo_minimal.main() as side 'baseline'.")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -262,8 +278,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         result = (ours_worker if a.worker == "ours" else trl_worker)(json.loads(a.config))  # ours_plain: ours
         print(RESULT_TAG + json.dumps(result), flush=True)
         return None
+    sides = tuple(a.sides) + (("baseline",) if a.baseline and "baseline" not in a.sides else ())
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.warmup, a.steps, a.rounds, a.teacher_4bit,
-               a.vocab, a.student_model, a.teacher_model, a.json)
+               a.vocab, a.student_model, a.teacher_model, a.json, sides=sides, baseline=a.baseline)
 
 
 if __name__ == "__main__":
