@@ -1,10 +1,19 @@
-"""OPD vs GNDPO on the embedded task: runs the default recipe for each advantage mode and seed,
-then writes a table (docs/opd_vs_gndpo.md) and a plot of grad norm and reverse KL per step
-(docs/opd_vs_gndpo.png).
+"""OPD vs GNDPO (and whitening's two halves): runs gndpo_minimal.py for each advantage mode, learning rate and
+seed, then writes a table (docs/<tag>.md) and plots per step of grad norm, reverse KL, response length and,
+with --eval_steps, greedy accuracy (docs/<tag>.png).
 
     python docs/compare_opd_gndpo.py --seeds 0 1 2            # runs, then tabulates and plots
     python docs/compare_opd_gndpo.py --seeds 0 1 2 --jobs 2   # two runs at a time, one thread each
     python docs/compare_opd_gndpo.py --seeds 0 1 2 --no_run   # only tabulates and plots existing runs
+    python docs/compare_opd_gndpo.py --world trace --jobs 2 --tag opd_vs_gndpo_trace \\
+        --runs_dir runs/compare_trace -- --max_steps 60 --eval_steps 10   # the trace world (docs/world.md)
+    python docs/compare_opd_gndpo.py --world trace --modes none global --lrs 3e-3 1e-2 --seeds 0 ...
+
+--modes picks the advantage modes (default: none center scale global), --lrs the learning rates (default:
+the script's own, 1e-3, and run folders without an lr in their name). --world trace adds the flags that
+point every run at assets/trace (models, data, --max_new_tokens 38, --require_think).
+--skip_existing runs only the jobs without a summary.json (a finished run), so that a larger grid can reuse
+the runs of a smaller one in the same --runs_dir.
 Extra flags after `--` go to gndpo_minimal.py for every run, e.g. `-- --max_steps 50`.
 """
 
@@ -18,18 +27,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MODES = {"none": "OPD", "global": "GNDPO"}
+NAMES = {"none": "OPD", "center": "center", "scale": "scale", "global": "GNDPO", "sequence": "sequence", "group": "group"}
+COLORS = {"none": "tab:orange", "center": "tab:green", "scale": "tab:purple", "global": "tab:blue",
+          "sequence": "tab:brown", "group": "tab:gray"}
+TRACE = os.path.join(ROOT, "assets", "trace")
+WORLDS = {"tiny": [],  # the script's defaults: assets/tiny
+          "trace": ["--student_model", os.path.join(TRACE, "student"), "--teacher_model", os.path.join(TRACE, "teacher"),
+                    "--dataset_name", os.path.join(TRACE, "data"), "--max_new_tokens", "38", "--require_think"]}
 
 
-def run_all(jobs: list[tuple[str, int, str]], extra: list[str], parallel: int) -> None:
-    """Runs gndpo_minimal.py once per (mode, seed, output_dir), `parallel` at a time. Parallel runs get one
+def run_all(jobs: list[tuple[str, float | None, int, str]], extra: list[str], parallel: int) -> None:
+    """Runs gndpo_minimal.py once per (mode, lr, seed, output_dir), `parallel` at a time. Parallel runs get one
     thread each: on a small CPU, threads of concurrent runs fighting over cores cost more than they give."""
     env = dict(os.environ, OMP_NUM_THREADS="1") if parallel > 1 else None
 
-    def run(job: tuple[str, int, str]) -> None:
-        mode, seed, out = job
+    def run(job: tuple[str, float | None, int, str]) -> None:
+        mode, lr, seed, out = job
         cmd = [sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), "--advantage_mode", mode, "--seed", str(seed),
-               "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0", *extra]
+               "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0",
+               *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *extra]
         print("$", " ".join(cmd), flush=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if parallel == 1:
@@ -50,43 +66,101 @@ def load(out: str) -> tuple[list[dict], dict]:
         return steps, json.load(f)
 
 
-def row_stats(steps: list[dict], summary: dict) -> dict:
+def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
+    """One run's numbers. "first/last 10" are means over the first/last 10 steps."""
+    nan = float("nan")
     norms = [s["grad_norm"] for s in steps]
     median = statistics.median(norms)
-    return {"acc_before": summary.get("student_accuracy_before", float("nan")),
-            "acc_after": summary.get("student_accuracy_after", float("nan")),
-            "teacher": summary.get("teacher_accuracy", float("nan")),
-            "kl_first": steps[0]["reverse_kl"], "kl_last": statistics.mean(s["reverse_kl"] for s in steps[-10:]),
+    first, last = steps[:10], steps[-10:]
+    avg = lambda rows, key: statistics.mean(s.get(key, nan) for s in rows)  # noqa: E731
+    return {"acc_before": summary.get("student_accuracy_before", nan),
+            "acc_after": summary.get("student_accuracy_after", nan),
+            "teacher": summary.get("teacher_accuracy", nan),
+            "format_after": summary.get("student_format_rate_after", nan),
+            "kl_first": steps[0]["reverse_kl"], "kl_last": avg(last, "reverse_kl"),
             "gn_median": median, "gn_max": max(norms), "spikes": sum(n > 5 * median for n in norms),
-            "wall": summary.get("wall_seconds", float("nan"))}
+            "clipped": sum(n > max_grad_norm for n in norms) / len(norms),
+            "len_first": avg(first, "response_length"), "len_last": avg(last, "response_length"),
+            "clamp_first": avg(first, "score_clamped_frac"), "clamp_last": avg(last, "score_clamped_frac"),
+            "gn_first": avg(first, "grad_norm"), "gn_last": avg(last, "grad_norm"),
+            "score_std_first": avg(first, "score_std"), "score_std_last": avg(last, "score_std"),
+            "adv_std_first": avg(first, "adv_std"), "adv_std_last": avg(last, "adv_std"),
+            "adv_min_first": avg(first, "adv_min"), "adv_min_last": avg(last, "adv_min"),
+            "wall": summary.get("wall_seconds", nan)}
+
+
+def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
+    acc = f"**{r['acc_after']:.3f}**" if bold else f"{r['acc_after']:.3f}"
+    teacher = f" ({r['teacher']:.3f})" if r.get("teacher") is not None else ""
+    return (f"| {name} | {lr} | {seed} | {r['acc_before']:.3f} -> {acc}{teacher} | {r['format_after']:.3f} | "
+            f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | {r['spikes']:g} | "
+            f"{r['clipped']:.2f} | {r['len_first']:.1f} -> {r['len_last']:.1f} | "
+            f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {r['wall']:.0f} |")
+
+
+def scale_row(name: str, lr: str, seed: str, r: dict) -> str:
+    return (f"| {name} | {lr} | {seed} | {r['score_std_first']:.3f} -> {r['score_std_last']:.3f} | "
+            f"{r['adv_std_first']:.3f} -> {r['adv_std_last']:.3f} | {r['adv_min_first']:.2f} -> {r['adv_min_last']:.2f} | "
+            f"{r['gn_first']:.3f} -> {r['gn_last']:.3f} |")
+
+
+def accuracy_curve(steps: list[dict], summary: dict) -> tuple[list[int], list[float]]:
+    """(steps, greedy accuracies): before training, every eval_steps, after training."""
+    evals = [(s["step"], s["eval_accuracy"]) for s in steps if "eval_accuracy" in s]
+    xs = [0, *(x for x, _ in evals), steps[-1]["step"]]
+    ys = [summary.get("student_accuracy_before"), *(y for _, y in evals), summary.get("student_accuracy_after")]
+    return xs, ys
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", default=["none", "center", "scale", "global"], choices=list(NAMES))
+    parser.add_argument("--lrs", type=float, nargs="+", default=None,
+                        help="learning rates (default: the script's own; run folders then carry no lr)")
+    parser.add_argument("--world", choices=list(WORLDS), default="tiny", help="trace: the runs use assets/trace")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0,
+                        help="the runs' --max_grad_norm, for the share of steps cut by the clip (pass the same after --)")
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "compare"))
     parser.add_argument("--no_run", action="store_true", help="only tabulate and plot existing runs")
+    parser.add_argument("--skip_existing", action="store_true",
+                        help="run only the jobs whose folder has no summary.json yet (e.g. one grid reusing another's runs)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each then uses one thread)")
     parser.add_argument("--tag", default="opd_vs_gndpo", help="name of the .md/.png written under docs/")
     args, extra = parser.parse_known_args()
-    extra = [a for a in extra if a != "--"]
-    jobs = [(mode, seed, os.path.join(args.runs_dir, f"{mode}_seed{seed}")) for mode in MODES for seed in args.seeds]
+    extra = WORLDS[args.world] + [a for a in extra if a != "--"]
+    lrs = args.lrs or [None]
+    folder = lambda mode, lr, seed: os.path.join(  # noqa: E731
+        args.runs_dir, f"{mode}_seed{seed}" if lr is None else f"{mode}_lr{lr:g}_seed{seed}")
+    jobs = [(mode, lr, seed, folder(mode, lr, seed)) for lr in lrs for mode in args.modes for seed in args.seeds]
     if not args.no_run:
-        run_all(jobs, extra, args.jobs)
-    results = {(mode, seed): load(out) for mode, seed, out in jobs}
+        todo = [j for j in jobs if not (args.skip_existing and os.path.exists(os.path.join(j[3], "summary.json")))]
+        run_all(todo, extra, args.jobs)
+    results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
 
-    lines = ["| advantages | seed | accuracy before -> after (teacher) | reverse KL first -> last 10 | "
-             "grad norm median / max | spikes (> 5x median) | wall s |", "|---|---|---|---|---|---|---|"]
-    for mode, name in MODES.items():
-        rows = [row_stats(*results[mode, seed]) for seed in args.seeds]
-        for seed, r in zip(args.seeds, rows):
-            lines.append(f"| {name} | {seed} | {r['acc_before']:.3f} -> **{r['acc_after']:.3f}** ({r['teacher']:.3f}) | "
-                         f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
-                         f"{r['spikes']} | {r['wall']:.0f} |")
-        mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
-        lines.append(f"| {name} | mean | {mean('acc_before'):.3f} -> **{mean('acc_after'):.3f}** | "
-                     f"{mean('kl_first'):.3f} -> {mean('kl_last'):.3f} | {mean('gn_median'):.3f} / {mean('gn_max'):.3f} | "
-                     f"{mean('spikes'):.1f} | {mean('wall'):.0f} |")
+    lines = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | reverse KL first -> last 10 | "
+             "grad norm median / max | spikes (> 5x median) | steps clipped | response length first 10 -> last 10 | "
+             "tokens at the clamp first 10 -> last 10 | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    means, scales = [], []
+    for lr in lrs:
+        lr_text = "default" if lr is None else f"{lr:g}"
+        for mode in args.modes:
+            rows = [row_stats(*results[mode, lr, seed], args.max_grad_norm) for seed in args.seeds]
+            for seed, r in zip(args.seeds, rows):
+                lines.append(table_row(NAMES[mode], lr_text, str(seed), r))
+            if len(rows) > 1:
+                mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+                mean["teacher"] = None
+                means.append(table_row(NAMES[mode], lr_text, "mean", mean))
+                lines.append(means[-1])
+                scales.append(scale_row(NAMES[mode], lr_text, "mean", mean))
+            else:
+                scales.append(scale_row(NAMES[mode], lr_text, str(args.seeds[0]), rows[0]))
+    if len(args.seeds) > 1:  # the mean rows again, together, for a quick comparison
+        lines += ["", "Means over seeds:", "", *lines[:2], *means]
+    lines += ["", "Scale of scores and advantages (first 10 -> last 10 steps; a step's adv min is its most negative "
+              "advantage):", "", "| advantages | lr | seed | score std | advantage std | advantage min | grad norm |",
+              "|---|---|---|---|---|---|---|", *scales]
     table = "\n".join(lines)
     with open(os.path.join(HERE, f"{args.tag}.md"), "w") as f:
         f.write(table + "\n")
@@ -97,20 +171,32 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    colors = {"none": "tab:orange", "global": "tab:blue"}
-    for (mode, seed), (steps, _) in results.items():
+    has_eval = any("eval_accuracy" in s for steps, _ in results.values() for s in steps)
+    panels = 4 if has_eval else 3
+    fig, axes = plt.subplots(len(lrs), panels, figsize=(4.6 * panels, 3.8 * len(lrs)), squeeze=False)
+    for (mode, lr, seed), (steps, summary) in results.items():
+        ax = axes[lrs.index(lr)]
         x = [s["step"] for s in steps]
-        label = f"{MODES[mode]} (seed {seed})"
-        axes[0].plot(x, [s["grad_norm"] for s in steps], color=colors[mode], alpha=0.6, lw=1, label=label)
-        axes[1].plot(x, [s["reverse_kl"] for s in steps], color=colors[mode], alpha=0.6, lw=1, label=label)
-    axes[0].set(title="pre-clip gradient norm per step", xlabel="step", ylabel="grad norm (log scale)", yscale="log")
-    axes[1].set(title="reverse KL(student || teacher) on sampled tokens", xlabel="step", ylabel="nats per token")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, ncol=2)
+        kw = dict(color=COLORS[mode], alpha=0.6, lw=1, label=f"{NAMES[mode]} (seed {seed})")
+        ax[0].plot(x, [s["grad_norm"] for s in steps], **kw)
+        ax[1].plot(x, [s["reverse_kl"] for s in steps], **kw)
+        ax[2].plot(x, [s["response_length"] for s in steps], **kw)
+        if has_eval:
+            ax[3].plot(*accuracy_curve(steps, summary), marker="o", ms=2, **kw)
+    for lr, ax in zip(lrs, axes):
+        at = "" if lr is None else f" (lr {lr:g})"
+        ax[0].axhline(args.max_grad_norm, color="black", ls="--", lw=0.8)
+        ax[0].set(title="pre-clip gradient norm" + at, ylabel="grad norm (log scale; dashed: the clip)", yscale="log")
+        ax[1].set(title="reverse KL on sampled tokens" + at, ylabel="nats per token")
+        ax[2].set(title="mean response length" + at, ylabel="tokens")
+        if has_eval:
+            ax[3].set(title="greedy accuracy (held-out rows)" + at, ylabel="accuracy", ylim=(-0.02, 1.02))
+        for a in ax:
+            a.set_xlabel("step")
+            a.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, f"{args.tag}.png"), dpi=110)
+    fig.savefig(os.path.join(HERE, f"{args.tag}.png"), dpi=100)
     print("wrote", os.path.join(HERE, f"{args.tag}.md"), "and .png")
 
 

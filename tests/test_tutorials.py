@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
 NOTEBOOKS = sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.ipynb")))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CELL_TIMEOUT_S = 400  # the longest cell is one short training run (05_training)
+CELL_TIMEOUT_S = 400  # the longest cell is two short training runs (06_trace_outliers)
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -44,9 +44,9 @@ def script_functions() -> set[str]:
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
-def test_the_five_tutorials_exist():
+def test_the_six_tutorials_exist():
     expected = ["01_data_and_prompts.ipynb", "02_rollout.ipynb", "03_teacher_scoring.ipynb",
-                "04_global_normalization.ipynb", "05_training.ipynb"]
+                "04_global_normalization.ipynb", "05_training.ipynb", "06_trace_outliers.ipynb"]
     assert names(NOTEBOOKS) == expected
 
 
