@@ -1154,10 +1154,11 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
     response_mask (n, R) and sampled_logps (n, R): log pi_student(y_t) of the sampling policy.
     synced_gpus: keep running forwards until every process is done (needed when weights are sharded).
     share_prompts: read each distinct prompt once and decode on its shared cache (sample_on_shared_prompts)
-    instead of generate(), which reads (and encodes the images of) every row's prompt.
+    instead of generate(), which reads (and encodes the images of) every row's prompt; the batch then holds
+    the distinct prompts only (cut_rollouts adds every row's prompt where a plain forward needs it).
     """
     device = next(model.parameters()).device
-    batch = encode_prompts(processor, prompts, args.instruction).to(device)
+    batch = {} if share_prompts else dict(encode_prompts(processor, prompts, args.instruction).to(device))
     if args.share_prompt_prefix:
         batch.update(distinct_prompts(processor, prompts, args, device))
     capture = SampledTokenLogps(args.temperature, gen_config.suppress_tokens)
@@ -1170,7 +1171,6 @@ def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args:
                                    synced_gpus=synced_gpus)
         response_ids = sequences[:, batch["input_ids"].shape[1]:]  # (n, R)
     mask = response_mask_from_ids(response_ids, eos_ids)
-    batch = dict(batch)
     batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
                  sampled_logps=capture.finish())
     return pixels_on_host(batch, device)
@@ -1215,16 +1215,19 @@ def pixels_on_host(batch: dict, device) -> dict:
     return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict], size: int, args: Args) -> list[dict]:
+def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict], size: int, args: Args,
+                 plain: bool = True) -> list[dict]:
     """The rollouts of generate() batches re-cut into micro-batches of `size` rows for scoring and the update.
 
     Responses and their sampled log-probs are sliced by row; each micro-batch's prompts are encoded again,
     since the processor's image tensors have a layout of each family's own (patches, tiles, images) that
     cannot be sliced by row in general. Left padding then fits the micro-batch's prompts, which changes no
-    log-prob. Responses are trimmed to the micro-batch's longest one.
+    log-prob. Responses are trimmed to the micro-batch's longest one. Every row's prompt is encoded only when
+    `plain` (a plain forward, response_logps, may read the micro-batch); the distinct prompts with
+    --share_prompt_prefix.
     """
-    if all(r["response_ids"].shape[0] == size for r in rollouts):  # generate() ran micro-batch by micro-batch
-        return rollouts
+    if all(r["response_ids"].shape[0] == size and ("input_ids" in r or not plain) for r in rollouts):
+        return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
     device, pad = rollouts[0]["response_ids"].device, processor.tokenizer.pad_token_id
     mask = pad_cat([r["response_mask"] for r in rollouts])  # (n, R)
     ids = pad_cat([r["response_ids"] for r in rollouts]).masked_fill(mask == 0, pad)
@@ -1232,7 +1235,7 @@ def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict
     chunks = []
     for i in range(0, len(prompts), size):
         R = max(1, int(mask[i:i + size].sum(1).max()))
-        chunk = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device)
+        chunk = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device) if plain else {}
         chunk.update(response_ids=ids[i:i + size, :R], response_mask=mask[i:i + size, :R],
                      sampled_logps=sampled[i:i + size, :R])
         if args.share_prompt_prefix:
@@ -1640,7 +1643,9 @@ def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list
     share = getattr(student_logps, "shared", None) is True
     rollouts = [rollout(policy, processor, prompts[i:i + gb], gen_config, args, gen_config.eos_token_id, synced_gpus,
                         share) for i in range(0, len(prompts), gb)]
-    chunks = cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)
+    # once both models read each prompt once, no forward reads every row's prompt: it is not encoded
+    plain = not (share and getattr(teacher_logps, "shared", None) is True)
+    chunks = cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args, plain)
     t_generate, t0 = time.time() - t0, time.time()
     with torch.no_grad():  # the teacher scores the same ids and images; student_lp is the sampling policy's
         for c in chunks:

@@ -112,6 +112,7 @@ def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0, 
     torch.manual_seed(0)
     chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id,
                       share_prompts=share_prompts)
+    (chunk,) = g.cut_rollouts(processor, prompts, [chunk], len(prompts), args)  # every row's prompt, for plain forwards
     return args, processor, student, chunk, ignore_ids
 
 
