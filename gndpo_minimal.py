@@ -1,28 +1,32 @@
-"""GNDPO in one file: on-policy distillation of a vision-language student from a 4-bit teacher,
-with the teacher's per-token scores whitened over the whole batch (all processes together).
+"""GNDPO in one file: on-policy distillation of a vision-language student from a 4-bit teacher, with the teacher's
+per-token scores whitened over the whole batch (all processes together).
 
-Per step: B prompts x G samples from the student -> teacher and student log-probs of every sampled
-token -> score = clamp(teacher_lp - student_lp, -5, 5) -> advantages = scores whitened over every
-valid token of the global batch -> GSPO (or PPO-clip) update of a LoRA adapter on the student.
-The method is GNDPO from "Stabilizing On-Policy Distillation for MLLM Reasoning with Global
-Normalization" (arXiv 2606.09091); the math section's docstrings follow the steps of its training loop.
+The method is GNDPO from "Stabilizing On-Policy Distillation for MLLM Reasoning with Global Normalization"
+(arXiv 2606.09091). Per step:
+    B prompts x G samples from the student (its sampling log-probs recorded as it samples)
+    -> the teacher's log-prob of every sampled token, on the same ids and images
+    -> score s = clamp(teacher_lp - student_lp, -5, 5)
+    -> advantages = s whitened over every valid token of the global batch
+    -> a GSPO (or PPO-clip) update of a LoRA adapter on the student.
 
 Run (offline: tiny models and a dataset shipped in assets/tiny; a few minutes on a CPU):
     accelerate launch gndpo_minimal.py
 Plain OPD (unnormalized advantages) for comparison:
     accelerate launch gndpo_minimal.py --advantage_mode none
-Real models (docs/recipes.md for the recipes, docs/scaling.md and configs/ for multi-GPU / multi-node launch):
-    accelerate launch gndpo_minimal.py --student_model Qwen/Qwen2.5-VL-3B-Instruct \
-        --teacher_model Qwen/Qwen2.5-VL-7B-Instruct --dataset_name hiyouga/geometry3k ...
-Any argument can also come from a YAML/JSON file: accelerate launch gndpo_minimal.py recipe.yaml
+Real models (docs/recipes.md; docs/scaling.md and configs/ for several GPUs and nodes):
+    accelerate launch gndpo_minimal.py recipes/geometry3k_qwen2.5vl_3b.yaml
+Any argument can come from the command line or from one YAML/JSON file of them.
 
-The step is four functions that main(), the tutorials, bench/ and tests all call, in this order:
-    step_prompts -> generate_and_score -> update_student -> step_metrics
+The file has two parts. PART I is GNDPO: Args, the math (pure functions that copy out alone), the step's four
+functions (step_prompts -> generate_and_score -> update_student -> step_metrics, which main(), the tutorials,
+bench/ and the tests all call) and main(). PART II is machinery, in the order the step calls it: rollouts with
+generate(), the plain scoring forward, models, data, evaluation, checkpoints, set-up, and last the optional
+speed-ups (lean log-prob kernels, each prompt read once, the sampler), each checked against its plain path.
 
-Simplifications, on purpose: by default one optimizer step per rollout batch (the importance ratio is 1
-at the update, so no "old policy" forward pass is needed; --steps_per_generation / --num_iterations make
-the update off-policy and the clip act), HF `generate` for rollouts (no vLLM), teacher and student must
-share a tokenizer.
+Simplifications, on purpose: by default one optimizer update per rollout batch (the importance ratio is 1 at
+the update, so no "old policy" forward pass is needed; --steps_per_generation / --num_iterations make the update
+off-policy and the clip act); rollouts with HF generate(), or, once a start-up check found it equal, a sampling
+loop that reads each prompt once for its G samples (no vLLM); teacher and student share one tokenizer.
 """
 
 from __future__ import annotations
@@ -46,150 +50,108 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ---------------------------------------------------------------------------------------------
-# Arguments
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================================
+# PART I: GNDPO. Arguments, the math, the step, main(). A reader who stops at PART II knows the whole method.
+# =============================================================================================================
+
+
+def arg(default, help: str):
+    """A dataclass field whose help text shows in --help."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class Args:
     # models
-    student_model: str = field(default=os.path.join(HERE, "assets/tiny/student"),
-                               metadata={"help": "Student (policy) checkpoint: Hub id or local path."})
-    teacher_model: str = field(default=os.path.join(HERE, "assets/tiny/teacher"),
-                               metadata={"help": "Teacher checkpoint: Hub id or local path. Must share the student's tokenizer."})
-    teacher_4bit: bool = field(default=True, metadata={"help": "Load the teacher in 4-bit nf4 (bitsandbytes)."})
-    dtype: str = field(default="auto", metadata={"help": "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute student activations in backward to save memory."})
-    # LoRA
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    # in_proj_qkv, in_proj_z, out_proj: the gated delta net layers of hybrid models (Qwen3.5: 3 of every 4 layers);
-    # names a model does not have are skipped (lora_target_names)
-    lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,out_proj",
-                                     metadata={"help": "Comma-separated linear layer names of the LANGUAGE model to adapt (the vision tower stays frozen)."})
+    student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student (policy) checkpoint: Hub id or path.")
+    teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"),
+                             "Teacher checkpoint: Hub id or path. Must share the student's tokenizer.")
+    teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
+    dtype: str = arg("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
+    gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
+    # LoRA (on the language model only: the vision tower stays frozen)
+    lora_r: int = arg(16, "LoRA rank.")
+    lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")
+    lora_dropout: float = arg(0.0, "LoRA dropout.")
+    # in_proj_qkv, in_proj_z, out_proj: the gated delta net layers of hybrid models (Qwen3.5); names a model does
+    # not have are skipped
+    lora_target_modules: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,"
+                                   "out_proj", "Comma-separated names of the LANGUAGE model's linear layers to adapt.")
     # data
-    dataset_name: str = field(default=os.path.join(HERE, "assets/tiny/data"),
-                              metadata={"help": "Hugging Face dataset: Hub id, local folder or data file (parquet/json). Default: the tiny shapes task on disk."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_split: str = field(default="test", metadata={"help": "Held-out split for greedy evaluation."})
-    image_column: str = field(default="image", metadata={"help": "Column with one image or a list of images (left at "
-                                                         "its default, 'images' is also looked for)."})
-    question_column: str = field(default="question", metadata={"help": "Column with the prompt: question text (may contain "
-                                                               "<image> markers) or chat messages (TRL's role/content, LLaVA's "
-                                                               "from/value). Left at its default, 'prompt', 'messages' and "
-                                                               "'conversations' are also looked for."})
-    answer_column: str = field(default="answer", metadata={"help": "Column with the reference answer (left at its default, "
-                                                           "'completion' or the first assistant turn of chat messages also "
-                                                           "serve). Only evaluation needs answers."})
-    image_root: str | None = field(default=None, metadata={"help": "Folder that relative image paths are relative to "
-                                                           "(default: the data file's folder; the current directory for a Hub dataset)."})
-    eval_dataset_name: str | None = field(default=None, metadata={"help": "Dataset to evaluate on (default: --dataset_name). "
-                                                                  "Naming one asks for evaluation: a start-up error if it has no answers."})
-    eval_dataset_config: str | None = field(default=None, metadata={"help": "Its configuration (default: --dataset_config "
-                                                                    "when evaluating on the training dataset)."})
-    eval_image_column: str | None = field(default=None, metadata={"help": "Evaluation image column (default: --image_column)."})
-    eval_question_column: str | None = field(default=None, metadata={"help": "Evaluation prompt column (default: --question_column)."})
-    eval_answer_column: str | None = field(default=None, metadata={"help": "Evaluation answer column (default: --answer_column)."})
-    eval_image_root: str | None = field(default=None, metadata={"help": "Folder of the evaluation set's relative image paths "
-                                                                "(default: --image_root)."})
-    instruction: str = field(default="", metadata={"help": "Text appended to every question (e.g. the think/boxed instruction)."})
-    require_think: bool = field(default=False, metadata={"help": "A well-formed answer must be <think>...</think> then \\boxed{}."})
-    max_train_samples: int = field(default=0, metadata={"help": "Use at most this many training rows (0 = all)."})
-    num_eval_samples: int = field(default=200, metadata={"help": "Evaluate on at most this many held-out rows (0 = skip "
-                                                         "evaluation). Without answers evaluation is skipped, unless this "
-                                                         "or --eval_dataset_name was set: then start-up stops."})
+    dataset_name: str = arg(os.path.join(HERE, "assets/tiny/data"),
+                            "Dataset: Hub id, local folder or data file (parquet/json/csv). Default: the tiny task.")
+    dataset_config: str | None = arg(None, "Dataset configuration name.")
+    train_split: str = arg("train", "Split to train on.")
+    eval_split: str = arg("test", "Held-out split for greedy evaluation.")
+    image_column: str = arg("image", "Column with one image or a list of them (at its default, 'images' too).")
+    question_column: str = arg("question", "Column with the prompt: text (may hold <image> markers) or chat messages "
+                               "(TRL's role/content, LLaVA's from/value). At its default, 'prompt', 'messages' "
+                               "and 'conversations' too.")
+    answer_column: str = arg("answer", "Column with the reference answer (at its default, 'completion' or the first "
+                             "assistant turn of chat messages too). Only evaluation needs answers.")
+    image_root: str | None = arg(None, "Folder relative image paths start from (default: the data file's folder, "
+                                 "then the current directory).")
+    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on (default: --dataset_name). Naming one asks "
+                                        "for evaluation: a start-up error if it has no answers.")
+    eval_dataset_config: str | None = arg(None, "Its configuration (default: --dataset_config when evaluating on "
+                                          "the training dataset).")
+    eval_image_column: str | None = arg(None, "Evaluation image column (default: --image_column).")
+    eval_question_column: str | None = arg(None, "Evaluation prompt column (default: --question_column).")
+    eval_answer_column: str | None = arg(None, "Evaluation answer column (default: --answer_column).")
+    eval_image_root: str | None = arg(None, "Folder of the evaluation set's relative image paths (default: "
+                                      "--image_root).")
+    instruction: str = arg("", "Text appended to every question (e.g. the think/boxed instruction).")
+    require_think: bool = arg(False, "A well-formed answer must be <think>...</think> then \\boxed{}.")
+    max_train_samples: int = arg(0, "Use at most this many training rows (0 = all).")
+    num_eval_samples: int = arg(200, "Evaluate on at most this many held-out rows (0 = skip). Without answers "
+                                "evaluation is skipped, unless this or --eval_dataset_name was set: then start-up "
+                                "stops.")
     # rollout
-    prompts_per_step: int = field(default=32, metadata={"help": "B: prompts per optimizer step, over all processes."})
-    num_generations: int = field(default=4, metadata={"help": "G: sampled responses per prompt."})
-    max_prompt_length: int = field(default=512, metadata={"help": "Prompts longer than this (in tokens, images included) are skipped and counted."})
-    max_new_tokens: int = field(default=8, metadata={"help": "Maximum response length in tokens."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the student's log-probs use the same)."})
+    prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
+    num_generations: int = arg(4, "G: sampled responses per prompt.")
+    max_prompt_length: int = arg(512, "Prompts longer than this (tokens, images included) are skipped and counted.")
+    max_new_tokens: int = arg(8, "Maximum response length in tokens.")
+    temperature: float = arg(1.0, "Sampling temperature (the student's log-probs use the same).")
     # GNDPO
-    advantage_mode: str = field(default="global", metadata={"help": "none (plain OPD) | global (GNDPO) | sequence | group | center, scale (global whitening's two halves alone, for ablations)."})
-    loss_type: str = field(default="gspo", metadata={"help": "gspo (sequence-level ratio) | ppo (token-level ratio). "
-                                                     "Differ only off-policy (--steps_per_generation or --num_iterations > 1)."})
-    score_clip: float = field(default=5.0, metadata={"help": "Clamp teacher_lp - student_lp to [-clip, clip]."})
-    clip_low: float = field(default=0.2, metadata={"help": "Lower ratio clip (1 - clip_low). Acts only off-policy: with "
-                                                   "one update per rollout batch the ratio is exactly 1."})
-    clip_high: float = field(default=0.2, metadata={"help": "Upper ratio clip (1 + clip_high). Acts only off-policy."})
-    steps_per_generation: int = field(default=1, metadata={"help": "K: the step's rollout batch is cut into K mini-batches, "
-                                                           "one optimizer update each. K > 1 costs one extra no-grad "
-                                                           "student forward over the K - 1 later mini-batches (their "
-                                                           "old policy's log-probs)."})
-    num_iterations: int = field(default=1, metadata={"help": "E: passes over the rollout batch per step (K * E updates). "
-                                                     "E > 1 alone needs no extra forward."})
+    advantage_mode: str = arg("global", "none (plain OPD) | global (GNDPO) | sequence | group | center, scale "
+                              "(global whitening's two halves alone, for ablations).")
+    loss_type: str = arg("gspo", "gspo (sequence-level ratio) | ppo (token-level ratio). They differ only off-policy "
+                         "(--steps_per_generation or --num_iterations > 1).")
+    score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
+    clip_low: float = arg(0.2, "Lower ratio clip (1 - clip_low). Acts only off-policy.")
+    clip_high: float = arg(0.2, "Upper ratio clip (1 + clip_high). Acts only off-policy.")
+    steps_per_generation: int = arg(1, "K: the step's rollout batch is cut into K mini-batches, one optimizer update "
+                                    "each. K > 1 costs one no-grad student forward over the K - 1 later ones.")
+    num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
     # optimization
-    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW learning rate (LoRA wants a larger one than full fine-tuning)."})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup over this many optimizer updates (K * E per step), then constant."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the gradient norm to this (the pre-clip norm is logged)."})
-    max_steps: int = field(default=90, metadata={"help": "Optimizer steps."})
-    micro_batch_size: int = field(default=32, metadata={"help": "Sequences per training and scoring forward pass on each process."})
-    generation_batch_size: int = field(default=0, metadata={"help": "Rows per generate() call, rollouts and evaluation, on each "
-                                                            "process; 0 = all of this process's rollouts of a step at once."})
-    share_prompt_prefix: bool = field(default=True, metadata={"help": "Read each prompt and its images once per micro-batch in "
-                                                              "the teacher's scoring and the student's update forwards, "
-                                                              "its KV cache shared by the G samples (checked against the "
-                                                              "plain forward on the first micro-batch; falls back if unequal)."})
-    gradient_accumulation_steps: int = field(default=0, metadata={"help": "Micro-batches per optimizer update; 0 = derived, "
-                                                                  "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation)."})
-    max_consecutive_skips: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row."})
-    seed: int = field(default=0, metadata={"help": "Seed; every step's sampling is seeded from (seed, step, process)."})
+    learning_rate: float = arg(1e-3, "AdamW learning rate (LoRA wants a larger one than full fine-tuning).")
+    weight_decay: float = arg(0.01, "AdamW weight decay.")
+    warmup_steps: int = arg(0, "Linear warmup over this many optimizer updates (K * E per step), then constant.")
+    max_grad_norm: float = arg(1.0, "Clip the gradient norm to this (the pre-clip norm is logged).")
+    max_steps: int = arg(90, "Optimizer steps.")
+    micro_batch_size: int = arg(32, "Sequences per training and scoring forward pass on each process.")
+    generation_batch_size: int = arg(0, "Rows per generate() call, rollouts and evaluation, on each process; 0 = all "
+                                     "of this process's rollouts of a step at once.")
+    share_prompt_prefix: bool = arg(True, "Read each prompt and its images once for its G samples, in rollouts, "
+                                    "teacher scoring and the student's update (each checked against the plain "
+                                    "forward at start-up; falls back if unequal).")
+    gradient_accumulation_steps: int = arg(0, "Micro-batches per optimizer update; 0 = derived: "
+                                           "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation).")
+    max_consecutive_skips: int = arg(3, "Stop after this many non-finite steps in a row.")
+    seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
     # output
-    output_dir: str = field(default="runs/gndpo", metadata={"help": "Where metrics.jsonl, checkpoints, the adapter and summary.json go."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start over in an output_dir that already holds a run."})
-    save_steps: int = field(default=50, metadata={"help": "Checkpoint every N steps (0 = only at the end)."})
-    save_total_limit: int = field(default=2, metadata={"help": "Keep this many most recent checkpoints."})
-    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps (0 = only before and after training)."})
-    logging_steps: int = field(default=10, metadata={"help": "Print the full metrics line every N steps (metrics.jsonl gets every step)."})
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' (the newest in output_dir)."})
-    report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."})
-
-
-def check_args(args: Args, num_processes: int) -> int:
-    """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
-    problems = []
-    for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
-        if getattr(args, flag) < 1:
-            problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.generation_batch_size < 0:
-        problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}")
-    if problems:
-        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
-    if args.advantage_mode not in ADVANTAGE_MODES:
-        problems.append(f"--advantage_mode {args.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
-    if args.loss_type not in LOSS_TYPES:
-        problems.append(f"--loss_type {args.loss_type!r} is not one of {LOSS_TYPES}")
-    if args.advantage_mode == "group" and args.num_generations < 2:
-        problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2")
-    if args.temperature <= 0:
-        problems.append("--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
-    if args.prompts_per_step % num_processes:
-        problems.append(f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: "
-                        f"use a multiple of {num_processes}")
-    seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
-    if not problems and seqs % args.micro_batch_size:
-        problems.append(f"each process holds {seqs} sequences per step (prompts_per_step*G/processes), which "
-                        f"--micro_batch_size {args.micro_batch_size} does not divide")
-    micro_batches = seqs // args.micro_batch_size if not problems else 0
-    if not problems and micro_batches % args.steps_per_generation:
-        problems.append(f"each process holds {micro_batches} micro-batches per step, which --steps_per_generation "
-                        f"{args.steps_per_generation} does not divide (every update gets whole micro-batches): "
-                        f"change --micro_batch_size or --steps_per_generation")
-    accum = micro_batches // args.steps_per_generation if not problems else 0
-    if not problems and args.gradient_accumulation_steps not in (0, accum):
-        problems.append(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} contradicts "
-                        f"prompts_per_step*G/(processes*micro_batch_size*steps_per_generation) = {accum}; leave it at 0")
-    if problems:
-        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
-    return accum
+    output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the adapter and summary.json go.")
+    overwrite_output_dir: bool = arg(False, "Start over in an output_dir that already holds a run.")
+    save_steps: int = arg(50, "Checkpoint every N steps (0 = only at the end).")
+    save_total_limit: int = arg(2, "Keep this many most recent checkpoints.")
+    eval_steps: int = arg(0, "Evaluate every N steps (0 = only before and after training).")
+    logging_steps: int = arg(10, "Print the full metrics line every N steps (metrics.jsonl gets every step).")
+    resume_from_checkpoint: str | None = arg(None, "A checkpoint folder, or 'latest' (the newest in output_dir).")
+    report_to: str = arg("none", "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated).")
 
 
 # ---------------------------------------------------------------------------------------------
-# Math: pure functions (copy these into other codebases; this section runs pasted alone into a file)
+# GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
 # ---------------------------------------------------------------------------------------------
 
 import torch  # noqa: E402  (repeated so that the section stands alone)
@@ -197,144 +159,6 @@ import torch.distributed as dist  # noqa: E402
 
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale")
 LOSS_TYPES = ("gspo", "ppo")
-
-
-def _float_rows(rows: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """A float32 copy of a chunk of logits, divided by the temperature, -inf at the ignored ids."""
-    rows = rows.to(torch.float32, copy=True)  # a copy of this chunk only; changed in place below
-    if temperature != 1.0:
-        rows.div_(temperature)
-    if ignore_ids is not None:
-        rows.index_fill_(-1, ignore_ids, float("-inf"))
-    return rows
-
-
-def _rows_logps(rows: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None,
-                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., V) logits of any float dtype, (...) ids -> ((...) float32 log-probs, (...) float32 logsumexp)."""
-    rows = _float_rows(rows, ignore_ids, temperature)
-    picked = rows.gather(-1, ids[..., None]).squeeze(-1)
-    logps = torch.log_softmax(rows, -1).gather(-1, ids[..., None]).squeeze(-1)  # one fused pass (faster than logsumexp)
-    lse = picked - logps
-    unset = ~torch.isfinite(picked)  # an ignored token given: its log-prob is -inf, its row's lse still counts
-    if unset.any():
-        lse[unset] = rows[unset].logsumexp(-1)
-    return logps, lse
-
-
-def _chunks(B: int, T: int, V: int, chunk_elements: int) -> list[tuple[int, int, int, int]]:
-    """(b0, b1, t0, t1) slices of a (B, T, V) tensor holding at most chunk_elements logits each: whole rows
-    when they fit, else pieces of one row. Slices of dims 0 and 1 are views: no copy of the logits is made."""
-    if T * V <= chunk_elements:  # several whole rows per chunk
-        n = max(1, chunk_elements // (T * V))
-        return [(b, min(b + n, B), 0, T) for b in range(0, B, n)]
-    n = max(1, chunk_elements // V)  # long rows: pieces of one row at a time
-    return [(b, b + 1, t, min(t + n, T)) for b in range(B) for t in range(0, T, n)]
-
-
-class _TokenLogps(torch.autograd.Function):
-    """token_logps under autograd, keeping only the (B, T) logsumexp for backward: the gradient of
-    log p(y) = x_y / tau - lse is (onehot(y) - softmax(x / tau)) / tau, and each chunk's softmax is recomputed
-    from the logits (which the graph holds anyway) and that lse. A plain log_softmax would keep a float32
-    (B, T, V) output instead."""
-
-    @staticmethod
-    def forward(ctx, logits, token_ids, ignore_ids, temperature, chunk_elements):
-        B, T, V = logits.shape
-        out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        chunks = _chunks(B, T, V, chunk_elements)
-        for b0, b1, t0, t1 in chunks:
-            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _rows_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1],
-                                                               ignore_ids, temperature)
-        ctx.save_for_backward(logits, token_ids, lse)
-        ctx.ignore_ids, ctx.temperature, ctx.chunks = ignore_ids, temperature, chunks
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, token_ids, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for b0, b1, t0, t1 in ctx.chunks:
-            g = grad_out[b0:b1, t0:t1, None].float()  # (b, t, 1)
-            rows = _float_rows(logits[b0:b1, t0:t1], ctx.ignore_ids, ctx.temperature)
-            rows.sub_(lse[b0:b1, t0:t1, None]).exp_().mul_(-g)  # -g * softmax (0 at ignored ids), in place
-            rows.scatter_add_(-1, token_ids[b0:b1, t0:t1, None], g)  # + g at the token
-            grad[b0:b1, t0:t1] = rows.div_(ctx.temperature) if ctx.temperature != 1.0 else rows
-        return grad, None, None, None, None
-
-
-def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
-                temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
-    """Log-probability of each given token under softmax(logits / temperature).
-
-    logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
-    logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
-    Works through chunks of at most `chunk_elements` logits (whole rows when they fit, else pieces of a
-    row), with the temperature applied inside each chunk, so it never holds a float32 copy of the whole
-    (B, T, V) tensor. Under autograd it keeps only the (B, T) logsumexp and recomputes each chunk's softmax
-    in backward; the gradient equals that of log_softmax(logits / temperature).gather(token_ids).
-    """
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _TokenLogps.apply(logits, token_ids, ignore_ids, temperature, chunk_elements)
-    B, T, V = logits.shape
-    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_elements):
-        out[b0:b1, t0:t1] = _rows_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1], ignore_ids, temperature)[0]
-    return out
-
-
-class _HeadTokenLogps(torch.autograd.Function):
-    """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
-    hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
-    gradient, (softmax - onehot(y)) / tau @ W times the incoming gradient. The head's weight is frozen."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, rows):
-        flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
-        out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(out)
-        for r in range(0, len(ids), rows):
-            out[r:r + rows], lse[r:r + rows] = _rows_logps(flat[r:r + rows] @ weight.T, ids[r:r + rows], ignore_ids,
-                                                           temperature)
-        ctx.save_for_backward(hidden, weight, token_ids, lse)
-        ctx.ignore_ids, ctx.temperature, ctx.rows = ignore_ids, temperature, rows
-        return out.view(token_ids.shape)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, token_ids, lse = ctx.saved_tensors
-        flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
-        grad = torch.empty_like(flat)
-        for r in range(0, len(ids), ctx.rows):
-            g = grad_out[r:r + ctx.rows, None].float()  # (rows, 1)
-            logits = _float_rows(flat[r:r + ctx.rows] @ weight.T, ctx.ignore_ids, ctx.temperature)
-            logits.sub_(lse[r:r + ctx.rows, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + ctx.rows, None], g)
-            if ctx.temperature != 1.0:
-                logits.div_(ctx.temperature)
-            grad[r:r + ctx.rows] = logits.to(weight.dtype) @ weight  # (rows, H)
-        return grad.view_as(hidden), None, None, None, None, None
-
-
-def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
-    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
-    (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
-    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden` only (the
-    head's weight is frozen: a LoRA student does not train it).
-
-    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T). Returns (B, T) float32.
-    """
-    if weight.requires_grad:
-        raise ValueError("head_logps leaves the LM head's weight without a gradient: freeze it or use token_logps")
-    rows = max(1, chunk_elements // weight.shape[0])
-    if torch.is_grad_enabled() and hidden.requires_grad:
-        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, rows)
-    flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
-    out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
-    for r in range(0, len(ids), rows):
-        out[r:r + rows] = _rows_logps(flat[r:r + rows] @ weight.T, ids[r:r + rows], ignore_ids, temperature)[0]
-    return out.view(token_ids.shape)
 
 
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
@@ -389,12 +213,14 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
             dist.all_reduce(stats)
         if stats[0] < 2:
             raise ValueError(f"{mode} normalization needs at least 2 valid response tokens in the batch, got "
-                             f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses are not empty")
+                             f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses "
+                             f"are not empty")
         return _whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
     if int(mask.sum()) < 2:
         raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(mask.sum())}")
     if mode == "sequence":
-        return _whiten(scores, mask, mask.sum(1, keepdim=True), s.sum(1, keepdim=True), (s * s).sum(1, keepdim=True), eps)
+        return _whiten(scores, mask, mask.sum(1, keepdim=True), s.sum(1, keepdim=True), (s * s).sum(1, keepdim=True),
+                       eps)
     if mode == "group":
         if group_ids is None:
             raise ValueError("group normalization needs group_ids (B,): the prompt index of each response")
@@ -443,59 +269,698 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# Answers: extraction and grading
+# What travels between the step's functions
 # ---------------------------------------------------------------------------------------------
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j].strip()
-    return None
+@dataclass
+class Models:
+    """The models a step runs and how it calls them (main() builds it; PART II's set-up makes each field)."""
+
+    student: torch.nn.Module  # the LoRA student as Accelerate prepared it: the update's forwards and backward
+    policy: torch.nn.Module  # the same student unwrapped: rollouts call its generate()
+    teacher: torch.nn.Module  # frozen, in 4-bit nf4 by default; never prepared
+    processor: object  # the student's processor: it encodes every prompt, for both models
+    sample_config: object  # the rollouts' GenerationConfig (generation_configs)
+    ignore_ids: torch.Tensor | None  # (K,) image special tokens: never sampled, -inf when scoring
+    sharing: PrefixSharing  # which forwards read each prompt once (--share_prompt_prefix), as its checks decided
+    teacher_logps: object = None  # (teacher, rollout, ignore_ids) -> (n, R): replaces the teacher's scoring call
+    synced_gpus: bool = False  # sharded weights: every process steps generate() until the last one is done
+
+    def score_teacher(self, rollout: Rollout) -> torch.Tensor:
+        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
+        if self.teacher_logps is not None:  # a remote teacher, a recording wrapper
+            return self.teacher_logps(self.teacher, rollout, self.ignore_ids)
+        return self.sharing.logps("teacher", self.teacher, rollout, self.ignore_ids)
+
+    def score_student(self, rollout: Rollout, temperature: float) -> torch.Tensor:
+        """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
+        return self.sharing.logps("student", self.student, rollout, self.ignore_ids, temperature)
 
 
-def _strip_answer(text: str) -> str:
-    text = re.sub(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}", r"\1", text)
-    text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\circ", "").replace("°", "")
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
-    return re.sub(r"\s+", "", text).strip().rstrip(".").lower()
+@dataclass
+class StepPrompts:
+    """This process's prompts of a step, each repeated G times, and the seed its sampling draws from."""
+
+    step: int  # 0-based
+    seed: int  # step_seed(args.seed, step, process): a resumed run samples what the interrupted one would have
+    prompts: list  # n = (this process's prompts) x G pairs (prompt, images); a prompt's G copies are one object
+    group_ids: list[int]  # (n,) each row's prompt id, unique over the run
 
 
-def grade_answer(response: str, reference: str) -> bool:
-    """True when the last \\boxed{} of `response` equals `reference`.
+@dataclass
+class Rollout:
+    """One micro-batch of sampled responses: n rows, each answering one of u distinct prompts."""
 
-    Equal as text after light normalization (degrees, \\dfrac, spaces, case), or mathematically equal
-    according to math-verify (e.g. 8\\sqrt{3}+24 and 24+8\\sqrt{3}).
-    """
-    pred = extract_boxed(response)
-    if pred is None:
-        return False
-    if _strip_answer(pred) == _strip_answer(reference):
-        return True
-    from math_verify import parse, verify  # imported lazily: only real-data runs need it
+    response_ids: torch.Tensor  # (n, R) sampled token ids, padding after a row's end token
+    response_mask: torch.Tensor  # (n, R) 1 up to and including the end token
+    sampled_logps: torch.Tensor  # (n, R) float32 log pi(y_t) of the policy that sampled, recorded as it sampled
+    # the processor's batch of every row's prompt: input_ids, attention_mask (n, P), the image tensors and token
+    # types (pixels on the host), which the plain forward reads; None when no forward reads it
+    row_inputs: dict | None = None
+    # the processor's batch of the u distinct prompts (u rows) and each row's prompt in it (n,): what the
+    # forwards that read each prompt once read; None with --share_prompt_prefix false
+    prompt_inputs: dict | None = None
+    prompt_index: torch.Tensor | None = None
 
+
+@dataclass
+class ScoredBatch:
+    """A step's rollouts on this process, scored. (n, R) tensors, rows in the order of the rollouts' rows."""
+
+    step: int
+    rollouts: list[Rollout]  # the micro-batches, in order
+    response_mask: torch.Tensor  # (n, R) long; 0 also where a log-prob was not finite
+    teacher_logps: torch.Tensor  # (n, R) float32
+    student_logps: torch.Tensor  # (n, R) float32, the sampling policy's
+    scores: torch.Tensor  # (n, R) distill_scores
+    advantages: torch.Tensor  # (n, R) normalize_scores; NaN when too few tokens were left to normalize
+    nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
+    time_generate: float
+    time_score: float
+
+    def micro_batches(self) -> list[tuple[Rollout, torch.Tensor, torch.Tensor]]:
+        """(rollout, its advantages, its response mask) per micro-batch: its rows of the (n, R) tensors, cut to
+        its own R."""
+        out, start = [], 0
+        for r in self.rollouts:
+            n, R = r.response_ids.shape
+            out.append((r, self.advantages[start:start + n, :R], self.response_mask[start:start + n, :R]))
+            start += n
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The step: prompts -> rollouts, scores and advantages -> student update -> metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
+                 process_index: int = 0) -> StepPrompts:
+    """This process's share of the step's B prompts, each repeated G times, and the step's sampling seed."""
+    prompts, group_ids = [], []
+    for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
+                                              num_processes, process_index):
+        row = train_ds[train_keep[position]]
+        prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
+        group_ids += [group_id] * args.num_generations
+    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids)
+
+
+def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
+    """Rollouts of this process's prompts, scored by the teacher, their advantages normalized over the global batch
+    (the all-reduce inside normalize_scores), once, before any update. Tokens whose log-prob is not finite (a
+    broken teacher) are dropped and counted; when too few are left to normalize, the advantages are NaN and every
+    process then skips the step's updates."""
+    t0 = time.time()
+    torch.manual_seed(prompts.seed)  # the only seeding of the step: sampling draws from it
+    rollouts = sample_rollouts(models, prompts.prompts, args)  # micro-batches of args.micro_batch_size rows
+    t_generate, t0 = time.time() - t0, time.time()
+
+    # ALGO: score every sampled token with the teacher, on the same ids and images the student saw
+    with torch.no_grad():
+        teacher_logps = pad_cat([models.score_teacher(r) for r in rollouts])  # (n, R)
+    student_logps = pad_cat([r.sampled_logps for r in rollouts])  # (n, R) recorded while sampling: no forward
+    mask = pad_cat([r.response_mask for r in rollouts])  # (n, R)
+    # ALGO: drop the tokens whose log-prob is not finite, and count them
+    finite = torch.isfinite(teacher_logps) & torch.isfinite(student_logps)
+    nonfinite = int(((~finite) & mask.bool()).sum())
+    mask = mask * finite
+    # ALGO: clamped scores, then advantages whitened over every valid token of the global batch (GNDPO)
+    scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
     try:
-        gold, guess = parse("$" + _strip_answer(reference) + "$"), parse("$" + _strip_answer(pred) + "$")
-        return bool(gold) and bool(guess) and bool(verify(gold, guess))
-    except Exception:  # math-verify raises many types on unparsable LaTeX; unparsable means not equal
-        return False
+        advantages = normalize_scores(scores, mask, args.advantage_mode, torch.tensor(prompts.group_ids))
+    except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
+        log(f"step {prompts.step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
+        # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
+        # non-finite: all processes then skip this step's updates together
+        advantages = torch.full_like(scores, float("nan"))
+    return ScoredBatch(prompts.step, rollouts, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
+                       t_generate, time.time() - t0)
 
 
-def is_well_formed(response: str, require_think: bool = False) -> bool:
-    """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
-    if require_think:
-        return re.fullmatch(r"\s*<think>.*?</think>.*\\boxed\{.*\}.*", response, flags=re.DOTALL) is not None
-    return extract_boxed(response) is not None
+def update_student(models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args,
+                   loss_fn=policy_loss, log=print) -> dict:
+    """The step's optimizer updates on its scored rollouts.
+
+    The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates run
+    E = num_iterations times. The first mini-batch's first forward runs before any update, so its detached
+    log-probs are the old policy's (with K = E = 1 that is all: ratio 1, no extra forward); the other K - 1
+    mini-batches get theirs from one no-grad forward before the first update, so later updates see ratios away
+    from 1 and the clip acts. An update whose loss or gradient is not finite (on any process) is dropped, not
+    applied: one NaN would poison the adapter for good. loss_fn has policy_loss's signature.
+    Returns loss (mean over micro-batch forwards), clip_frac and ratio_mean (over the updates' tokens),
+    logp_mismatch (|old log-probs - sampling log-probs| per token: ~0 when the scoring inputs are right),
+    grad_norm (mean pre-clip norm over the updates), grad_norm_max, lr (the last update's), updates,
+    skipped_updates, the token counts behind the means, time_update.
+    """
+    t0 = time.time()
+    parts, K, E = batch.micro_batches(), args.steps_per_generation, args.num_iterations
+    per_update = len(parts) // K  # check_args made it divide
+    old_logps = {}  # micro-batch index -> log-probs of the policy that sampled, as the training forward sees them
+    with torch.no_grad():  # taken now, before the policy moves, for the mini-batches updated after the first
+        for i in range(per_update, len(parts)):
+            old_logps[i] = models.score_student(parts[i][0], args.temperature)
+    sums = {"loss": 0.0, "forwards": 0, "clipped_tokens": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0,
+            "mismatch_tokens": 0.0}
+    grad_norms, lr, skipped = [], float("nan"), 0
+    for epoch in range(E):
+        for k in range(K):
+            loss_sum = 0.0
+            for i in range(k * per_update, (k + 1) * per_update):
+                rollout, advantages, mask = parts[i]
+                with accelerator.accumulate(models.student):
+                    logps = models.score_student(rollout, args.temperature)  # (n, R) with the gradient
+                    old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
+                    loss, m = loss_fn(logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high)
+                    accelerator.backward(loss)
+                n_tok = mask.sum().item()
+                loss_sum += loss.item()
+                sums["forwards"] += 1
+                sums["clipped_tokens"] += m["clip_frac"] * n_tok
+                sums["ratio"] += m["ratio_mean"] * n_tok
+                sums["tokens"] += n_tok
+                if epoch == 0:  # sampling vs training log-probs of the policy that sampled
+                    sums["mismatch"] += ((old - rollout.sampled_logps).abs() * mask).sum().item()
+                    sums["mismatch_tokens"] += n_tok
+            sums["loss"] += loss_sum
+            # Under DeepSpeed the engine already clipped and stepped inside the last accelerator.backward and this
+            # returns the norm it saw: a non-finite update is counted but can no longer be dropped.
+            grad_norm = accelerator.clip_grad_norm_(models.student.parameters(), args.max_grad_norm)
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            grad_norms.append(grad_norm)
+            lr = scheduler.get_last_lr()[0]  # the rate this update uses
+            # every process must take the same decision, or the replicas drift apart
+            bad = accelerator.reduce(torch.tensor(float(not math.isfinite(loss_sum)), device=accelerator.device),
+                                     reduction="sum")
+            if math.isfinite(grad_norm) and bad.item() == 0:
+                optimizer.step()
+                scheduler.step()
+            else:
+                skipped += 1
+                log(f"step {batch.step + 1}: non-finite loss or gradient (loss {loss_sum}, grad norm {grad_norm}); "
+                    f"update {epoch * K + k + 1} of {K * E} skipped")
+            optimizer.zero_grad(set_to_none=True)
+    n = max(sums["tokens"], 1.0)
+    return {"loss": sums["loss"] / max(sums["forwards"], 1), "clip_frac": sums["clipped_tokens"] / n,
+            "ratio_mean": sums["ratio"] / n, "logp_mismatch": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
+            "grad_norm": sum(grad_norms) / len(grad_norms), "grad_norm_max": max(grad_norms), "lr": lr,
+            "updates": K * E, "skipped_updates": skipped, "tokens": sums["tokens"],
+            "mismatch_tokens": sums["mismatch_tokens"], "time_update": time.time() - t0}
+
+
+def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: float, step_time: float) -> dict:
+    """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
+
+    Every statistic weighs the valid tokens of the global batch equally, except loss (the mean over processes
+    of update_student()'s mean) and grad_norm / lr (identical on every process).
+    """
+    mask = batch.response_mask.bool()
+    student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
+    scores, advantages = batch.scores[mask], batch.advantages[mask]
+    r = reduce_metrics(
+        accelerator,
+        sums={"tokens": float(mask.sum()), "responses": float(mask.shape[0]),
+              "kl": (student_lp - teacher_lp).sum().item(), "score_sum": scores.sum().item(),
+              "score_sq_sum": (scores.double() ** 2).sum().item(),
+              "clamped": float(((teacher_lp - student_lp).abs() >= score_clip).sum()),
+              "adv_sum": advantages.sum().item(), "adv_sq_sum": (advantages.double() ** 2).sum().item(),
+              "nonfinite": float(batch.nonfinite_tokens), "loss": update["loss"],
+              "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
+              "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
+              "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"]},
+        lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
+        highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
+               "time_generate": batch.time_generate, "time_score": batch.time_score,
+               "time_update": update["time_update"]})
+    N, P, U = max(r["tokens"], 1.0), accelerator.num_processes, max(r["update_tokens"], 1.0)
+    return {
+        "step": batch.step + 1, "loss": r["loss"] / P, "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
+        "score_std": math.sqrt(max(r["score_sq_sum"] / N - (r["score_sum"] / N) ** 2, 0.0)),
+        "score_clamped_frac": r["clamped"] / N, "adv_mean": r["adv_sum"] / N,
+        "adv_std": math.sqrt(max(r["adv_sq_sum"] / N - (r["adv_sum"] / N) ** 2, 0.0)),
+        "adv_min": r["adv_min"], "adv_max": r["adv_max"], "clip_frac": r["clipped_tokens"] / U,
+        "ratio_mean": r["ratio_sum"] / U, "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
+        "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"], "lr": update["lr"],
+        "response_length": r["tokens"] / max(r["responses"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
+        "time_generate": r["time_generate"], "time_score": r["time_score"], "time_update": r["time_update"],
+        "tokens_per_second": r["tokens"] / step_time,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: rows -> chat prompts with images
+# main(): set-up, then the loop over the step's four functions
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> dict:
+    """Trains the student; returns the run's summary (also written to output_dir/summary.json).
+
+    on_step(step) is called with the 1-based step before it runs. teacher_logps(teacher, rollout, ignore_ids)
+    replaces the teacher's scoring call and loss_fn the policy loss (to record what a step used, or to feed
+    broken numbers).
+    """
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    wall_start = time.time()
+    accelerator, accum = make_accelerator(args)
+    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
+    accelerator.wait_for_everyone()
+    set_seed(args.seed)  # the adapter's initial weights; each step's sampling is seeded by step_prompts
+    processor, student, teacher = load_models(args, accelerator, log)
+    train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
+    student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
+    models = make_models(args, accelerator, processor, student, teacher, log, teacher_logps)
+    greedy_config = generation_configs(processor.tokenizer, models.policy, args)[1]
+    evaluate_policy = lambda: evaluate(models.policy, models.processor, eval_rows, args, accelerator,  # noqa: E731
+                                       greedy_config, synced_gpus=models.synced_gpus)
+
+    start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    summary_path = os.path.join(args.output_dir, "summary.json")
+    summary = {}
+    if resume_from:
+        start_step, counters = restore_checkpoint(accelerator, resume_from, metrics_path)
+        log(f"resumed from {resume_from} at step {start_step}")
+        if os.path.exists(summary_path):
+            with open(summary_path) as f:
+                summary = json.load(f)
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    if args.report_to != "none":
+        accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
+                                                   if isinstance(v, (int, float, str, bool))})
+    if eval_rows and "student_accuracy_before" not in summary:
+        t = evaluate(models.teacher, models.processor, eval_rows, args, accelerator, greedy_config)
+        s = evaluate_policy()
+        summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
+                       student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"])
+        log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
+            f"(format {s['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
+
+    # --- the loop: the step's four functions ---
+    models.student.train()
+    # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
+    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
+                    dynamic_ncols=True, **({} if accelerator.is_main_process else {"disable": True}))
+    bar = {"acc": f"{summary['student_accuracy_before']:.3f}"} if "student_accuracy_before" in summary else {}
+    for step in progress:
+        t_step = time.time()
+        if on_step:
+            on_step(step + 1)
+        prompts = step_prompts(train_ds, train_keep, args, step, accelerator.num_processes, accelerator.process_index)
+        batch = generate_and_score(models, prompts, args, log)
+        update = update_student(models, optimizer, scheduler, accelerator, batch, args, loss_fn, log)
+        counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
+        counters["skipped_steps"] += bool(update["skipped_updates"])
+        metrics = step_metrics(accelerator, batch, update, args.score_clip, time.time() - t_step)
+        metrics["skipped_steps"] = counters["skipped_steps"]
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
+            e = evaluate_policy()
+            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
+            bar["acc"] = f"{e['accuracy']:.3f}"
+        if accelerator.is_main_process:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **bar)
+            if args.logging_steps and ((step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps):
+                log(format_metrics(metrics))
+        accelerator.log(metrics, step=step + 1)
+        if counters["consecutive_skips"] >= args.max_consecutive_skips:
+            last = list_checkpoints(args.output_dir)
+            raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step + 1}: "
+                               f"stopping. The last good checkpoint is "
+                               f"{last[-1][1] if last else 'none (no checkpoint saved yet)'}; lower --learning_rate "
+                               f"or check the teacher's outputs, then resume from it.")
+        if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
+            save_checkpoint(accelerator, models.student, models.processor, args.output_dir, step + 1,
+                            {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
+
+    # --- the end: final adapter, evaluation, summary ---
+    accelerator.wait_for_everyone()
+    save_adapter(accelerator, models.student, models.processor, os.path.join(args.output_dir, "adapter"))
+    if eval_rows:
+        e = evaluate_policy()
+        summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
+    summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
+                   advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
+                   skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"],
+                   share_prompt_prefix=models.sharing.summary())
+    finish_run(accelerator, summary, summary_path, eval_rows, log)
+    return summary
+
+
+# =============================================================================================================
+# PART II: machinery. What the step calls, in the order it calls it: rollouts with generate(), the plain scoring
+# forward, models, data, evaluation, checkpoints and set-up; last, the optional speed-ups, each under a header
+# that says what it replaces and how it is checked against the plain path.
+# =============================================================================================================
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts: G samples per prompt with HF generate(), the sampling policy's log-probs recorded on the fly
+# ---------------------------------------------------------------------------------------------
+
+
+def step_seed(seed: int, step: int, process_index: int) -> int:
+    """Every step's sampling randomness is a function of (seed, step, process): processes draw different
+    samples, and a resumed run samples exactly what the interrupted one would have."""
+    return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
+
+
+def sample_rollouts(models: Models, prompts: list, args: Args) -> list[Rollout]:
+    """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size
+    rows: generate() calls of args.generation_batch_size rows (0: all at once), or the sampling loop on each
+    prompt read once where its check allows (models.sharing)."""
+    size = args.generation_batch_size or len(prompts)
+    shared = models.sharing.decided["rollout"] is True
+    generated = [rollout(models.policy, models.processor, prompts[i:i + size], models.sample_config, args,
+                         models.synced_gpus, shared) for i in range(0, len(prompts), size)]
+    # every row's prompt is encoded only while some forward may still read it whole
+    row_prompts = models.teacher_logps is not None or not models.sharing.all_shared()
+    return cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
+
+
+@torch.no_grad()
+def rollout(model, processor, prompts: list[tuple], sample_config, args: Args, synced_gpus: bool = False,
+            shared_prefix: bool = False) -> Rollout:
+    """One sampled response per prompt (prompts are already repeated G times), its sampling log-probs recorded.
+
+    With generate(), the rollout holds every row's prompt (row_inputs); with shared_prefix, the sampling loop
+    reads each distinct prompt once (SharedPrefix.sample) and the rollout holds those only (cut_rollouts adds
+    every row's prompt where a plain forward needs it). With --share_prompt_prefix the distinct prompts are
+    encoded in both cases. synced_gpus: keep running forwards until every process is done (sharded weights).
+    """
+    device = next(model.parameters()).device
+    out = Rollout(None, None, None)
+    if args.share_prompt_prefix:
+        out.prompt_inputs, out.prompt_index = encode_distinct(processor, prompts, args.instruction, device)
+    capture = SampledTokenLogps(args.temperature, sample_config.suppress_tokens)
+    if shared_prefix:
+        response_ids = SharedPrefix(model, out.prompt_inputs, out.prompt_index).sample(capture, sample_config)
+    else:
+        out.row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
+        config = copy.copy(sample_config)  # the suppression moves into capture
+        config.suppress_tokens = None
+        sequences = model.generate(**out.row_inputs, generation_config=config, logits_processor=[capture],
+                                   synced_gpus=synced_gpus)
+        response_ids = sequences[:, out.row_inputs["input_ids"].shape[1]:]  # (n, R)
+        out.row_inputs = pixels_on_host(out.row_inputs, device)
+    out.response_mask = response_mask_from_ids(response_ids, sample_config.eos_token_id)
+    out.response_ids = response_ids.masked_fill(out.response_mask == 0, sample_config.pad_token_id)
+    out.sampled_logps = capture.finish()
+    return out
+
+
+class SampledTokenLogps:
+    """A generate() logits processor that draws each token itself and records log pi(y_t) of it under the exact
+    distribution it draws from (suppressed ids at -inf, at the temperature), holding one (n, V) step at a time.
+
+    These are the student_lp of the distillation scores: no extra student forward pass is needed. It returns
+    scores that are -inf everywhere but at the drawn id, so generate(), decoding greedily (the sampling config
+    has do_sample=False), emits exactly that id. Suppression happens here, in place, rather than in a
+    processor of generate()'s own, which would copy the (n, V) scores once more per step. Tokens are drawn by
+    draw_tokens (the sampler, at the end of the file).
+    """
+
+    def __init__(self, temperature: float, suppress_ids: list[int] | None = None):
+        self.temperature, self.logps = temperature, []
+        self.suppress = torch.tensor(suppress_ids) if suppress_ids else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.suppress is not None:
+            scores.index_fill_(1, self.suppress.to(scores.device), float("-inf"))  # generate() gave us a copy
+        z = scores.float() / self.temperature  # (n, V)
+        lse = z.logsumexp(-1, keepdim=True)  # (n, 1)
+        token = draw_tokens((z - lse).exp_())  # (n, 1)
+        self.logps.append((z.gather(1, token) - lse)[:, 0])
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+    def finish(self) -> torch.Tensor:
+        """(n, R) float32 log-probs of the R drawn tokens (after a row's end token: masked out later)."""
+        return torch.stack(self.logps, 1)
+
+
+def generation_configs(tokenizer, model, args: Args) -> tuple:
+    """(sampling config, greedy config) for rollouts and evaluation.
+
+    Rollouts sample from the full distribution, which the loss assumes (checkpoints often ship top_k=50 or a
+    low top_p): rollout() adds SampledTokenLogps, which perturbs the scores so that generate()'s argmax is an
+    exact sample at the temperature, so the sampling config decodes greedily with no top-k, top-p or repetition
+    penalty of its own. Both suppress the vision special tokens and stop at any of the tokenizer's or the
+    model's end tokens (eos_token_id: a sorted list).
+    """
+    from transformers import GenerationConfig
+
+    model_eos = model.generation_config.eos_token_id  # an int, a list or None
+    eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
+    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
+                  eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    sample = GenerationConfig(do_sample=False, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0, **common)
+    return sample, GenerationConfig(do_sample=False, **common)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
+    is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
+    after_end = (is_end.cumsum(1) - is_end) > 0
+    return (~after_end).long()
+
+
+def distinct_prompts(prompts: list) -> tuple[list, list[int]]:
+    """Rows -> (distinct prompts, (n,) index of each row's prompt). A prompt repeated G times by step_prompts is
+    one object, so identity tells the G samples of a prompt apart from another draw of the same row."""
+    position, unique, index = {}, [], []
+    for p in prompts:
+        if id(p) not in position:
+            position[id(p)] = len(unique)
+            unique.append(p)
+        index.append(position[id(p)])
+    return unique, index
+
+
+def encode_distinct(processor, prompts: list, instruction: str, device) -> tuple[dict, torch.Tensor]:
+    """(the processor's batch of the rows' u distinct prompts, pixels on the host; (n,) each row's prompt in it)."""
+    unique, index = distinct_prompts(prompts)
+    inputs = pixels_on_host(encode_prompts(processor, unique, instruction), device)
+    return inputs, torch.tensor(index, device=device)
+
+
+def pixels_on_host(inputs: dict, device) -> dict:
+    """The processor batch on `device`, except its per-pixel tensors, which go to host memory.
+
+    A step keeps all B*G/processes rollouts until its update; their float32 pixels would fill a GPU, so they wait
+    on the host and each forward moves back its own. Every pixel_* tensor does: SmolVLM/Idefics3's int64
+    pixel_attention_mask is as large as its pixels.
+    """
+    return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v
+            for k, v in inputs.items()}
+
+
+def cut_rollouts(processor, prompts: list, rollouts: list[Rollout], size: int, args: Args,
+                 row_prompts: bool = True) -> list[Rollout]:
+    """The rollouts of generate() batches re-cut into micro-batches of `size` rows for scoring and the update.
+
+    Responses and their sampled log-probs are sliced by row; each micro-batch's prompts are encoded again,
+    since the processor's image tensors have a layout of each family's own (patches, tiles, images) that
+    cannot be sliced by row in general. Left padding then fits the micro-batch's prompts, which changes no
+    log-prob. Responses are trimmed to the micro-batch's longest one. Every row's prompt is encoded only with
+    `row_prompts` (a plain forward, response_logps, may read the micro-batch); the distinct prompts with
+    --share_prompt_prefix.
+    """
+    if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
+        return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
+    device, pad = rollouts[0].response_ids.device, processor.tokenizer.pad_token_id
+    mask = pad_cat([r.response_mask for r in rollouts])  # (n, R)
+    ids = pad_cat([r.response_ids for r in rollouts]).masked_fill(mask == 0, pad)
+    sampled = pad_cat([r.sampled_logps for r in rollouts])
+    out = []
+    for i in range(0, len(prompts), size):
+        R = max(1, int(mask[i:i + size].sum(1).max()))
+        part = Rollout(ids[i:i + size, :R], mask[i:i + size, :R], sampled[i:i + size, :R])
+        if row_prompts:
+            part.row_inputs = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device)
+        if args.share_prompt_prefix:
+            part.prompt_inputs, part.prompt_index = encode_distinct(processor, prompts[i:i + size], args.instruction,
+                                                                    device)
+        out.append(part)
+    return out
+
+
+def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[(n_i, R_i)] -> (sum n_i, max R_i), right-padded with zeros."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring: the plain forward. Log-probs of the sampled tokens under a model, on the same ids and images
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_inputs(rollout: Rollout) -> dict:
+    """Prompt + response as one forward's inputs, from every row's prompt (row_inputs). Every per-token input
+    (shaped like input_ids) grows by the response: ids by its ids, the attention mask by its mask, token types
+    (Qwen-VL's mm_token_type_ids, Gemma 3's token_type_ids) by zeros: response tokens are text. Without
+    mm_token_type_ids Qwen-VL silently falls back to 1-D positions; without token_type_ids Gemma 3 attends
+    causally over an image's tokens: every input the processor made goes to the model."""
+    response, mask = rollout.response_ids, rollout.response_mask
+    inputs = dict(rollout.row_inputs)
+    prompt_shape = inputs["input_ids"].shape
+    for key, value in inputs.items():
+        if torch.is_tensor(value) and value.shape == prompt_shape:
+            extra = {"input_ids": response, "attention_mask": mask}.get(key, torch.zeros_like(response))
+            inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
+    return inputs
+
+
+def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """(n, R) float32 log-probs of the response tokens: one forward of each row's prompt + response. Only the
+    R + 1 last positions go through the LM head (logits_to_keep), and logps_from (the lean log-probs below)
+    never makes an (n, R, V) float32 tensor."""
+    R = rollout.response_ids.shape[1]
+    device = rollout.response_ids.device
+    inputs = {k: v.to(device) for k, v in sequence_inputs(rollout).items()}  # pixels: from the host
+    return logps_from(model, {**inputs, "use_cache": False}, rollout.response_ids, ignore_ids, temperature, R + 1,
+                      True)
+
+# ---------------------------------------------------------------------------------------------
+# Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def lora_target_names(model, target_modules: str) -> list[str]:
+    """Full names of the language model's linear layers whose last name is in `target_modules` (comma-separated).
+
+    The language model is what get_decoder() returns (language_model in Qwen-VL, InternVL and Gemma 3,
+    text_model in Idefics3/SmolVLM): vision blocks and projectors have q/k/v/gate/up/down layers too, and a
+    name pattern alone would put the adapter on them.
+    """
+    wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
+    decoder = model.get_decoder()
+    inside = {id(m) for m in decoder.modules()}
+    names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
+             and n.rsplit(".", 1)[-1] in wanted]
+    if not names:
+        raise ValueError(f"no linear layer named {sorted(wanted)} in the language model ({type(decoder).__name__}): "
+                         f"set --lora_target_modules to names of its layers")
+    return names
+
+
+def load_student(args: Args, dtype: torch.dtype):
+    """The student with a LoRA adapter on the language model's linear layers; everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
+    return model
+
+
+def load_teacher(args: Args, dtype: torch.dtype, device: torch.device):
+    """The frozen teacher, in 4-bit nf4 when args.teacher_4bit (vision tower included; lm_head stays)."""
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    kwargs = {"dtype": dtype}
+    if args.teacher_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+        kwargs["device_map"] = {"": device}  # one full replica per process: the teacher is never sharded for training
+    model = AutoModelForImageTextToText.from_pretrained(args.teacher_model, **kwargs)
+    if not args.teacher_4bit:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
+    """Stops unless both tokenizers map the same text and special tokens to the same ids.
+
+    Scores compare log-probs of the *same token ids*, so a teacher that tokenizes differently would be
+    scored on tokens it never saw. Embedding tables padded to different sizes are fine.
+    """
+    s_vocab, t_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if s_vocab != t_vocab:
+        only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()), key=lambda kv: kv[1])[:5]
+        only_t = sorted(set(t_vocab.items()) - set(s_vocab.items()), key=lambda kv: kv[1])[:5]
+        raise ValueError(
+            f"teacher and student tokenizers differ ({len(t_vocab)} vs {len(s_vocab)} entries; student-only "
+            f"(token, id) e.g. {only_s}, teacher-only e.g. {only_t}). GNDPO scores the student's sampled token "
+            f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family.")
+    probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
+    for name in ("eos_token_id", "pad_token_id"):
+        if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
+            raise ValueError(f"teacher and student tokenizers disagree on {name}: "
+                             f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}")
+    if student_tokenizer(probe)["input_ids"] != teacher_tokenizer(probe)["input_ids"]:
+        raise ValueError("teacher and student tokenizers encode the same text to different ids: use a teacher "
+                         "of the student's model family")
+
+
+def check_same_image_inputs(student_processor, teacher_processor) -> None:
+    """Stops unless both processors turn the same prompt and image into the same model inputs.
+
+    Prompts are encoded once, by the student's processor, and the teacher scores those very inputs. A teacher
+    of the same tokenizer but other image processing (another tile size or number of tokens per tile, e.g.
+    SmolVLM2-2.2B's 384-pixel tiles against the 256M's 512) would be fed images cut for another model: a crash
+    or plausible but wrong log-probs. Probed with a 3:2 image, which tiling processors cut into several tiles.
+    """
+    from PIL import Image
+
+    probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
+    s, t = encode_prompts(student_processor, probe), encode_prompts(teacher_processor, probe)
+    differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or s[k].shape != t[k].shape
+                    or not torch.equal(s[k], t[k]))
+    if differ:
+        shapes = {k: (tuple(s[k].shape) if k in s else None, tuple(t[k].shape) if k in t else None) for k in differ}
+        raise ValueError(f"the student's and the teacher's processors make different model inputs from the same "
+                         f"prompt and image ({shapes}, student vs teacher): the teacher would score inputs made for "
+                         f"the student. Pick a teacher with the student's image processing and chat template.")
+
+
+VISION_TOKEN_RE = re.compile(r"image|img|vision|video|row_\d+_col_\d+", re.IGNORECASE)
+
+
+def vision_token_ids(tokenizer, config=None) -> list[int]:
+    """Ids of the image/video special tokens: a sampled one would break the scoring forward (image features
+    and image tokens no longer match), so sampling suppresses them and scoring gives them -inf, keeping both
+    distributions the same.
+
+    Found by name among the tokenizer's special tokens (<|image_pad|> and <|vision_start|> in Qwen-VL,
+    <IMG_CONTEXT> and <img> in InternVL, <start_of_image> and <image_soft_token> in Gemma 3, <image>,
+    <fake_token_around_image>, <global-img> and <row_i_col_j> in Idefics3/SmolVLM), plus every image, video or
+    vision token id the model's config names.
+    """
+    ids = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special and VISION_TOKEN_RE.search(tok.content)}
+    for key, value in (config.to_dict().items() if config is not None else ()):
+        if isinstance(value, int) and key.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", key):
+            ids.add(value)
+    return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
+
+
+def language_model(model):
+    """The text decoder inside a (LoRA-wrapped, Accelerate-wrapped) vision-language model."""
+    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+        model = model.module
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
+
+# ---------------------------------------------------------------------------------------------
+# Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
 # ---------------------------------------------------------------------------------------------
 
 
@@ -800,10 +1265,10 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
     if need_answer:
         skipped["no_answer"] = 0
     missing, first_missing = 0, None  # rows whose image file does not exist, the first of them
-    chunk_size = 64  # rows decoded and measured together: one processor call per chunk, not per row
-    for start in tqdm(range(0, n, chunk_size), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
-        good, notes = [], []  # (row index, prompt, images); skip lines, logged once the chunk is judged
-        for i in range(start, min(start + chunk_size, n)):
+    block = 64  # rows decoded and measured together: one processor call per block, not per row
+    for start in tqdm(range(0, n, block), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
+        good, notes = [], []  # (row index, prompt, images); skip lines, logged once the block is judged
+        for i in range(start, min(start + block, n)):
             row = ds[i]
             reason = "no_answer"
             try:
@@ -820,7 +1285,7 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
                 notes.append(f"skipping {split} row {i}: {e}")
                 continue
             good.append((i, row[args.question_column], images))
-        if not keep and not good and missing == min(start + chunk_size, n):  # no image file found at all
+        if not keep and not good and missing == min(start + block, n):  # no image file found at all
             cell = raw[first_missing][columns["image_column"]]
             paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
             path = next(p for p in paths if isinstance(p, str) and not os.path.exists(resolve_image(p, roots)))
@@ -917,543 +1382,56 @@ def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, nu
     slots = range(process_index * per_process, (process_index + 1) * per_process)
     return [(step * prompts_per_step + slot, positions[slot]) for slot in slots]
 
-
 # ---------------------------------------------------------------------------------------------
-# Models: LoRA student, 4-bit teacher, and the check that they speak the same tokens
-# ---------------------------------------------------------------------------------------------
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
-def lora_target_names(model, target_modules: str) -> list[str]:
-    """Full names of the language model's linear layers whose last name is in `target_modules` (comma-separated).
-
-    The language model is what get_decoder() returns (language_model in Qwen-VL, InternVL and Gemma 3,
-    text_model in Idefics3/SmolVLM): vision blocks and projectors have q/k/v/gate/up/down layers too, and a
-    name pattern alone would put the adapter on them.
-    """
-    wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
-    decoder = model.get_decoder()
-    inside = {id(m) for m in decoder.modules()}
-    names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
-             and n.rsplit(".", 1)[-1] in wanted]
-    if not names:
-        raise ValueError(f"no linear layer named {sorted(wanted)} in the language model ({type(decoder).__name__}): "
-                         f"set --lora_target_modules to names of its layers")
-    return names
-
-
-def load_student(args: Args, dtype: torch.dtype):
-    """The student with a LoRA adapter on the language model's linear layers; everything else frozen."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
-    return model
-
-
-def load_teacher(args: Args, dtype: torch.dtype, device: torch.device):
-    """The frozen teacher, in 4-bit nf4 when args.teacher_4bit (vision tower included; lm_head stays)."""
-    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
-
-    kwargs = {"dtype": dtype}
-    if args.teacher_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-        kwargs["device_map"] = {"": device}  # one full replica per process: the teacher is never sharded for training
-    model = AutoModelForImageTextToText.from_pretrained(args.teacher_model, **kwargs)
-    if not args.teacher_4bit:
-        model.to(device)
-    model.eval().requires_grad_(False)
-    return model
-
-
-def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
-    """Stops unless both tokenizers map the same text and special tokens to the same ids.
-
-    Scores compare log-probs of the *same token ids*, so a teacher that tokenizes differently would be
-    scored on tokens it never saw. Embedding tables padded to different sizes are fine.
-    """
-    s_vocab, t_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
-    if s_vocab != t_vocab:
-        only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()), key=lambda kv: kv[1])[:5]
-        only_t = sorted(set(t_vocab.items()) - set(s_vocab.items()), key=lambda kv: kv[1])[:5]
-        raise ValueError(
-            f"teacher and student tokenizers differ ({len(t_vocab)} vs {len(s_vocab)} entries; student-only "
-            f"(token, id) e.g. {only_s}, teacher-only e.g. {only_t}). GNDPO scores the student's sampled token "
-            f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family.")
-    probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
-    for name in ("eos_token_id", "pad_token_id"):
-        if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
-            raise ValueError(f"teacher and student tokenizers disagree on {name}: "
-                             f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}")
-    if student_tokenizer(probe)["input_ids"] != teacher_tokenizer(probe)["input_ids"]:
-        raise ValueError("teacher and student tokenizers encode the same text to different ids: use a teacher "
-                         "of the student's model family")
-
-
-def check_same_image_inputs(student_processor, teacher_processor) -> None:
-    """Stops unless both processors turn the same prompt and image into the same model inputs.
-
-    Prompts are encoded once, by the student's processor, and the teacher scores those very inputs. A teacher
-    of the same tokenizer but other image processing (another tile size or number of tokens per tile, e.g.
-    SmolVLM2-2.2B's 384-pixel tiles against the 256M's 512) would be fed images cut for another model: a crash
-    or plausible but wrong log-probs. Probed with a 3:2 image, which tiling processors cut into several tiles.
-    """
-    from PIL import Image
-
-    probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
-    s, t = encode_prompts(student_processor, probe), encode_prompts(teacher_processor, probe)
-    differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or s[k].shape != t[k].shape
-                    or not torch.equal(s[k], t[k]))
-    if differ:
-        shapes = {k: (tuple(s[k].shape) if k in s else None, tuple(t[k].shape) if k in t else None) for k in differ}
-        raise ValueError(f"the student's and the teacher's processors make different model inputs from the same "
-                         f"prompt and image ({shapes}, student vs teacher): the teacher would score inputs made for "
-                         f"the student. Pick a teacher with the student's image processing and chat template.")
-
-
-VISION_TOKEN_RE = re.compile(r"image|img|vision|video|row_\d+_col_\d+", re.IGNORECASE)
-
-
-def vision_token_ids(tokenizer, config=None) -> list[int]:
-    """Ids of the image/video special tokens: a sampled one would break the scoring forward (image features
-    and image tokens no longer match), so sampling suppresses them and scoring gives them -inf, keeping both
-    distributions the same.
-
-    Found by name among the tokenizer's special tokens (<|image_pad|> and <|vision_start|> in Qwen-VL,
-    <IMG_CONTEXT> and <img> in InternVL, <start_of_image> and <image_soft_token> in Gemma 3, <image>,
-    <fake_token_around_image>, <global-img> and <row_i_col_j> in Idefics3/SmolVLM), plus every image, video or
-    vision token id the model's config names.
-    """
-    ids = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special and VISION_TOKEN_RE.search(tok.content)}
-    for key, value in (config.to_dict().items() if config is not None else ()):
-        if isinstance(value, int) and key.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", key):
-            ids.add(value)
-    return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
-
-
-# Keys that rollout() adds to the processor's batch; everything else the processor returned goes to the model.
-ROLLOUT_KEYS = ("response_ids", "response_mask", "sampled_logps", "teacher_logps", "prompt_inputs", "prompt_index")
-
-
-def language_model(model):
-    """The text decoder inside a (LoRA-wrapped, Accelerate-wrapped) vision-language model."""
-    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
-        model = model.module
-    return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
-
-
-def model_inputs(batch: dict) -> dict:
-    """The processor outputs, all of which a forward pass needs: ids and mask, the image tensors (pixel_values
-    and image_grid_thw, image_sizes or pixel_attention_mask by family) and the token types (Qwen-VL's
-    mm_token_type_ids, Gemma 3's token_type_ids). Without mm_token_type_ids Qwen-VL silently falls back to 1-D
-    positions; without token_type_ids Gemma 3 attends causally over an image's tokens."""
-    return {k: v for k, v in batch.items() if k not in ROLLOUT_KEYS}
-
-
-# ---------------------------------------------------------------------------------------------
-# Rollout: G samples per prompt, with the sampling policy's log-probs recorded on the fly
+# Evaluation: greedy answers, graded against the reference
 # ---------------------------------------------------------------------------------------------
 
 
-def draw_tokens(probs: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """(n, V) probabilities (rows summing to ~1, zeros allowed) -> (n, 1) ids, one exact sample per row.
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
 
-    Inverse CDF at one uniform number per row, in two levels: first the block of `block` ids (float32 block
-    sums, float64 running sum), then the id inside it (float64 running sum). torch.multinomial took 0.10 s per
-    call for 32 rows of a 152k vocabulary on CPU; this reads the probabilities about once. u is in (0, total],
-    so the id found always has probability > 0.
+
+def _strip_answer(text: str) -> str:
+    text = re.sub(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}", r"\1", text)
+    text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\circ", "").replace("°", "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
+    return re.sub(r"\s+", "", text).strip().rstrip(".").lower()
+
+
+def grade_answer(response: str, reference: str) -> bool:
+    """True when the last \\boxed{} of `response` equals `reference`.
+
+    Equal as text after light normalization (degrees, \\dfrac, spaces, case), or mathematically equal
+    according to math-verify (e.g. 8\\sqrt{3}+24 and 24+8\\sqrt{3}).
     """
-    n, V = probs.shape
-    full = V // block * block
-    sums = probs[:, :full].reshape(n, -1, block).sum(-1)  # (n, V // block)
-    if full < V:
-        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
-    cum = sums.double().cumsum(-1)  # (n, blocks)
-    u = (1.0 - torch.rand(n, 1, dtype=torch.float64, device=probs.device)) * cum[:, -1:]
-    k = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # (n, 1) the block
-    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), 0.0)
-    ids = k * block + torch.arange(block, device=probs.device)  # (n, block); the last block may run past V
-    inner = (probs.gather(1, ids.clamp(max=V - 1)) * (ids < V)).cumsum(-1, dtype=torch.float64)
-    j = torch.searchsorted(inner, torch.minimum(u - before, inner[:, -1:])).clamp_(max=block - 1)
-    return k * block + j
+    pred = extract_boxed(response)
+    if pred is None:
+        return False
+    if _strip_answer(pred) == _strip_answer(reference):
+        return True
+    from math_verify import parse, verify  # imported lazily: only real-data runs need it
 
-
-class SampledTokenLogps:
-    """A generate() logits processor that draws each token itself and records log pi(y_t) of it under the exact
-    distribution it draws from (suppressed ids at -inf, at the temperature), holding one (n, V) step at a time.
-
-    These are the student_lp of the distillation scores: no extra student forward pass is needed. It returns
-    scores that are -inf everywhere but at the drawn id, so generate(), decoding greedily (the sampling config
-    has do_sample=False), emits exactly that id. Suppression happens here, in place, rather than in a
-    processor of generate()'s own, which would copy the (n, V) scores once more per step.
-    """
-
-    def __init__(self, temperature: float, suppress_ids: list[int] | None = None):
-        self.temperature, self.logps = temperature, []
-        self.suppress = torch.tensor(suppress_ids) if suppress_ids else None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.suppress is not None:
-            scores.index_fill_(1, self.suppress.to(scores.device), float("-inf"))  # generate() gave us a copy
-        z = scores.float() / self.temperature  # (n, V)
-        lse = z.logsumexp(-1, keepdim=True)  # (n, 1)
-        token = draw_tokens((z - lse).exp_())  # (n, 1)
-        self.logps.append((z.gather(1, token) - lse)[:, 0])
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
-
-    def finish(self) -> torch.Tensor:
-        """(n, R) float32 log-probs of the R drawn tokens (after a row's end token: masked out later)."""
-        return torch.stack(self.logps, 1)
-
-
-def generation_configs(tokenizer, model, args: Args) -> tuple:
-    """(sampling config, greedy config) for rollouts and evaluation.
-
-    Rollouts sample from the full distribution, which the loss assumes (checkpoints often ship top_k=50 or a
-    low top_p): rollout() adds SampledTokenLogps, which perturbs the scores so that generate()'s argmax is an
-    exact sample at the temperature, so the sampling config decodes greedily with no top-k, top-p or repetition
-    penalty of its own. Both suppress the vision special tokens and stop at any of the tokenizer's or the
-    model's end tokens (eos_token_id: a sorted list).
-    """
-    from transformers import GenerationConfig
-
-    model_eos = model.generation_config.eos_token_id  # an int, a list or None
-    eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
-                  eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    sample = GenerationConfig(do_sample=False, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0, **common)
-    return sample, GenerationConfig(do_sample=False, **common)
-
-
-def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
-    is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
-    after_end = (is_end.cumsum(1) - is_end) > 0
-    return (~after_end).long()
-
-
-@torch.no_grad()
-def rollout(model, processor, prompts: list[tuple[str, list]], gen_config, args: Args, eos_ids: list[int],
-            synced_gpus: bool = False, share_prompts: bool = False) -> dict:
-    """Samples one response per prompt (prompts are already repeated G times).
-
-    Returns the processor batch (left-padded prompts, image inputs) plus response_ids (n, R),
-    response_mask (n, R) and sampled_logps (n, R): log pi_student(y_t) of the sampling policy.
-    synced_gpus: keep running forwards until every process is done (needed when weights are sharded).
-    share_prompts: read each distinct prompt once and decode on its shared cache (sample_on_shared_prompts)
-    instead of generate(), which reads (and encodes the images of) every row's prompt; the batch then holds
-    the distinct prompts only (cut_rollouts adds every row's prompt where a plain forward needs it).
-    """
-    device = next(model.parameters()).device
-    batch = {} if share_prompts else dict(encode_prompts(processor, prompts, args.instruction).to(device))
-    if args.share_prompt_prefix:
-        batch.update(distinct_prompts(processor, prompts, args, device))
-    capture = SampledTokenLogps(args.temperature, gen_config.suppress_tokens)
-    if share_prompts:
-        response_ids = sample_on_shared_prompts(model, batch, capture, gen_config)
-    else:
-        config = copy.copy(gen_config)  # the suppression moves into capture
-        config.suppress_tokens = None
-        sequences = model.generate(**model_inputs(batch), generation_config=config, logits_processor=[capture],
-                                   synced_gpus=synced_gpus)
-        response_ids = sequences[:, batch["input_ids"].shape[1]:]  # (n, R)
-    mask = response_mask_from_ids(response_ids, eos_ids)
-    batch.update(response_ids=response_ids.masked_fill(mask == 0, gen_config.pad_token_id), response_mask=mask,
-                 sampled_logps=capture.finish())
-    return pixels_on_host(batch, device)
-
-
-def sample_on_shared_prompts(model, batch: dict, capture: SampledTokenLogps, gen_config) -> torch.Tensor:
-    """generate()'s sampling loop on SharedPrompts: the distinct prompts read once, then one token per forward
-    for all n rows, until every row has ended or max_new_tokens. The end tokens are held back until
-    min_new_tokens (as generate() would). Returns (n, R) ids, padding after a row's end."""
-    shared = SharedPrompts(model, batch["prompt_inputs"], batch["prompt_index"])
-    end = torch.tensor(gen_config.eos_token_id, device=shared.first.device)
-    running = torch.ones(len(shared.first), dtype=torch.bool, device=end.device)
-    scores, tokens = shared.first.float(), []  # (n, V)
-    for t in range(gen_config.max_new_tokens):
-        if t < (gen_config.min_new_tokens or 0):
-            scores[:, end] = float("-inf")
-        token = capture(None, scores).argmax(-1).masked_fill(~running, gen_config.pad_token_id)  # (n,)
-        tokens.append(token)
-        running &= ~torch.isin(token, end)
-        if not running.any() or t + 1 == gen_config.max_new_tokens:
-            break
-        # like generate(): a row that has ended goes on with padding, attended to; its mask hides it later
-        scores = shared.forward(token[:, None], torch.ones_like(token[:, None]))[:, -1].float()
-    return torch.stack(tokens, 1)
-
-
-def distinct_prompts(processor, prompts: list[tuple[str, list]], args: Args, device) -> dict:
-    """prompt_inputs: the processor batch of the rows' distinct prompts (u rows, pixels on the host);
-    prompt_index: (n,) which of them each row carries. shared_prompt_logps reads each prompt once from these."""
-    unique, index = prompt_groups(prompts)
-    return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, args.instruction), device),
-            "prompt_index": torch.tensor(index, device=device)}
-
-
-def pixels_on_host(batch: dict, device) -> dict:
-    """The batch on `device`, except its per-pixel tensors, which go to host memory.
-
-    A step keeps all B*G/processes rollouts until its update; their float32 pixels (~19 KB per image token for
-    Qwen-VL) would fill a 24 GB GPU, so they wait on the host and each forward moves back its own. Every
-    pixel_* tensor does: SmolVLM/Idefics3's int64 pixel_attention_mask is 2/3 the size of its pixels.
-    """
-    return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def cut_rollouts(processor, prompts: list[tuple[str, list]], rollouts: list[dict], size: int, args: Args,
-                 plain: bool = True) -> list[dict]:
-    """The rollouts of generate() batches re-cut into micro-batches of `size` rows for scoring and the update.
-
-    Responses and their sampled log-probs are sliced by row; each micro-batch's prompts are encoded again,
-    since the processor's image tensors have a layout of each family's own (patches, tiles, images) that
-    cannot be sliced by row in general. Left padding then fits the micro-batch's prompts, which changes no
-    log-prob. Responses are trimmed to the micro-batch's longest one. Every row's prompt is encoded only when
-    `plain` (a plain forward, response_logps, may read the micro-batch); the distinct prompts with
-    --share_prompt_prefix.
-    """
-    if all(r["response_ids"].shape[0] == size and ("input_ids" in r or not plain) for r in rollouts):
-        return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
-    device, pad = rollouts[0]["response_ids"].device, processor.tokenizer.pad_token_id
-    mask = pad_cat([r["response_mask"] for r in rollouts])  # (n, R)
-    ids = pad_cat([r["response_ids"] for r in rollouts]).masked_fill(mask == 0, pad)
-    sampled = pad_cat([r["sampled_logps"] for r in rollouts])
-    chunks = []
-    for i in range(0, len(prompts), size):
-        R = max(1, int(mask[i:i + size].sum(1).max()))
-        chunk = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device) if plain else {}
-        chunk.update(response_ids=ids[i:i + size, :R], response_mask=mask[i:i + size, :R],
-                     sampled_logps=sampled[i:i + size, :R])
-        if args.share_prompt_prefix:
-            chunk.update(distinct_prompts(processor, prompts[i:i + size], args, device))
-        chunks.append(chunk)
-    return chunks
-
-
-# ---------------------------------------------------------------------------------------------
-# Scoring: log-probs of the sampled tokens under a model, on the same ids and images
-# ---------------------------------------------------------------------------------------------
-
-
-def sequence_inputs(chunk: dict) -> dict:
-    """Prompt + response as one forward's inputs. Every per-token input (shaped like input_ids) grows by the
-    response: ids by its ids, the attention mask by its mask, token types (mm_token_type_ids, token_type_ids)
-    by zeros: response tokens are text."""
-    inputs = model_inputs(chunk)
-    response, mask, prompt_shape = chunk["response_ids"], chunk["response_mask"], chunk["input_ids"].shape
-    for key, value in inputs.items():
-        if torch.is_tensor(value) and value.shape == prompt_shape:
-            extra = {"input_ids": response, "attention_mask": mask}.get(key, torch.zeros_like(response))
-            inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
-    return inputs
-
-
-@contextlib.contextmanager
-def without_lm_head(model):
-    """Within it, the model's forward returns its last hidden states where it returned logits, and this yields
-    the LM head's weight, for head_logps. Yields None, leaving the model as it is, where the head is not a
-    plain frozen bias-free Linear holding its whole weight (sharded under FSDP or ZeRO-3) or its logits are
-    changed (a hook on it, final-logit soft-capping)."""
-    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers: the head is swapped inside, the wrapper still runs
-        model = model.module
-    head = model.get_output_embeddings()
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    plain = (type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
-             and type(head.weight.data) is torch.Tensor and head.weight.numel() > 0
-             and not (head._forward_hooks or head._forward_pre_hooks)  # something changes its logits
-             and getattr(text_config, "final_logit_softcapping", None) is None)
-    name = next((n for n, m in model.named_modules() if m is head), None) if plain else None
-    if name is None:
-        yield None
-        return
-    parent, attr = (model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model), name.rsplit(".", 1)[-1]
-    setattr(parent, attr, torch.nn.Identity())
     try:
-        yield head.weight
-    finally:
-        setattr(parent, attr, head)
+        gold, guess = parse("$" + _strip_answer(reference) + "$"), parse("$" + _strip_answer(pred) + "$")
+        return bool(gold) and bool(guess) and bool(verify(gold, guess))
+    except Exception:  # math-verify raises many types on unparsable LaTeX; unparsable means not equal
+        return False
 
 
-def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-               keep: int, drop_last: bool) -> torch.Tensor:
-    """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
-    log-probs of token_ids there: through head_logps (no (n, T, V) logits) where without_lm_head allows, else
-    through the logits and token_logps."""
-    with without_lm_head(model) as weight:
-        out = model(**inputs, logits_to_keep=keep).logits  # (n, keep, H or V)
-    out = out[:, :-1] if drop_last else out
-    if weight is None:
-        return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
-    return head_logps(out, weight, token_ids, ignore_ids, temperature)
-
-
-def response_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(n, R) float32 log-probs of the response tokens. Only the R + 1 last positions go through the
-    LM head (logits_to_keep), chunk by chunk (logps_from), so no (n, P + R, V) or (n, R, V) logits exist."""
-    R = chunk["response_ids"].shape[1]
-    inputs = {k: v.to(chunk["response_ids"].device) for k, v in sequence_inputs(chunk).items()}  # pixels: from the host
-    return logps_from(model, {**inputs, "use_cache": False}, chunk["response_ids"], ignore_ids, temperature, R + 1, True)
-
-
-def prompt_groups(prompts: list) -> tuple[list, list[int]]:
-    """Rows -> (distinct prompts, (n,) index of each row's prompt). A prompt repeated G times by step_prompts is
-    one object, so identity tells the G samples of a prompt apart from another draw of the same row."""
-    position, unique, index = {}, [], []
-    for p in prompts:
-        if id(p) not in position:
-            position[id(p)] = len(unique)
-            unique.append(p)
-        index.append(position[id(p)])
-    return unique, index
-
-
-class SharedPrompts:
-    """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
-    continue on it, in one forward or token by token (rollouts).
-
-    prompt_inputs: the processor batch of the u prompts; index: (n,) each row's prompt. After construction,
-    `first` holds the (n, V) logits of each row's first response token (the prompt's last position). Positions
-    are the trap: a response continues its prompt's own last position (M-RoPE models place text after an image
-    at an offset of their own), so the positions the language model got for the prompt are read with a hook and
-    the response gets last + 1 + t in every rotary dimension; models that compute positions from the cache
-    length get none. Gradients flow through the cache into the prompt's forward.
-    """
-
-    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
-        device = index.device
-        prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
-        seen = {}
-        hook = language_model(model).register_forward_pre_hook(
-            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
-        try:
-            out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
-        finally:
-            hook.remove()
-        self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
-        self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys and values
-        self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
-        # token types (mm_token_type_ids, token_type_ids): response tokens are text
-        self.types = {k: v.dtype for k, v in prompt.items() if k not in ("input_ids", "attention_mask")
-                      and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
-        positions = seen.get("position_ids")  # (..., u or 1, P) -> (..., n, 1)
-        self.last = None if positions is None else positions[..., -1:].expand(
-            *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
-        self.length = 0  # response tokens already in the cache
-
-    def inputs(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end)."""
-        self.mask = torch.cat([self.mask, mask], 1)
-        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": self.cache, "use_cache": True,
-                  **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
-        if self.last is not None:
-            inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
-        self.length += ids.shape[1]
-        return inputs
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The next (n, T) response tokens on the cache -> (n, T, V) logits."""
-        return self.model(**self.inputs(ids, mask)).logits
-
-
-def shared_prompt_logps(model, chunk: dict, ignore_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """response_logps, reading each distinct prompt (and its images) once (SharedPrompts): (n, R) float32.
-    Gradients flow through the cache into the prompt's forward, so the student's update can use it too."""
-    ids, mask = chunk["response_ids"], chunk["response_mask"]
-    shared = SharedPrompts(model, chunk["prompt_inputs"], chunk["prompt_index"].to(ids.device))
-    first = token_logps(shared.first[:, None], ids[:, :1], ignore_ids, temperature)  # (n, 1)
-    if ids.shape[1] == 1:
-        return first
-    inputs = shared.inputs(ids[:, :-1], mask[:, :-1])  # the last response token predicts nothing that is scored
-    rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False)  # (n, R - 1)
-    return torch.cat([first, rest], 1)
-
-
-def logps_tolerance(model) -> float:
-    """How far shared_prompt_logps may be from response_logps and still count as equal: float32 rounding
-    (1e-4) when the model computes in float32. 16-bit weights, and 4-bit ones (bitsandbytes' CPU kernel
-    computes in bf16 whatever the compute dtype, and its rounding changes with the batch's shape), round logits
-    to ~3 significant digits: there the tolerance is 0.05 nats (measured: up to 2e-3 on the stand-ins; a wrong
-    position or mask moves a trained model's log-probs by whole nats)."""
-    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
-
-
-class PromptSharing:
-    """The scoring call of a model: shared_prompt_logps once a check on the first chunk found it equal to
-    response_logps (max |difference| over valid tokens within logps_tolerance), else response_logps.
-
-    agree(ok) -> bool makes every process take the same decision (with sharded weights they must run the same
-    forwards). `reason` set at construction disables sharing from the start (it is logged, not checked).
-    """
-
-    def __init__(self, name: str, log=print, agree=lambda ok: ok, reason: str | None = None):
-        self.name, self.log, self.agree = name, log, agree
-        self.shared, self.difference = (False if reason else None), None
-        if reason:
-            log(f"{name}: each sample reads its prompt itself ({reason})")
-
-    def __call__(self, model, chunk: dict, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
-        if self.shared is None:
-            self.shared = self.check(model, chunk, ignore_ids, temperature)
-        return (shared_prompt_logps if self.shared else response_logps)(model, chunk, ignore_ids, temperature)
-
-    def check(self, model, chunk: dict, ignore_ids: torch.Tensor | None, temperature: float) -> bool:
-        """Both forwards on the chunk; a trainable model also takes a gradient through the shared one (a cache
-        updated in place, as hybrid linear-attention layers do, cannot be differentiated through). The check calls
-        the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
-        while hasattr(model, "module"):
-            model = model.module
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if "prompt_index" not in chunk:
-            ok, why = False, "the rollouts carry no distinct prompts (--share_prompt_prefix off when they were made)"
-        else:
-            with torch.no_grad():
-                plain = response_logps(model, chunk, ignore_ids, temperature)
-            with torch.enable_grad() if trainable else torch.no_grad():
-                try:
-                    shared = shared_prompt_logps(model, chunk, ignore_ids, temperature)
-                    if trainable and shared.requires_grad:
-                        torch.autograd.grad(shared.sum(), trainable, allow_unused=True)
-                        shared = shared.detach()
-                    valid = chunk["response_mask"].bool()
-                    self.difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
-                    ok = math.isfinite(self.difference) and self.difference <= logps_tolerance(model)
-                    why = f"max |difference| {self.difference:.2e} vs tolerance {logps_tolerance(model):.0e}"
-                except Exception as e:  # a model whose forward cannot continue from an expanded cache
-                    ok, why = False, f"{type(e).__name__}: {e}"
-        agreed = self.agree(ok)
-        if agreed:
-            self.log(f"{self.name}: each prompt read once for its G samples (checked on the first micro-batch: {why})")
-        else:
-            self.log(f"{self.name}: falling back to one full forward per sample "
-                     f"({why if not ok else 'another process found the shared prompt unequal'})")
-        return agreed
-
-
-def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[(n_i, R_i)] -> (sum n_i, max R_i), right-padded with zeros."""
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation and checkpoints
-# ---------------------------------------------------------------------------------------------
+def is_well_formed(response: str, require_think: bool = False) -> bool:
+    """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
+    if require_think:
+        return re.fullmatch(r"\s*<think>.*?</think>.*\\boxed\{.*\}.*", response, flags=re.DOTALL) is not None
+    return extract_boxed(response) is not None
 
 
 @torch.no_grad()
@@ -1474,17 +1452,21 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
     counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
     batch_size = batch_size or args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
-        chunk = mine[s:s + batch_size]
-        batch = encode_prompts(processor, [(q, imgs) for q, imgs, _ in chunk], args.instruction).to(accelerator.device)
-        out = model.generate(**model_inputs(batch), generation_config=gen_config, synced_gpus=synced_gpus)
-        texts = processor.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-        texts, chunk = texts[:max(n_mine - s, 0)], chunk[:max(n_mine - s, 0)]  # drop the top-up rows
-        counts[0] += sum(grade_answer(t, a) for t, (_, _, a) in zip(texts, chunk))
+        part = mine[s:s + batch_size]
+        inputs = encode_prompts(processor, [(q, imgs) for q, imgs, _ in part], args.instruction).to(accelerator.device)
+        out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
+        texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
+        counts[0] += sum(grade_answer(t, a) for t, (_, _, a) in zip(texts, part))
         counts[1] += sum(is_well_formed(t, args.require_think) for t in texts)
-        counts[2] += len(chunk)
+        counts[2] += len(part)
     counts = accelerator.reduce(counts, reduction="sum")
     model.train(was_training)
     return {"accuracy": counts[0].item() / max(counts[2].item(), 1), "format_rate": counts[1].item() / max(counts[2].item(), 1)}
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: atomic saves, resume, one run per output_dir
+# ---------------------------------------------------------------------------------------------
 
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -1598,201 +1580,48 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
             f.writelines(lines)
     return saved["step"], saved["counters"]
 
-
 # ---------------------------------------------------------------------------------------------
-# The step: prompts -> rollouts, scores and advantages -> student update -> metrics
+# Set-up: the launch, the models, the data, the optimizer; the run's end
 # ---------------------------------------------------------------------------------------------
 
 
-def step_seed(seed: int, step: int, process_index: int) -> int:
-    """Every step's sampling randomness is a function of (seed, step, process): processes draw different
-    samples, and a resumed run samples exactly what the interrupted one would have."""
-    return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
-
-
-def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
-                 process_index: int = 0) -> tuple[list[tuple[str, list]], list[int]]:
-    """This process's prompts of a step, each repeated G times: ([(question, images)] * G per prompt, group ids)."""
-    prompts, group_ids = [], []
-    for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
-                                              num_processes, process_index):
-        row = train_ds[train_keep[position]]
-        prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
-        group_ids += [group_id] * args.num_generations
-    return prompts, group_ids
-
-
-def generate_and_score(policy, teacher, processor, prompts: list[tuple[str, list]], group_ids: list[int], args: Args,
-                       gen_config, *, seed: int, ignore_ids: torch.Tensor | None = None, synced_gpus: bool = False,
-                       teacher_logps=response_logps, student_logps=None, log=print, step: int = 0) -> dict:
-    """Rollouts of this process's prompts, their teacher log-probs, scores and advantages.
-
-    prompts: n = (prompts of this process) x G, already repeated; group_ids: (n,) prompt ids.
-    teacher_logps(model, chunk, ignore_ids) -> (n_chunk, R) is the teacher's scoring call (a parameter so that
-    tests can feed it broken numbers). The rollouts read each prompt once where student_logps (the update's
-    PromptSharing) has found that equal to the plain forward, from the step after its check on. Advantages are normalized over the global batch (the all-reduce inside
-    normalize_scores), once, before any update. Returns
-      chunks: micro-batches of rollout() output (+ teacher_logps), in order;
-      response_mask (n, R) (0 where a log-prob is not finite), teacher_logps, student_logps (the sampling
-      policy's), scores, advantages: (n, R) float32; nonfinite_tokens; time_generate, time_score (s).
-    Advantages are NaN when too few valid tokens are left to normalize (all processes then skip the update).
-    """
-    t0 = time.time()
-    torch.manual_seed(seed)
-    gb = args.generation_batch_size or len(prompts)
-    share = getattr(student_logps, "shared", None) is True
-    rollouts = [rollout(policy, processor, prompts[i:i + gb], gen_config, args, gen_config.eos_token_id, synced_gpus,
-                        share) for i in range(0, len(prompts), gb)]
-    # once both models read each prompt once, no forward reads every row's prompt: it is not encoded
-    plain = not (share and getattr(teacher_logps, "shared", None) is True)
-    chunks = cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args, plain)
-    t_generate, t0 = time.time() - t0, time.time()
-    with torch.no_grad():  # the teacher scores the same ids and images; student_lp is the sampling policy's
-        for c in chunks:
-            c["teacher_logps"] = teacher_logps(teacher, c, ignore_ids)
-    mask = pad_cat([c["response_mask"] for c in chunks])  # (n, R)
-    teacher_lp, student_lp = pad_cat([c["teacher_logps"] for c in chunks]), pad_cat([c["sampled_logps"] for c in chunks])
-    finite = torch.isfinite(teacher_lp) & torch.isfinite(student_lp)
-    nonfinite = int(((~finite) & mask.bool()).sum())  # e.g. a broken teacher: drop those tokens, count them
-    mask = mask * finite
-    scores = distill_scores(teacher_lp, student_lp, mask, args.score_clip)
-    try:  # whitened over every valid token of the global batch (GNDPO), or another mode
-        advantages = normalize_scores(scores, mask, args.advantage_mode, torch.tensor(group_ids, device=scores.device))
-    except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
-        log(f"step {step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
-        # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
-        # non-finite: all processes then skip this step's updates together
-        advantages = torch.full_like(scores, float("nan"))
-    return {"chunks": chunks, "response_mask": mask, "teacher_logps": teacher_lp, "student_logps": student_lp,
-            "scores": scores, "advantages": advantages, "nonfinite_tokens": nonfinite,
-            "time_generate": t_generate, "time_score": time.time() - t0}
-
-
-def update_student(student, optimizer, scheduler, accelerator, batch: dict, args: Args, *,
-                   ignore_ids: torch.Tensor | None = None, loss_fn=policy_loss, student_logps=response_logps,
-                   log=print, step: int = 0) -> dict:
-    """The step's optimizer updates on the scored rollouts of generate_and_score().
-
-    The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates
-    run E = num_iterations times. The first mini-batch's first forward runs before any update, so its detached
-    log-probs are the old policy's (with K = E = 1 that is all: ratio 1, no extra forward); the other K - 1
-    mini-batches get theirs from one no-grad student forward before the first update, so later updates see
-    ratios away from 1 and the clip acts. An update whose loss or gradient is
-    not finite (on any process) is dropped, not applied: one NaN would poison the adapter for good.
-    loss_fn has policy_loss's signature; student_logps is the student's forward (response_logps, or a
-    PromptSharing that reads each prompt once). Returns loss (mean over micro-batch forwards), clip_frac and
-    ratio_mean (over the updates' tokens), logp_mismatch (|old or first-pass logps - sampling logps| per
-    token: ~0 when scoring inputs are right), grad_norm (mean pre-clip norm over the updates), grad_norm_max,
-    lr (the last update's), updates, skipped_updates, time_update.
-    """
-    t0 = time.time()
-    chunks, K, E = batch["chunks"], args.steps_per_generation, args.num_iterations
-    rows = [0]  # chunk i holds rows rows[i]:rows[i + 1] of the (n, R) step tensors
-    for c in chunks:
-        rows.append(rows[-1] + c["response_ids"].shape[0])
-    per_update = len(chunks) // K  # check_args made it divide
-    old_logps = {}  # chunk index -> the log-probs of the policy that sampled, as the training forward sees it
-    with torch.no_grad():  # taken now, before the policy moves, for the mini-batches updated after the first
-        for i in range(per_update, len(chunks)):
-            old_logps[i] = student_logps(student, chunks[i], ignore_ids, args.temperature)
-    sums = {"loss": 0.0, "forwards": 0, "clip": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0, "mismatch_tokens": 0.0}
-    grad_norms, lr, skipped = [], float("nan"), 0
-    for epoch in range(E):
-        for k in range(K):
-            loss_sum = 0.0
-            for i in range(k * per_update, (k + 1) * per_update):
-                c = chunks[i]
-                R = c["response_ids"].shape[1]
-                adv, mask = batch["advantages"][rows[i]:rows[i + 1], :R], batch["response_mask"][rows[i]:rows[i + 1], :R]
-                with accelerator.accumulate(student):
-                    logps = student_logps(student, c, ignore_ids, args.temperature)
-                    old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
-                    loss, m = loss_fn(logps, old, adv, mask, args.loss_type, args.clip_low, args.clip_high)
-                    accelerator.backward(loss)
-                n_tok = mask.sum().item()
-                loss_sum += loss.item()
-                sums["forwards"] += 1
-                sums["clip"] += m["clip_frac"] * n_tok
-                sums["ratio"] += m["ratio_mean"] * n_tok
-                sums["tokens"] += n_tok
-                if epoch == 0:  # sampling vs training log-probs of the policy that sampled
-                    sums["mismatch"] += ((old - c["sampled_logps"]).abs() * mask).sum().item()
-                    sums["mismatch_tokens"] += n_tok
-            sums["loss"] += loss_sum
-            # Under DeepSpeed the engine already clipped and stepped inside the last accelerator.backward and this
-            # returns the norm it saw: a non-finite update is counted but can no longer be dropped.
-            grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            grad_norms.append(grad_norm)
-            lr = scheduler.get_last_lr()[0]  # the rate this update uses
-            # every process must take the same decision, or the replicas drift apart
-            bad = accelerator.reduce(torch.tensor(float(not math.isfinite(loss_sum)), device=accelerator.device), reduction="sum")
-            if math.isfinite(grad_norm) and bad.item() == 0:
-                optimizer.step()
-                scheduler.step()
-            else:
-                skipped += 1
-                log(f"step {step + 1}: non-finite loss or gradient (loss {loss_sum}, grad norm {grad_norm}); "
-                    f"update {epoch * K + k + 1} of {K * E} skipped")
-            optimizer.zero_grad(set_to_none=True)
-    n = max(sums["tokens"], 1.0)
-    return {"loss": sums["loss"] / max(sums["forwards"], 1), "clip_frac": sums["clip"] / n, "ratio_mean": sums["ratio"] / n,
-            "logp_mismatch": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
-            "grad_norm": sum(grad_norms) / len(grad_norms), "grad_norm_max": max(grad_norms), "lr": lr,
-            "updates": K * E, "skipped_updates": skipped, "tokens": sums["tokens"], "mismatch_tokens": sums["mismatch_tokens"],
-            "time_update": time.time() - t0}
-
-
-def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
-    """Sums, minima and maxima over processes, in one gather."""
-    keys = list(sums) + list(lows) + list(highs)
-    local = torch.tensor([sums[k] for k in sums] + [lows[k] for k in lows] + [highs[k] for k in highs],
-                         dtype=torch.float64, device=accelerator.device)
-    every = accelerator.gather(local[None]).double()  # (processes, K)
-    n_sum, n_low = len(sums), len(lows)
-    out = every[:, :n_sum].sum(0).tolist() + every[:, n_sum:n_sum + n_low].min(0).values.tolist() \
-        + every[:, n_sum + n_low:].max(0).values.tolist()
-    return dict(zip(keys, out))
-
-
-def step_metrics(accelerator, batch: dict, update: dict, score_clip: float, step: int, step_time: float) -> dict:
-    """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
-
-    Every statistic weighs the valid tokens of the global batch equally, except loss (the mean over processes
-    of update_student()'s mean) and grad_norm / lr (identical on every process).
-    """
-    mask = batch["response_mask"].bool()
-    student_lp, teacher_lp = batch["student_logps"][mask], batch["teacher_logps"][mask]
-    s, a = batch["scores"][mask], batch["advantages"][mask]
-    r = reduce_metrics(
-        accelerator,
-        sums={"tokens": float(mask.sum()), "seqs": float(mask.shape[0]), "kl": (student_lp - teacher_lp).sum().item(),
-              "s": s.sum().item(), "s2": (s.double() ** 2).sum().item(),
-              "clamped": float(((teacher_lp - student_lp).abs() >= score_clip).sum()),
-              "a": a.sum().item(), "a2": (a.double() ** 2).sum().item(), "nonfinite": float(batch["nonfinite_tokens"]),
-              "loss": update["loss"], "u_tokens": update["tokens"], "clip": update["clip_frac"] * update["tokens"],
-              "ratio": update["ratio_mean"] * update["tokens"], "m_tokens": update["mismatch_tokens"],
-              "mismatch": update["logp_mismatch"] * update["mismatch_tokens"]},
-        lows={"a_min": a.min().item() if a.numel() else 0.0},
-        highs={"a_max": a.max().item() if a.numel() else 0.0, "t_generate": batch["time_generate"],
-               "t_score": batch["time_score"], "t_update": update["time_update"]})
-    N, P = max(r["tokens"], 1.0), accelerator.num_processes
-    return {
-        "step": step + 1, "loss": r["loss"] / P, "reverse_kl": r["kl"] / N, "score_mean": r["s"] / N,
-        "score_std": math.sqrt(max(r["s2"] / N - (r["s"] / N) ** 2, 0.0)), "score_clamped_frac": r["clamped"] / N,
-        "adv_mean": r["a"] / N, "adv_std": math.sqrt(max(r["a2"] / N - (r["a"] / N) ** 2, 0.0)),
-        "adv_min": r["a_min"], "adv_max": r["a_max"], "clip_frac": r["clip"] / max(r["u_tokens"], 1.0),
-        "ratio_mean": r["ratio"] / max(r["u_tokens"], 1.0), "logp_mismatch": r["mismatch"] / max(r["m_tokens"], 1.0),
-        "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"],
-        "lr": update["lr"], "response_length": r["tokens"] / max(r["seqs"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
-        "time_generate": r["t_generate"], "time_score": r["t_score"], "time_update": r["t_update"],
-        "tokens_per_second": r["tokens"] / step_time,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Set-up and main(): the loop that calls the step
-# ---------------------------------------------------------------------------------------------
+def check_args(args: Args, num_processes: int) -> int:
+    """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
+    problems = []
+    for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.generation_batch_size < 0:
+        problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}")
+    if problems:
+        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    if args.advantage_mode not in ADVANTAGE_MODES:
+        problems.append(f"--advantage_mode {args.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
+    if args.loss_type not in LOSS_TYPES:
+        problems.append(f"--loss_type {args.loss_type!r} is not one of {LOSS_TYPES}")
+    if args.advantage_mode == "group" and args.num_generations < 2:
+        problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2")
+    if args.temperature <= 0:
+        problems.append("--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
+    if args.prompts_per_step % num_processes:
+        problems.append(f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: "
+                        f"use a multiple of {num_processes}")
+    seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
+    if not problems and seqs % args.micro_batch_size:
+        problems.append(f"each process holds {seqs} sequences per step (prompts_per_step*G/processes), which "
+                        f"--micro_batch_size {args.micro_batch_size} does not divide")
+    micro_batches = seqs // args.micro_batch_size if not problems else 0
+    if not problems and micro_batches % args.steps_per_generation:
+        problems.append(f"each process holds {micro_batches} micro-batches per step, which --steps_per_generation "
+                        f"{args.steps_per_generation} does not divide (every update gets whole micro-batches): "
+                        f"change --micro_batch_size or --steps_per_generation")
+    accum = micro_batches // args.steps_per_generation if not problems else 0
+    if not problems and args.gradient_accumulation_steps not in (0, accum):
+        problems.append(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} contradicts "
+                        f"prompts_per_step*G/(processes*micro_batch_size*steps_per_generation) = {accum}; leave it at 0")
+    if problems:
+        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    return accum
 
 
 def make_accelerator(args: Args):
@@ -1884,133 +1713,44 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     return student, optimizer, scheduler
 
 
-def prompt_sharing(args: Args, accelerator, teacher_logps, log=print) -> tuple:
-    """(teacher scoring call, student forward): PromptSharing where --share_prompt_prefix allows it, else as given.
-    The student's update keeps one forward per sample under gradient checkpointing (recomputing a layer would
-    write its keys into the cache a second time) and with sharded weights (two forwards per backward)."""
-    if not args.share_prompt_prefix:
-        return teacher_logps, response_logps
-    n = accelerator.num_processes
-    agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device), reduction="sum").item() == n  # noqa: E731
-    if teacher_logps is response_logps:  # tests pass their own scoring calls: those stay as they are
-        teacher_logps = PromptSharing("teacher", log, agree)
-    reason = ("--gradient_checkpointing recomputes layers, which would write the prompt's keys twice"
-              if args.gradient_checkpointing else
-              "the weights are sharded: each forward gathers them, two per backward is untested" if weights_are_sharded(accelerator)
-              else None)
-    return teacher_logps, PromptSharing("student", log, agree, reason)
+def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_logps=None) -> Models:
+    """The step's Models: the prepared student and its unwrapped policy, the teacher, the sampling config, the ids
+    sampling suppresses, and the checks that decide which forwards read each prompt once."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    policy = accelerator.unwrap_model(student)  # for generate(): the wrapped module has no generate
+    # generate() calls the model's inner modules, never the FSDP2 root's forward, so the root's own parameters
+    # (embeddings, vision merger, ...) would stay sharded: run the root's unshard hooks around generate too (a
+    # no-op unless FSDP2). Inner wrapped layers gather themselves in their own forward.
+    register_fsdp_forward_method(policy, "generate")
+    sample_config, _ = generation_configs(processor.tokenizer, policy, args)
+    ignore_ids = (torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
+                  if sample_config.suppress_tokens else None)
+    # With sharded weights each forward gathers parameters from every process, so all of them must keep
+    # stepping generate() until the last one is done.
+    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
+    sharing = PrefixSharing.for_run(args, accelerator, log)
+    return Models(student, policy, teacher, processor, sample_config, ignore_ids, sharing, teacher_logps, synced_gpus)
+
+
+def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
+    """Sums, minima and maxima over processes, in one gather."""
+    keys = list(sums) + list(lows) + list(highs)
+    local = torch.tensor([sums[k] for k in sums] + [lows[k] for k in lows] + [highs[k] for k in highs],
+                         dtype=torch.float64, device=accelerator.device)
+    every = accelerator.gather(local[None]).double()  # (processes, K)
+    n_sum, n_low = len(sums), len(lows)
+    out = (every[:, :n_sum].sum(0).tolist() + every[:, n_sum:n_sum + n_low].min(0).values.tolist()
+           + every[:, n_sum + n_low:].max(0).values.tolist())
+    return dict(zip(keys, out))
 
 
 def format_metrics(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
-def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_loss) -> dict:
-    """Trains the student; returns the run's summary (also written to output_dir/summary.json).
-
-    on_step(step) is called with the 1-based step before it runs; teacher_logps and loss_fn replace the
-    teacher's scoring call and the policy loss (tests feed broken numbers through them).
-    """
-    from accelerate.utils import set_seed
-    from torch.distributed.fsdp import register_fsdp_forward_method
-    from tqdm.auto import tqdm
-
-    wall_start = time.time()
-    accelerator, accum = make_accelerator(args)
-    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
-    resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
-    accelerator.wait_for_everyone()
-    set_seed(args.seed)
-    processor, student, teacher = load_models(args, accelerator, log)
-    sample_config, greedy_config = generation_configs(processor.tokenizer, student, args)
-    ignore_ids = torch.tensor(sample_config.suppress_tokens, device=accelerator.device) if sample_config.suppress_tokens else None
-    train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
-    student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
-    policy = accelerator.unwrap_model(student)  # for generate(): the wrapped module has no generate
-    # generate() calls the model's inner modules, never the FSDP2 root's forward, so the root's own
-    # parameters (embeddings, vision merger, ...) would stay sharded: run the root's unshard hooks around
-    # generate too (a no-op unless FSDP2). Inner wrapped layers gather themselves in their own forward.
-    register_fsdp_forward_method(policy, "generate")
-    # With sharded weights each forward gathers parameters from every process, so all of them must keep
-    # stepping generate() until the last one is done.
-    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
-    teacher_logps, student_logps = prompt_sharing(args, accelerator, teacher_logps, log)
-    evaluate_policy = lambda: evaluate(policy, processor, eval_rows, args, accelerator, greedy_config,  # noqa: E731
-                                       synced_gpus=synced_gpus)
-
-    start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
-    metrics_path, summary_path = os.path.join(args.output_dir, "metrics.jsonl"), os.path.join(args.output_dir, "summary.json")
-    summary = {}
-    if resume_from:
-        start_step, counters = restore_checkpoint(accelerator, resume_from, metrics_path)
-        log(f"resumed from {resume_from} at step {start_step}")
-        if os.path.exists(summary_path):
-            with open(summary_path) as f:
-                summary = json.load(f)
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-    if args.report_to != "none":
-        accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))})
-    if eval_rows and "student_accuracy_before" not in summary:
-        t, s = evaluate(teacher, processor, eval_rows, args, accelerator, greedy_config), evaluate_policy()
-        summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
-                       student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"])
-        log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
-            f"(format {s['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
-
-    # --- the loop: the step's four functions ---
-    student.train()
-    # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
-    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
-                    dynamic_ncols=True, **({} if accelerator.is_main_process else {"disable": True}))
-    bar = {"acc": f"{summary['student_accuracy_before']:.3f}"} if "student_accuracy_before" in summary else {}
-    for step in progress:
-        t_step = time.time()
-        if on_step:
-            on_step(step + 1)
-        prompts, group_ids = step_prompts(train_ds, train_keep, args, step, accelerator.num_processes,
-                                          accelerator.process_index)
-        batch = generate_and_score(policy, teacher, processor, prompts, group_ids, args, sample_config,
-                                   seed=step_seed(args.seed, step, accelerator.process_index), ignore_ids=ignore_ids,
-                                   synced_gpus=synced_gpus, teacher_logps=teacher_logps, student_logps=student_logps,
-                                   log=log, step=step)
-        update = update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=ignore_ids,
-                                loss_fn=loss_fn, student_logps=student_logps, log=log, step=step)
-        counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
-        counters["skipped_steps"] += bool(update["skipped_updates"])
-        metrics = step_metrics(accelerator, batch, update, args.score_clip, step, time.time() - t_step)
-        metrics["skipped_steps"] = counters["skipped_steps"]
-        if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
-            e = evaluate_policy()
-            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
-            bar["acc"] = f"{e['accuracy']:.3f}"
-        if accelerator.is_main_process:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **bar)
-            if args.logging_steps and ((step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps):
-                log(format_metrics(metrics))
-        accelerator.log(metrics, step=step + 1)
-        if counters["consecutive_skips"] >= args.max_consecutive_skips:
-            last = list_checkpoints(args.output_dir)
-            raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step + 1}: stopping. "
-                               f"The last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
-                               f"lower --learning_rate or check the teacher's outputs, then resume from it.")
-        if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
-            save_checkpoint(accelerator, student, processor, args.output_dir, step + 1,
-                            {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
-
-    # --- the end: final adapter, evaluation, summary ---
-    accelerator.wait_for_everyone()
-    save_adapter(accelerator, student, processor, os.path.join(args.output_dir, "adapter"))
-    if eval_rows:
-        e = evaluate_policy()
-        summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
-    summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
-                   advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
-                   skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"])
-    summary["prompt_read_once"] = {name: getattr(f, "shared", None) for name, f in (("teacher", teacher_logps),
-                                                                                   ("student", student_logps))}
+def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, log=print) -> None:
+    """Prints the accuracy table, writes summary.json (main process), closes trackers and the process group."""
     if accelerator.is_main_process:
         if eval_rows:
             log("\n          accuracy  before   after\n"
@@ -2018,12 +1758,11 @@ def main(args: Args, on_step=None, teacher_logps=response_logps, loss_fn=policy_
                 f"  student           {summary['student_accuracy_before']:.3f}   {summary['student_accuracy_after']:.3f}")
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
-        log(f"adapter, metrics.jsonl and summary.json in {args.output_dir}")
+        log(f"adapter, metrics.jsonl and summary.json in {os.path.dirname(summary_path)}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes trackers and (accelerate >= 1.x) destroys the process group itself
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # without it, multi-process runs often abort at exit
-    return summary
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -2037,6 +1776,403 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(os.path.abspath(argv[0]))[0]
     return parser.parse_args_into_dataclasses(argv)[0]
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 1, lean log-probs. Replaces log_softmax(logits).gather over float32 (n, R, V) logits:
+# token_logps works through chunks of logits and head_logps runs the LM head chunk by chunk, both with a
+# backward of their own. Checked against log_softmax in value and gradient (tests/test_math.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def _float_logits(logits: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """A float32 copy of a chunk of logits, divided by the temperature, -inf at the ignored ids."""
+    logits = logits.to(torch.float32, copy=True)  # a copy of this chunk only; changed in place below
+    if temperature != 1.0:
+        logits.div_(temperature)
+    if ignore_ids is not None:
+        logits.index_fill_(-1, ignore_ids, float("-inf"))
+    return logits
+
+
+def _chunk_logps(logits: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V) logits of any float dtype, (...) ids -> ((...) float32 log-probs, (...) float32 logsumexp)."""
+    logits = _float_logits(logits, ignore_ids, temperature)
+    picked = logits.gather(-1, ids[..., None]).squeeze(-1)
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)  # one fused pass
+    lse = picked - logps
+    unset = ~torch.isfinite(picked)  # an ignored token given: its log-prob is -inf, its row's lse still counts
+    if unset.any():
+        lse[unset] = logits[unset].logsumexp(-1)
+    return logps, lse
+
+
+def _chunks(B: int, T: int, V: int, chunk_elements: int) -> list[tuple[int, int, int, int]]:
+    """(b0, b1, t0, t1) slices of a (B, T, V) tensor holding at most chunk_elements logits each: whole rows
+    when they fit, else pieces of one row. Slices of dims 0 and 1 are views: no copy of the logits is made."""
+    if T * V <= chunk_elements:  # several whole rows per chunk
+        n = max(1, chunk_elements // (T * V))
+        return [(b, min(b + n, B), 0, T) for b in range(0, B, n)]
+    n = max(1, chunk_elements // V)  # long rows: pieces of one row at a time
+    return [(b, b + 1, t, min(t + n, T)) for b in range(B) for t in range(0, T, n)]
+
+
+class _TokenLogps(torch.autograd.Function):
+    """token_logps under autograd, keeping only the (B, T) logsumexp for backward: the gradient of
+    log p(y) = x_y / tau - lse is (onehot(y) - softmax(x / tau)) / tau, and each chunk's softmax is recomputed
+    from the logits (which the graph holds anyway) and that lse. A plain log_softmax would keep a float32
+    (B, T, V) output instead."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, ignore_ids, temperature, chunk_elements):
+        B, T, V = logits.shape
+        out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        chunks = _chunks(B, T, V, chunk_elements)
+        for b0, b1, t0, t1 in chunks:
+            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1],
+                                                               ignore_ids, temperature)
+        ctx.save_for_backward(logits, token_ids, lse)
+        ctx.ignore_ids, ctx.temperature, ctx.chunks = ignore_ids, temperature, chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, token_ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for b0, b1, t0, t1 in ctx.chunks:
+            g = grad_out[b0:b1, t0:t1, None].float()  # (b, t, 1)
+            piece = _float_logits(logits[b0:b1, t0:t1], ctx.ignore_ids, ctx.temperature)
+            piece.sub_(lse[b0:b1, t0:t1, None]).exp_().mul_(-g)  # -g * softmax (0 at ignored ids), in place
+            piece.scatter_add_(-1, token_ids[b0:b1, t0:t1, None], g)  # + g at the token
+            grad[b0:b1, t0:t1] = piece.div_(ctx.temperature) if ctx.temperature != 1.0 else piece
+        return grad, None, None, None, None
+
+
+def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
+                temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+    """Log-probability of each given token under softmax(logits / temperature).
+
+    logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
+    logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
+    Works through chunks of at most `chunk_elements` logits (whole rows when they fit, else pieces of a
+    row), with the temperature applied inside each chunk, so it never holds a float32 copy of the whole
+    (B, T, V) tensor. Under autograd it keeps only the (B, T) logsumexp and recomputes each chunk's softmax
+    in backward; the gradient equals that of log_softmax(logits / temperature).gather(token_ids).
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogps.apply(logits, token_ids, ignore_ids, temperature, chunk_elements)
+    B, T, V = logits.shape
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_elements):
+        out[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1], ignore_ids, temperature)[0]
+    return out
+
+
+class _HeadTokenLogps(torch.autograd.Function):
+    """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
+    hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
+    gradient, (softmax - onehot(y)) / tau @ W times the incoming gradient. The head's weight is frozen."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk):
+        flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+        out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for r in range(0, len(ids), per_chunk):
+            out[r:r + per_chunk], lse[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk] @ weight.T,
+                                                                      ids[r:r + per_chunk], ignore_ids, temperature)
+        ctx.save_for_backward(hidden, weight, token_ids, lse)
+        ctx.ignore_ids, ctx.temperature, ctx.per_chunk = ignore_ids, temperature, per_chunk
+        return out.view(token_ids.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, token_ids, lse = ctx.saved_tensors
+        flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
+        grad = torch.empty_like(flat)
+        c = ctx.per_chunk
+        for r in range(0, len(ids), c):
+            g = grad_out[r:r + c, None].float()  # (c, 1)
+            logits = _float_logits(flat[r:r + c] @ weight.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
+            logits.sub_(lse[r:r + c, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + c, None], g)
+            if ctx.temperature != 1.0:
+                logits.div_(ctx.temperature)
+            grad[r:r + c] = logits.to(weight.dtype) @ weight  # (c, H)
+        return grad.view_as(hidden), None, None, None, None, None
+
+
+def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
+    (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
+    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden` only (the
+    head's weight is frozen: a LoRA student does not train it).
+
+    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T). Returns (B, T) float32.
+    """
+    if weight.requires_grad:
+        raise ValueError("head_logps leaves the LM head's weight without a gradient: freeze it or use token_logps")
+    per_chunk = max(1, chunk_elements // weight.shape[0])  # hidden-state rows per chunk
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, per_chunk)
+    flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+    out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
+    for r in range(0, len(ids), per_chunk):
+        out[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk] @ weight.T, ids[r:r + per_chunk], ignore_ids,
+                                            temperature)[0]
+    return out.view(token_ids.shape)
+
+
+@contextlib.contextmanager
+def without_lm_head(model):
+    """Within it, the model's forward returns its last hidden states where it returned logits, and this yields
+    the LM head's weight, for head_logps. Yields None, leaving the model as it is, where the head is not a
+    plain frozen bias-free Linear holding its whole weight (sharded under FSDP or ZeRO-3) or its logits are
+    changed (a hook on it, final-logit soft-capping)."""
+    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers: the head is swapped inside, the wrapper still runs
+        model = model.module
+    head = model.get_output_embeddings()
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    swappable = (type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
+             and type(head.weight.data) is torch.Tensor and head.weight.numel() > 0
+             and not (head._forward_hooks or head._forward_pre_hooks)  # something changes its logits
+             and getattr(text_config, "final_logit_softcapping", None) is None)
+    name = next((n for n, m in model.named_modules() if m is head), None) if swappable else None
+    if name is None:
+        yield None
+        return
+    parent, attr = (model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model), name.rsplit(".", 1)[-1]
+    setattr(parent, attr, torch.nn.Identity())
+    try:
+        yield head.weight
+    finally:
+        setattr(parent, attr, head)
+
+
+def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+               keep: int, drop_last: bool) -> torch.Tensor:
+    """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
+    log-probs of token_ids there: through head_logps (no (n, T, V) logits) where without_lm_head allows, else
+    through the logits and token_logps."""
+    with without_lm_head(model) as weight:
+        out = model(**inputs, logits_to_keep=keep).logits  # (n, keep, H or V)
+    out = out[:, :-1] if drop_last else out
+    if weight is None:
+        return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
+    return head_logps(out, weight, token_ids, ignore_ids, temperature)
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 2, each prompt read once (--share_prompt_prefix). Replaces one forward per sample of every
+# row's prompt: the distinct prompts are read once and their KV cache indexed to the G samples. Checked
+# at start-up against the plain forward on each model (PrefixSharing), with a fallback; tested on every
+# family (tests/test_prompt_sharing.py, tests/test_families.py).
+# ---------------------------------------------------------------------------------------------
+
+
+class SharedPrefix:
+    """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
+    continue on it, in one forward (logps: scoring and the update) or token by token (sample: rollouts).
+
+    prompt_inputs: the processor batch of the u prompts; index: (n,) each row's prompt. After construction,
+    `first` holds the (n, V) logits of each row's first response token (the prompt's last position). Positions
+    are the trap: a response continues its prompt's own last position (M-RoPE models place text after an image
+    at an offset of their own), so the positions the language model got for the prompt are read with a hook and
+    the response gets last + 1 + t in every rotary dimension; models that compute positions from the cache
+    length get none. Gradients flow through the cache into the prompt's forward.
+    """
+
+    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
+        device = index.device
+        prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
+        seen = {}
+        hook = language_model(model).register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
+        try:
+            out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
+        finally:
+            hook.remove()
+        self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
+        self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys
+        self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
+        # token types (mm_token_type_ids, token_type_ids): response tokens are text
+        self.types = {k: v.dtype for k, v in prompt.items() if k not in ("input_ids", "attention_mask")
+                      and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
+        positions = seen.get("position_ids")  # (..., u or 1, P) -> (..., n, 1)
+        self.last = None if positions is None else positions[..., -1:].expand(
+            *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
+        self.length = 0  # response tokens already in the cache
+
+    def inputs(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end)."""
+        self.mask = torch.cat([self.mask, mask], 1)
+        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": self.cache, "use_cache": True,
+                  **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
+        if self.last is not None:
+            inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
+        self.length += ids.shape[1]
+        return inputs
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next (n, T) response tokens on the cache -> (n, T, V) logits."""
+        return self.model(**self.inputs(ids, mask)).logits
+
+    @staticmethod
+    def logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+        """response_logps, reading each distinct prompt (and its images) once: (n, R) float32. Gradients flow
+        through the cache into the prompt's forward, so the student's update can use it too."""
+        ids, mask = rollout.response_ids, rollout.response_mask
+        shared = SharedPrefix(model, rollout.prompt_inputs, rollout.prompt_index.to(ids.device))
+        first = token_logps(shared.first[:, None], ids[:, :1], ignore_ids, temperature)  # (n, 1)
+        if ids.shape[1] == 1:
+            return first
+        inputs = shared.inputs(ids[:, :-1], mask[:, :-1])  # the last response token predicts nothing scored
+        rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False)  # (n, R - 1)
+        return torch.cat([first, rest], 1)
+
+    def sample(self, capture: SampledTokenLogps, sample_config) -> torch.Tensor:
+        """generate()'s sampling loop on the shared prompts: one token per forward for all n rows, until every row
+        has ended or max_new_tokens. The end tokens are held back until min_new_tokens (as generate() would).
+        Returns (n, R) ids, padding after a row's end."""
+        end = torch.tensor(sample_config.eos_token_id, device=self.first.device)
+        running = torch.ones(len(self.first), dtype=torch.bool, device=end.device)
+        scores, tokens = self.first.float(), []  # (n, V)
+        for t in range(sample_config.max_new_tokens):
+            if t < (sample_config.min_new_tokens or 0):
+                scores[:, end] = float("-inf")
+            token = capture(None, scores).argmax(-1).masked_fill(~running, sample_config.pad_token_id)  # (n,)
+            tokens.append(token)
+            running &= ~torch.isin(token, end)
+            if not running.any() or t + 1 == sample_config.max_new_tokens:
+                break
+            # like generate(): a row that has ended goes on with padding, attended to; its mask hides it later
+            scores = self.forward(token[:, None], torch.ones_like(token[:, None]))[:, -1].float()
+        return torch.stack(tokens, 1)
+
+
+def logps_tolerance(model) -> float:
+    """How far SharedPrefix.logps may be from response_logps and still count as equal: float32 rounding (1e-4)
+    when the model computes in float32. 16-bit weights, and 4-bit ones (bitsandbytes' CPU kernel computes in bf16
+    whatever the compute dtype, and its rounding changes with the batch's shape), round logits to about 3
+    significant digits: there the tolerance is 0.05 nats (a wrong position or mask moves a trained model's
+    log-probs by whole nats)."""
+    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
+
+
+class PrefixSharing:
+    """Which forwards read each prompt once (--share_prompt_prefix), as explicit state: decided[role] is None until
+    the role's check ran, then True (SharedPrefix) or False (the plain forward), for the roles
+      teacher: the teacher's scoring, checked on its first micro-batch;
+      student: the student's update forwards, checked on its first micro-batch;
+      rollout: the sampling loop on shared prompts instead of generate(), from the step after the student's check
+               passed (it reads the prompt the same way).
+    agree(ok) -> bool makes every process take the same decision (with sharded weights they must run the same
+    forwards). A role given a reason at construction is off from the start (the reason is logged, not checked).
+    """
+
+    ROLES = ("teacher", "student", "rollout")
+
+    def __init__(self, enabled: bool = True, log=print, agree=lambda ok: ok, reasons: dict | None = None):
+        self.log, self.agree = log, agree
+        self.decided = {role: None if enabled else False for role in self.ROLES}
+        self.difference = {}  # role -> max |shared - plain| the check measured
+        for role, reason in (reasons or {}).items():
+            if enabled and reason:
+                self.decided[role] = False
+                log(f"{role}: each sample reads its prompt itself ({reason})")
+
+    @classmethod
+    def for_run(cls, args: Args, accelerator, log=print) -> PrefixSharing:
+        """The run's checks, agreed on by every process. The student's update keeps one forward per sample under
+        gradient checkpointing (recomputing a layer would write its keys into the cache a second time) and with
+        sharded weights (two forwards per backward)."""
+        n = accelerator.num_processes
+        agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
+                                              reduction="sum").item() == n
+        reason = ("--gradient_checkpointing recomputes layers, which would write the prompt's keys twice"
+                  if args.gradient_checkpointing else
+                  "the weights are sharded: each forward gathers them, two per backward is untested"
+                  if weights_are_sharded(accelerator) else None)
+        return cls(args.share_prompt_prefix, log, agree, {"student": reason, "rollout": reason})
+
+    def logps(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None,
+              temperature: float = 1.0) -> torch.Tensor:
+        """(n, R) float32 log-probs of the rollout's response tokens under `model`, the way `role` was decided."""
+        if self.decided[role] is None:
+            self.decided[role] = self.check(role, model, rollout, ignore_ids, temperature)
+            if role == "student":
+                self.decided["rollout"] = self.decided["student"]
+        return (SharedPrefix.logps if self.decided[role] else response_logps)(model, rollout, ignore_ids, temperature)
+
+    def all_shared(self) -> bool:
+        """True once no forward reads every row's prompt: rollouts then need not encode it."""
+        return all(self.decided[role] is True for role in ("teacher", "student", "rollout"))
+
+    def summary(self) -> dict:
+        """Each role's decision, for summary.json."""
+        return dict(self.decided)
+
+    def check(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float) -> bool:
+        """Both forwards on the micro-batch; a trainable model also takes a gradient through the shared one (a cache
+        updated in place, as hybrid linear-attention layers do, cannot be differentiated through). The check calls
+        the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
+        while hasattr(model, "module"):
+            model = model.module
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if rollout.prompt_index is None:
+            ok, why = False, "the rollouts carry no distinct prompts (--share_prompt_prefix off when they were made)"
+        else:
+            with torch.no_grad():
+                plain = response_logps(model, rollout, ignore_ids, temperature)
+            with torch.enable_grad() if trainable else torch.no_grad():
+                try:
+                    shared = SharedPrefix.logps(model, rollout, ignore_ids, temperature)
+                    if trainable and shared.requires_grad:
+                        torch.autograd.grad(shared.sum(), trainable, allow_unused=True)
+                        shared = shared.detach()
+                    valid = rollout.response_mask.bool()
+                    self.difference[role] = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
+                    ok = math.isfinite(self.difference[role]) and self.difference[role] <= logps_tolerance(model)
+                    why = f"max |difference| {self.difference[role]:.2e} vs tolerance {logps_tolerance(model):.0e}"
+                except Exception as e:  # a model whose forward cannot continue from an expanded cache
+                    ok, why = False, f"{type(e).__name__}: {e}"
+        agreed = self.agree(ok)
+        if agreed:
+            self.log(f"{role}: each prompt read once for its G samples (checked on the first micro-batch: {why})")
+        else:
+            self.log(f"{role}: falling back to one full forward per sample "
+                     f"({why if not ok else 'another process found the shared prompt unequal'})")
+        return agreed
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 3, the sampler. Replaces torch.multinomial (slow at a 150k vocabulary) with an exact
+# inverse CDF in two levels. Checked by sampling frequencies (tests/test_prompt_sharing.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_tokens(probs: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """(n, V) probabilities (rows summing to ~1, zeros allowed) -> (n, 1) ids, one exact sample per row.
+
+    Inverse CDF at one uniform number per row, in two levels: first the block of `block` ids (float32 block
+    sums, float64 running sum), then the id inside it (float64 running sum). It reads the probabilities about
+    once, where torch.multinomial is slow at a large vocabulary on CPU. u is in (0, total], so the id found
+    always has probability > 0.
+    """
+    n, V = probs.shape
+    full = V // block * block
+    sums = probs[:, :full].reshape(n, -1, block).sum(-1)  # (n, V // block)
+    if full < V:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
+    cum = sums.double().cumsum(-1)  # (n, blocks)
+    u = (1.0 - torch.rand(n, 1, dtype=torch.float64, device=probs.device)) * cum[:, -1:]
+    k = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # (n, 1) the block
+    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), 0.0)
+    ids = k * block + torch.arange(block, device=probs.device)  # (n, block); the last block may run past V
+    inner = (probs.gather(1, ids.clamp(max=V - 1)) * (ids < V)).cumsum(-1, dtype=torch.float64)
+    j = torch.searchsorted(inner, torch.minimum(u - before, inner[:, -1:])).clamp_(max=block - 1)
+    return k * block + j
 
 
 if __name__ == "__main__":
