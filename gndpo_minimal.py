@@ -41,7 +41,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -233,7 +233,8 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-                loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, dict]:
+                loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2,
+                num_sequences: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss (GNDPO's GSPO update). All inputs (B, T); logps carries the gradient.
 
     gspo: sequence ratio l_i = sum_t (logp - old_logp) m / max(sum_t m, 1); per token
@@ -241,7 +242,10 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
           the gradient is the token's).
     ppo:  per-token ratio s = exp(logp - old_logp) (log clamped at 10).
     loss_tok = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)), averaged over each sequence's
-    valid tokens, then over the sequences that have any ("seq-mean-token-mean").
+    valid tokens, then over the sequences that have any ("seq-mean-token-mean"): summed over this batch's
+    sequences and divided by num_sequences, the count of sequences with a valid token in the whole mini-batch
+    (all micro-batches and processes), so that the loss does not depend on how the mini-batch is cut; None
+    counts this batch's own.
     Returns (scalar loss, metrics: clip_frac, ratio_mean, ratio_max as floats over valid tokens).
     """
     mask = response_mask.to(logps.dtype)
@@ -259,7 +263,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     loss_tok = torch.maximum(unclipped, clipped)
     has_tokens = lengths > 0
     seq_loss = (loss_tok * mask).sum(1) / lengths.clamp(min=1)  # (B,)
-    loss = seq_loss[has_tokens].mean() if has_tokens.any() else (loss_tok * 0).sum()
+    count = has_tokens.sum().item() if num_sequences is None else num_sequences
+    loss = seq_loss[has_tokens].sum() / count if count > 0 else (loss_tok * 0).sum()
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         metrics = {"clip_frac": ((clipped > unclipped).to(mask.dtype) * mask).sum().item() / n.item(),
@@ -374,7 +379,7 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
     process then skips the step's updates."""
     t0 = time.time()
     torch.manual_seed(prompts.seed)  # the only seeding of the step: sampling draws from it
-    rollouts = sample_rollouts(models, prompts.prompts, args)  # micro-batches of args.micro_batch_size rows
+    rollouts = sample_rollouts(models, prompts, args)  # micro-batches of args.micro_batch_size rows
     t_generate, t0 = time.time() - t0, time.time()
 
     # ALGO: score every sampled token with the teacher, on the same ids and images the student saw
@@ -406,10 +411,13 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
     The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates run
     E = num_iterations times. The first mini-batch's first forward runs before any update, so its detached
     log-probs are the old policy's (with K = E = 1 that is all: ratio 1, no extra forward); the other K - 1
-    mini-batches get theirs from one no-grad forward before the first update, so later updates see ratios away
-    from 1 and the clip acts. An update whose loss or gradient is not finite (on any process) is dropped, not
-    applied: one NaN would poison the adapter for good. loss_fn has policy_loss's signature.
-    Returns loss (mean over micro-batch forwards), clip_frac and ratio_mean (over the updates' tokens),
+    mini-batches get theirs from one no-grad forward (in eval mode, as the policy sampled) before the first update,
+    so later updates see ratios away from 1 and the clip acts. Each update's loss is the mean over the valid
+    sequences of its whole mini-batch, all processes together, whatever the micro-batch size. An update whose loss
+    or gradient is not finite (on any process) is dropped, not applied: one NaN would poison the adapter for good.
+    loss_fn has policy_loss's signature.
+    Returns loss (this process's share of each update's loss, averaged over the updates), clip_frac and ratio_mean
+    (over the updates' tokens),
     logp_mismatch (|old log-probs - sampling log-probs| per token: ~0 when the scoring inputs are right),
     grad_norm (mean pre-clip norm over the updates), grad_norm_max, lr (the last update's), updates,
     skipped_updates, the token counts behind the means, time_update.
@@ -418,10 +426,17 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
     parts, K, E = batch.micro_batches(), args.steps_per_generation, args.num_iterations
     per_update = len(parts) // K  # check_args made it divide
     old_logps = {}  # micro-batch index -> log-probs of the policy that sampled, as the training forward sees them
-    with torch.no_grad():  # taken now, before the policy moves, for the mini-batches updated after the first
+    with torch.no_grad(), evaluating(models.student):  # now, before the policy moves: the later mini-batches'
         for i in range(per_update, len(parts)):
             old_logps[i] = models.score_student(parts[i][0], args.temperature)
-    sums = {"loss": 0.0, "forwards": 0, "clipped_tokens": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0,
+    # valid sequences per mini-batch, all processes together: the sequence mean of GSPO's loss is taken over them
+    counts = [sum(float((parts[i][2].sum(1) > 0).sum()) for i in range(k * per_update, (k + 1) * per_update))
+              for k in range(K)]
+    sequences = accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
+    # accumulate() divides a micro-batch's loss by the micro-batches per update, and the gradient all-reduce
+    # averages over processes: scaled back, an update's gradient is that of its mini-batch's sequence mean
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    sums = {"loss": 0.0, "clipped_tokens": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0,
             "mismatch_tokens": 0.0}
     grad_norms, lr, skipped = [], float("nan"), 0
     for epoch in range(E):
@@ -432,11 +447,11 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
                 with accelerator.accumulate(models.student):
                     logps = models.score_student(rollout, args.temperature)  # (n, R) with the gradient
                     old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
-                    loss, m = loss_fn(logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high)
-                    accelerator.backward(loss)
+                    loss, m = loss_fn(logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high,
+                                      sequences[k])
+                    accelerator.backward(loss * scale)
                 n_tok = mask.sum().item()
                 loss_sum += loss.item()
-                sums["forwards"] += 1
                 sums["clipped_tokens"] += m["clip_frac"] * n_tok
                 sums["ratio"] += m["ratio_mean"] * n_tok
                 sums["tokens"] += n_tok
@@ -462,7 +477,7 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
                     f"update {epoch * K + k + 1} of {K * E} skipped")
             optimizer.zero_grad(set_to_none=True)
     n = max(sums["tokens"], 1.0)
-    return {"loss": sums["loss"] / max(sums["forwards"], 1), "clip_frac": sums["clipped_tokens"] / n,
+    return {"loss": sums["loss"] / (K * E), "clip_frac": sums["clipped_tokens"] / n,
             "ratio_mean": sums["ratio"] / n, "logp_mismatch": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
             "grad_norm": sum(grad_norms) / len(grad_norms), "grad_norm_max": max(grad_norms), "lr": lr,
             "updates": K * E, "skipped_updates": skipped, "tokens": sums["tokens"],
@@ -472,8 +487,8 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
 def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: float, step_time: float) -> dict:
     """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
 
-    Every statistic weighs the valid tokens of the global batch equally, except loss (the mean over processes
-    of update_student()'s mean) and grad_norm / lr (identical on every process).
+    Every statistic weighs the valid tokens of the global batch equally, except loss (the updates' mean loss over
+    the global mini-batches: the sum of every process's share) and grad_norm / lr (identical on every process).
     """
     mask = batch.response_mask.bool()
     student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
@@ -493,9 +508,9 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: floa
         highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
                "time_generate": batch.time_generate, "time_score": batch.time_score,
                "time_update": update["time_update"]})
-    N, P, U = max(r["tokens"], 1.0), accelerator.num_processes, max(r["update_tokens"], 1.0)
+    N, U = max(r["tokens"], 1.0), max(r["update_tokens"], 1.0)
     return {
-        "step": batch.step + 1, "loss": r["loss"] / P, "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
+        "step": batch.step + 1, "loss": r["loss"], "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
         "score_std": math.sqrt(max(r["score_sq_sum"] / N - (r["score_sum"] / N) ** 2, 0.0)),
         "score_clamped_frac": r["clamped"] / N, "adv_mean": r["adv_sum"] / N,
         "adv_std": math.sqrt(max(r["adv_sq_sum"] / N - (r["adv_sum"] / N) ** 2, 0.0)),
@@ -534,6 +549,7 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
     student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
     models = make_models(args, accelerator, processor, student, teacher, log, teacher_logps)
     greedy_config = generation_configs(processor.tokenizer, models.policy, args)[1]
+    mismatch = MismatchWatch(logps_tolerance(models.policy), log=log)
     evaluate_policy = lambda: evaluate(models.policy, models.processor, eval_rows, args, accelerator,  # noqa: E731
                                        greedy_config, synced_gpus=models.synced_gpus)
 
@@ -577,6 +593,7 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
         counters["skipped_steps"] += bool(update["skipped_updates"])
         metrics = step_metrics(accelerator, batch, update, args.score_clip, time.time() - t_step)
         metrics["skipped_steps"] = counters["skipped_steps"]
+        mismatch.see(step + 1, metrics["logp_mismatch"])
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
             e = evaluate_policy()
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
@@ -630,23 +647,45 @@ def step_seed(seed: int, step: int, process_index: int) -> int:
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
 
 
-def sample_rollouts(models: Models, prompts: list, args: Args) -> list[Rollout]:
-    """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size
-    rows: generate() calls of args.generation_batch_size rows (0: all at once), or the sampling loop on each
-    prompt read once where its check allows (models.sharing)."""
-    size = args.generation_batch_size or len(prompts)
-    shared = models.sharing.decided["rollout"] is True
-    generated = [rollout(models.policy, models.processor, prompts[i:i + size], models.sample_config, args,
-                         models.synced_gpus, shared) for i in range(0, len(prompts), size)]
+def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
+    """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size rows:
+    generate() calls of args.generation_batch_size rows (0: all at once), or the sampling loop that reads each
+    prompt once (SharedPrefix.sample) where its check allows. On the first step, the checks that decide which
+    forwards read each prompt once run here, before anything is scored (PrefixSharing.run_checks)."""
+    sharing = models.sharing
+    generated = generate_rollouts(models, prompts.prompts, args, sharing.decided["rollout"] is not False)
+    if sharing.pending(models):
+        if not sharing.run_checks(models, check_rollout(models.processor, prompts.prompts, generated, args), args):
+            torch.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
+            generated = generate_rollouts(models, prompts.prompts, args, False)
     # every row's prompt is encoded only while some forward may still read it whole
-    row_prompts = models.teacher_logps is not None or not models.sharing.all_shared()
-    return cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
+    row_prompts = models.teacher_logps is not None or not sharing.all_shared()
+    return cut_rollouts(models.processor, prompts.prompts, generated, args.micro_batch_size, args, row_prompts)
+
+
+def generate_rollouts(models: Models, prompts: list, args: Args, shared_prefix: bool) -> list[Rollout]:
+    """One rollout per generation batch (args.generation_batch_size rows; 0: all of them)."""
+    size = args.generation_batch_size or len(prompts)
+    return [rollout(models.policy, models.processor, prompts[i:i + size], models.sample_config, args,
+                    models.synced_gpus, shared_prefix) for i in range(0, len(prompts), size)]
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """Within it the model is in eval mode (dropout off: the policy itself, not a perturbed one); restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
 def rollout(model, processor, prompts: list[tuple], sample_config, args: Args, synced_gpus: bool = False,
             shared_prefix: bool = False) -> Rollout:
-    """One sampled response per prompt (prompts are already repeated G times), its sampling log-probs recorded.
+    """One sampled response per prompt (prompts are already repeated G times), its sampling log-probs recorded,
+    the model in eval mode.
 
     With generate(), the rollout holds every row's prompt (row_inputs); with shared_prefix, the sampling loop
     reads each distinct prompt once (SharedPrefix.sample) and the rollout holds those only (cut_rollouts adds
@@ -655,6 +694,8 @@ def rollout(model, processor, prompts: list[tuple], sample_config, args: Args, s
     """
     device = next(model.parameters()).device
     out = Rollout(None, None, None)
+    model_was_training = model.training
+    model.eval()  # sample from the policy itself: dropout off
     if args.share_prompt_prefix:
         out.prompt_inputs, out.prompt_index = encode_distinct(processor, prompts, args.instruction, device)
     capture = SampledTokenLogps(args.temperature, sample_config.suppress_tokens)
@@ -668,6 +709,7 @@ def rollout(model, processor, prompts: list[tuple], sample_config, args: Args, s
                                    synced_gpus=synced_gpus)
         response_ids = sequences[:, out.row_inputs["input_ids"].shape[1]:]  # (n, R)
         out.row_inputs = pixels_on_host(out.row_inputs, device)
+    model.train(model_was_training)
     out.response_mask = response_mask_from_ids(response_ids, sample_config.eos_token_id)
     out.response_ids = response_ids.masked_fill(out.response_mask == 0, sample_config.pad_token_id)
     out.sampled_logps = capture.finish()
@@ -787,6 +829,21 @@ def cut_rollouts(processor, prompts: list, rollouts: list[Rollout], size: int, a
                                                                     device)
         out.append(part)
     return out
+
+
+def check_rollout(processor, prompts: list, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
+                  max_tokens: int = 256) -> Rollout:
+    """What the start-up checks compare the shared and the plain forwards on: the rows of the first n_prompts
+    distinct prompts, all G samples of each (step_prompts keeps a prompt's rows together), so that rows of
+    different prompts meet in one forward whatever the micro-batch size; every row's prompt and the distinct
+    prompts encoded; responses cut to their first max_tokens, which bounds the check's memory."""
+    _, index = distinct_prompts(prompts)
+    rows = sum(1 for j in index if j < n_prompts)
+    if max(index[:rows]) >= n_prompts:
+        raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
+    (first,) = cut_rollouts(processor, prompts[:rows], rollouts, rows, args)[:1]
+    return replace(first, response_ids=first.response_ids[:, :max_tokens],
+                   response_mask=first.response_mask[:, :max_tokens], sampled_logps=first.sampled_logps[:, :max_tokens])
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -946,9 +1003,11 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
     <fake_token_around_image>, <global-img> and <row_i_col_j> in Idefics3/SmolVLM), plus every image, video or
     vision token id the model's config names.
     """
-    ids = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special and VISION_TOKEN_RE.search(tok.content)}
+    ids = {i for i, tok in tokenizer.added_tokens_decoder.items()
+           if tok.special and VISION_TOKEN_RE.search(tok.content)}
     for key, value in (config.to_dict().items() if config is not None else ()):
-        if isinstance(value, int) and key.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", key):
+        if (isinstance(value, int) and key.endswith(("token_id", "token_index"))
+                and re.search(r"image|video|vision|boi|eoi", key)):
             ids.add(value)
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
 
@@ -1012,7 +1071,8 @@ CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": 
 def message_text(content) -> str | None:
     """The text of a message's content (a string or a list of items), or None when it has none."""
     if isinstance(content, (list, tuple)):
-        content = "\n".join(item.get("text") or "" for item in content if isinstance(item, dict) and item.get("type") == "text")
+        content = "\n".join(item.get("text") or "" for item in content
+                            if isinstance(item, dict) and item.get("type") == "text")
     return content if isinstance(content, str) and content.strip() else None
 
 
@@ -1146,7 +1206,8 @@ def load_split(args: Args, split: str):
             files = split_files(name, split)
         if files:  # the extension names the builder
             ext = os.path.splitext(files[0])[1]
-            ds = datasets.load_dataset(DATA_FILE_BUILDERS.get(ext, ext.lstrip(".")), data_files={split: files}, split=split)
+            ds = datasets.load_dataset(DATA_FILE_BUILDERS.get(ext, ext.lstrip(".")), data_files={split: files},
+                                       split=split)
         elif any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
             # a save_to_disk folder (load_dataset refuses a single saved Dataset); a saved Dataset has no
             # splits and, like a single file, serves every split
@@ -1179,7 +1240,8 @@ def image_roots(args: Args, split: str, flag_prefix: str = "--") -> tuple[list[s
         folder = os.path.dirname(os.path.abspath(files[0])) if files else os.path.abspath(name)
     # then the current directory: paths written relative to where runs start keep working
     roots = [folder, cwd] if folder and folder != cwd else [cwd]
-    return roots, " and ".join(f"{r} ({'the current directory' if r == cwd else 'the data file folder'})" for r in roots)
+    where = [f"{r} ({'the current directory' if r == cwd else 'the data file folder'})" for r in roots]
+    return roots, " and ".join(where)
 
 
 def resolve_image(value, roots: list[str]):
@@ -1296,7 +1358,8 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
             log(note)
         if not good:
             continue
-        lengths = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)["attention_mask"].sum(1)
+        inputs = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)
+        lengths = inputs["attention_mask"].sum(1)
         for (i, _, _), length in zip(good, lengths.tolist()):
             if length > args.max_prompt_length:
                 skipped["prompt_too_long"] += 1
@@ -1319,7 +1382,8 @@ def eval_args(args: Args) -> Args:
     (the dataset config only when evaluating on the training dataset)."""
     pick = {name: getattr(args, "eval_" + name) if getattr(args, "eval_" + name) is not None else getattr(args, name)
             for name in ("dataset_name", "image_column", "question_column", "answer_column", "image_root")}
-    config = args.eval_dataset_config if args.eval_dataset_config is not None or args.eval_dataset_name else args.dataset_config
+    own = args.eval_dataset_config is not None or args.eval_dataset_name
+    config = args.eval_dataset_config if own else args.dataset_config
     return Args(**{**asdict(args), **pick, "dataset_config": config})
 
 
@@ -1462,7 +1526,8 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
         counts[2] += len(part)
     counts = accelerator.reduce(counts, reduction="sum")
     model.train(was_training)
-    return {"accuracy": counts[0].item() / max(counts[2].item(), 1), "format_rate": counts[1].item() / max(counts[2].item(), 1)}
+    total = max(counts[2].item(), 1)
+    return {"accuracy": counts[0].item() / total, "format_rate": counts[1].item() / total}
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: atomic saves, resume, one run per output_dir
@@ -1491,7 +1556,8 @@ def weights_are_sharded(accelerator) -> bool:
 
     if accelerator.distributed_type == DistributedType.FSDP:
         return True
-    return accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+    return (accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
 def save_adapter(accelerator, student, processor, path: str) -> None:
@@ -1539,13 +1605,15 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
 
     Returns the checkpoint folder to resume from, or None for a fresh start.
     """
-    holds_run = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl")) or bool(list_checkpoints(args.output_dir))
+    holds_run = (os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
+                 or bool(list_checkpoints(args.output_dir)))
     if args.resume_from_checkpoint == "latest":
         found = list_checkpoints(args.output_dir)
         if found:
             return found[-1][1]
         if holds_run:  # a run that crashed before its first save: nothing to resume, and its metrics would repeat steps
-            log(f"no checkpoint in {args.output_dir} yet: its metrics.jsonl is from a run that saved none; starting over at step 0")
+            log(f"no checkpoint in {args.output_dir} yet: its metrics.jsonl is from a run that saved none; "
+                f"starting over at step 0")
             if is_main:
                 clear_run(args.output_dir)
         else:
@@ -1592,7 +1660,8 @@ def check_args(args: Args, num_processes: int) -> int:
         if getattr(args, flag) < 1:
             problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.generation_batch_size < 0:
-        problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}")
+        problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), "
+                        f"got {args.generation_batch_size}")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     if args.advantage_mode not in ADVANTAGE_MODES:
@@ -1600,7 +1669,8 @@ def check_args(args: Args, num_processes: int) -> int:
     if args.loss_type not in LOSS_TYPES:
         problems.append(f"--loss_type {args.loss_type!r} is not one of {LOSS_TYPES}")
     if args.advantage_mode == "group" and args.num_generations < 2:
-        problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2")
+        problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs "
+                        "--num_generations >= 2")
     if args.temperature <= 0:
         problems.append("--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
     if args.prompts_per_step % num_processes:
@@ -1618,7 +1688,8 @@ def check_args(args: Args, num_processes: int) -> int:
     accum = micro_batches // args.steps_per_generation if not problems else 0
     if not problems and args.gradient_accumulation_steps not in (0, accum):
         problems.append(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} contradicts "
-                        f"prompts_per_step*G/(processes*micro_batch_size*steps_per_generation) = {accum}; leave it at 0")
+                        f"prompts_per_step*G/(processes*micro_batch_size*steps_per_generation) = {accum}; "
+                        f"leave it at 0")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     return accum
@@ -1639,7 +1710,8 @@ def make_accelerator(args: Args):
                            f"{state.num_processes} ({state.distributed_type}): check the launch command")
     accum = check_args(args, state.num_processes)
     report_to = None if args.report_to == "none" else args.report_to.split(",")
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, log_with=report_to, project_dir=args.output_dir)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, log_with=report_to,
+                              project_dir=args.output_dir)
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
                          "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
@@ -1662,7 +1734,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
                          "the first end token; a pad equal to it would end every padded row at once)")
     dtype = resolve_dtype(args.dtype, accelerator.device)
     student = load_student(args, dtype)
-    ds_plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    ds_plugin = accelerator.state.deepspeed_plugin if deepspeed else None
     # Under ZeRO-3, from_pretrained would partition the teacher too (zero.Init), and only models passed to
     # prepare() get the hooks that gather partitions back: load it as one whole replica per process.
     with ds_plugin.zero3_init_context_manager(enable=False) if ds_plugin else contextlib.nullcontext():
@@ -1699,7 +1772,8 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # it reads its micro-batch from a DataLoader: none here
+    # DeepSpeed reads its micro-batch size from a DataLoader: there is none here
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
         if ds_config.get("gradient_clipping", "auto") == "auto":  # the engine clips, not us
@@ -1755,7 +1829,8 @@ def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, l
         if eval_rows:
             log("\n          accuracy  before   after\n"
                 f"  teacher           {summary['teacher_accuracy']:.3f}\n"
-                f"  student           {summary['student_accuracy_before']:.3f}   {summary['student_accuracy_after']:.3f}")
+                f"  student           {summary['student_accuracy_before']:.3f}   "
+                f"{summary['student_accuracy_after']:.3f}")
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"adapter, metrics.jsonl and summary.json in {os.path.dirname(summary_path)}")
@@ -1903,7 +1978,8 @@ class _HeadTokenLogps(torch.autograd.Function):
 
 
 def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0,
+               chunk_elements: int = 2**24) -> torch.Tensor:
     """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
     (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
     logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden` only (the
@@ -1963,11 +2039,53 @@ def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.T
     return head_logps(out, weight, token_ids, ignore_ids, temperature)
 
 # ---------------------------------------------------------------------------------------------
-# Speed-up 2, each prompt read once (--share_prompt_prefix). Replaces one forward per sample of every
-# row's prompt: the distinct prompts are read once and their KV cache indexed to the G samples. Checked
-# at start-up against the plain forward on each model (PrefixSharing), with a fallback; tested on every
-# family (tests/test_prompt_sharing.py, tests/test_families.py).
+# Speed-up 2, each prompt read once (--share_prompt_prefix). Replaces one forward per sample of every row's prompt:
+# the distinct prompts are read once and their KV cache indexed to the G samples, in rollouts, teacher scoring and
+# the student's update. Checked on the first step against the plain forward, values and gradients, on two prompts'
+# samples (PrefixSharing), with a fallback; tested on every family (tests/test_prompt_sharing.py,
+# tests/test_families.py).
 # ---------------------------------------------------------------------------------------------
+
+
+def _read_only(layer):
+    """A copy of a cache layer (sharing its tensors) whose update() returns the stored prompt's keys and values
+    followed by the new ones, as the layer itself would, and stores nothing. A layer that gradient checkpointing
+    runs again in backward then sees exactly what its first pass saw. Everything else (mask sizes, lengths) is the
+    layer's own, frozen at the prompt."""
+    view = copy.copy(layer)
+    view.update = lambda key_states, value_states, *args, **kwargs: (torch.cat([view.keys, key_states], -2),
+                                                                     torch.cat([view.values, value_states], -2))
+    return view
+
+
+@contextlib.contextmanager
+def _checkpointing_off(model):
+    """Within it no layer is checkpointed: the prompt's forward writes its keys into the cache once, and backward
+    uses its saved activations instead of running it again (which would write them a second time)."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _checkpointing_with_cache(model):
+    """Within it a checkpointed layer keeps the cache it is given (transformers drops it by default, since a layer
+    run again would write to it twice): safe here, the response forward's cache is read-only."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._can_checkpoint_with_cache  # back to the class's own value
 
 
 class SharedPrefix:
@@ -1979,7 +2097,8 @@ class SharedPrefix:
     are the trap: a response continues its prompt's own last position (M-RoPE models place text after an image
     at an offset of their own), so the positions the language model got for the prompt are read with a hook and
     the response gets last + 1 + t in every rotary dimension; models that compute positions from the cache
-    length get none. Gradients flow through the cache into the prompt's forward.
+    length get none. Gradients flow through the cache into the prompt's forward. Under gradient checkpointing the
+    prompt's forward is not checkpointed and the response's reads the cache without writing it.
     """
 
     def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
@@ -1989,7 +2108,8 @@ class SharedPrefix:
         hook = language_model(model).register_forward_pre_hook(
             lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
         try:
-            out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
+            with _checkpointing_off(model):
+                out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
         finally:
             hook.remove()
         self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
@@ -2003,10 +2123,17 @@ class SharedPrefix:
             *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
         self.length = 0  # response tokens already in the cache
 
-    def inputs(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end)."""
+    def inputs(self, ids: torch.Tensor, mask: torch.Tensor, read_only: bool = False) -> dict:
+        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end); with
+        read_only, a view of the cache that the forward cannot write (a scoring forward: nothing follows it)."""
+        cache = self.cache
+        if read_only:
+            cache = copy.copy(self.cache)
+            cache.layers = [_read_only(layer) if hasattr(layer, "keys") and getattr(layer, "is_initialized", False)
+                            else layer for layer in self.cache.layers]
         self.mask = torch.cat([self.mask, mask], 1)
-        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": self.cache, "use_cache": True,
+        # use_cache asks the model for a cache to return; a read-only one is read all the same
+        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": cache, "use_cache": not read_only,
                   **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
         if self.last is not None:
             inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
@@ -2026,8 +2153,9 @@ class SharedPrefix:
         first = token_logps(shared.first[:, None], ids[:, :1], ignore_ids, temperature)  # (n, 1)
         if ids.shape[1] == 1:
             return first
-        inputs = shared.inputs(ids[:, :-1], mask[:, :-1])  # the last response token predicts nothing scored
-        rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False)  # (n, R - 1)
+        inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
+        with _checkpointing_with_cache(model):
+            rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False)  # (n, R-1)
         return torch.cat([first, rest], 1)
 
     def sample(self, capture: SampledTokenLogps, sample_config) -> torch.Tensor:
@@ -2051,33 +2179,49 @@ class SharedPrefix:
 
 
 def logps_tolerance(model) -> float:
-    """How far SharedPrefix.logps may be from response_logps and still count as equal: float32 rounding (1e-4)
-    when the model computes in float32. 16-bit weights, and 4-bit ones (bitsandbytes' CPU kernel computes in bf16
-    whatever the compute dtype, and its rounding changes with the batch's shape), round logits to about 3
-    significant digits: there the tolerance is 0.05 nats (a wrong position or mask moves a trained model's
-    log-probs by whole nats)."""
+    """How far SharedPrefix.logps may be from response_logps and still count as equal (the largest difference
+    over valid tokens, in nats; the relative difference of the gradients): float32 rounding (1e-4) when the model
+    computes in float32. 16-bit weights, and 4-bit ones (bitsandbytes' CPU kernel computes in bf16 whatever the
+    compute dtype, and its rounding changes with the batch's shape), round logits to about 3 significant digits:
+    there the tolerance is 0.05 (a wrong position or mask moves a trained model's log-probs by whole nats)."""
     quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
 
 
+@contextlib.contextmanager
+def _dropout_off(model):
+    """Within it every dropout module is in eval mode, the rest of the model as it was (training layers stay
+    checkpointed): the check compares the two forwards themselves, not two dropout masks."""
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
+    for m in dropouts:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in dropouts:
+            m.train()
+
+
 class PrefixSharing:
     """Which forwards read each prompt once (--share_prompt_prefix), as explicit state: decided[role] is None until
     the role's check ran, then True (SharedPrefix) or False (the plain forward), for the roles
-      teacher: the teacher's scoring, checked on its first micro-batch;
-      student: the student's update forwards, checked on its first micro-batch;
-      rollout: the sampling loop on shared prompts instead of generate(), from the step after the student's check
-               passed (it reads the prompt the same way).
-    agree(ok) -> bool makes every process take the same decision (with sharded weights they must run the same
-    forwards). A role given a reason at construction is off from the start (the reason is logged, not checked).
+      rollout: sampling on the shared prompts (SharedPrefix.sample) instead of generate(): the first step samples
+               that way, and its recorded log-probs are compared with the plain forward over the same tokens;
+      teacher: the teacher's scoring, values compared;
+      student: the student's update forwards, values and the gradient of every trainable parameter compared.
+    The checks run once, on the first step's rollouts, before anything is scored (run_checks), on the rows of two
+    distinct prompts with all their samples (check_rollout). agree(ok) -> bool makes every process take the same
+    decision (with sharded weights they must run the same forwards). A role given a reason at construction is off
+    from the start (the reason is logged, not checked).
     """
 
-    ROLES = ("teacher", "student", "rollout")
+    ROLES = ("rollout", "teacher", "student")
 
     def __init__(self, enabled: bool = True, log=print, agree=lambda ok: ok, reasons: dict | None = None):
         self.log, self.agree = log, agree
         self.decided = {role: None if enabled else False for role in self.ROLES}
-        self.difference = {}  # role -> max |shared - plain| the check measured
+        self.difference = {}  # role -> what the check measured: max |shared - plain| (and the gradients' relative)
         for role, reason in (reasons or {}).items():
             if enabled and reason:
                 self.decided[role] = False
@@ -2085,66 +2229,128 @@ class PrefixSharing:
 
     @classmethod
     def for_run(cls, args: Args, accelerator, log=print) -> PrefixSharing:
-        """The run's checks, agreed on by every process. The student's update keeps one forward per sample under
-        gradient checkpointing (recomputing a layer would write its keys into the cache a second time) and with
-        sharded weights (two forwards per backward)."""
+        """The run's checks, agreed on by every process. With sharded weights every forward gathers them from
+        every process, so all must run the same forwards: rollouts keep generate() (synced_gpus) and the update
+        one forward per sample."""
         n = accelerator.num_processes
         agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
                                               reduction="sum").item() == n
-        reason = ("--gradient_checkpointing recomputes layers, which would write the prompt's keys twice"
-                  if args.gradient_checkpointing else
-                  "the weights are sharded: each forward gathers them, two per backward is untested"
-                  if weights_are_sharded(accelerator) else None)
+        reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
         return cls(args.share_prompt_prefix, log, agree, {"student": reason, "rollout": reason})
+
+    def pending(self, models: Models) -> bool:
+        """True while a role the step uses has not been checked (a replaced teacher scoring call uses none)."""
+        return any(self.decided[role] is None for role in self.ROLES
+                   if not (role == "teacher" and models.teacher_logps is not None))
+
+    def run_checks(self, models: Models, rollout: Rollout, args: Args) -> bool:
+        """The pending checks on `rollout` (check_rollout). Returns False when the rollouts were sampled on the
+        shared prompts and their check failed: the step must sample them again with generate()."""
+        resample = False
+        if self.decided["rollout"] is None:
+            self.decided["rollout"] = self.check("rollout", models.policy, rollout, models.ignore_ids, args.temperature)
+            resample = not self.decided["rollout"]
+        if self.decided["teacher"] is None and models.teacher_logps is None:
+            self.decided["teacher"] = self.check("teacher", models.teacher, rollout, models.ignore_ids)
+        if self.decided["student"] is None:
+            self.decided["student"] = self.check("student", models.student, rollout, models.ignore_ids,
+                                                 args.temperature)
+        return not resample
 
     def logps(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None,
               temperature: float = 1.0) -> torch.Tensor:
-        """(n, R) float32 log-probs of the rollout's response tokens under `model`, the way `role` was decided."""
+        """(n, R) float32 log-probs of the rollout's response tokens under `model`, the way `role` was decided (a
+        role not checked yet is checked on this rollout first)."""
         if self.decided[role] is None:
             self.decided[role] = self.check(role, model, rollout, ignore_ids, temperature)
-            if role == "student":
-                self.decided["rollout"] = self.decided["student"]
         return (SharedPrefix.logps if self.decided[role] else response_logps)(model, rollout, ignore_ids, temperature)
 
     def all_shared(self) -> bool:
         """True once no forward reads every row's prompt: rollouts then need not encode it."""
-        return all(self.decided[role] is True for role in ("teacher", "student", "rollout"))
+        return all(self.decided[role] is True for role in self.ROLES)
 
     def summary(self) -> dict:
         """Each role's decision, for summary.json."""
-        return dict(self.decided)
+        return {role: self.decided[role] for role in ("teacher", "student", "rollout")}
 
-    def check(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float) -> bool:
-        """Both forwards on the micro-batch; a trainable model also takes a gradient through the shared one (a cache
-        updated in place, as hybrid linear-attention layers do, cannot be differentiated through). The check calls
-        the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
+    def check(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None,
+              temperature: float = 1.0) -> bool:
+        """Shared against plain on `rollout`, agreed on by every process; logs the decision and, on a fallback,
+        which comparison failed. rollout: the log-probs recorded while sampling against the plain forward in eval
+        mode. teacher / student: both forwards' log-probs, and for a trainable model the gradient of every
+        trainable parameter for a loss that weights each response token differently (a cache updated in place, as
+        hybrid linear-attention layers do, cannot be differentiated through: the check then fails on an error).
+        The check calls the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
         while hasattr(model, "module"):
             model = model.module
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if rollout.prompt_index is None:
-            ok, why = False, "the rollouts carry no distinct prompts (--share_prompt_prefix off when they were made)"
-        else:
-            with torch.no_grad():
-                plain = response_logps(model, rollout, ignore_ids, temperature)
-            with torch.enable_grad() if trainable else torch.no_grad():
-                try:
-                    shared = SharedPrefix.logps(model, rollout, ignore_ids, temperature)
-                    if trainable and shared.requires_grad:
-                        torch.autograd.grad(shared.sum(), trainable, allow_unused=True)
-                        shared = shared.detach()
-                    valid = rollout.response_mask.bool()
-                    self.difference[role] = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
-                    ok = math.isfinite(self.difference[role]) and self.difference[role] <= logps_tolerance(model)
-                    why = f"max |difference| {self.difference[role]:.2e} vs tolerance {logps_tolerance(model):.0e}"
-                except Exception as e:  # a model whose forward cannot continue from an expanded cache
-                    ok, why = False, f"{type(e).__name__}: {e}"
+        tolerance = logps_tolerance(model)
+        valid = rollout.response_mask.bool()
+        try:
+            if rollout.prompt_index is None:
+                raise ValueError("the rollouts carry no distinct prompts (--share_prompt_prefix off when made)")
+            if role == "rollout":
+                with torch.no_grad(), evaluating(model):
+                    plain = response_logps(model, rollout, ignore_ids, temperature)
+                ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
+            else:
+                ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
+        except Exception as e:  # a model whose forward cannot continue from an expanded cache, or its backward
+            ok, why = False, f"error: {type(e).__name__}: {e}"
         agreed = self.agree(ok)
         if agreed:
-            self.log(f"{role}: each prompt read once for its G samples (checked on the first micro-batch: {why})")
+            self.log(f"{role}: each prompt read once for its G samples (checked against the plain forward: {why})")
         else:
             self.log(f"{role}: falling back to one full forward per sample "
                      f"({why if not ok else 'another process found the shared prompt unequal'})")
         return agreed
+
+    def _compare_values(self, role: str, plain, shared, valid, tolerance: float, what: str = "values") -> tuple:
+        difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
+        self.difference[role] = {"values": difference}
+        ok = math.isfinite(difference) and difference <= tolerance
+        return ok, f"{what} {'equal' if ok else 'differ'}: max |difference| {difference:.2e}, tolerance {tolerance:.0e}"
+
+    def _compare_forwards(self, role: str, model, rollout: Rollout, ignore_ids, temperature: float,
+                          tolerance: float) -> tuple:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        valid = rollout.response_mask.bool()
+        weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)).to(valid.device) * valid
+        logps, grads = {}, {}
+        with torch.enable_grad() if trainable else torch.no_grad(), _dropout_off(model):
+            for path, fn in (("plain", response_logps), ("shared", SharedPrefix.logps)):
+                out = fn(model, rollout, ignore_ids, temperature)
+                if trainable:
+                    found = torch.autograd.grad((out * weights).sum(), trainable, allow_unused=True)
+                    grads[path] = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float()
+                                             for g, p in zip(found, trainable)])
+                logps[path] = out.detach()
+        ok, why = self._compare_values(role, logps["plain"], logps["shared"], valid, tolerance)
+        if ok and trainable:
+            relative = ((grads["shared"] - grads["plain"]).norm() / grads["plain"].norm().clamp(min=1e-30)).item()
+            self.difference[role]["gradient"] = relative
+            ok = math.isfinite(relative) and relative <= tolerance
+            why += (f"; gradients {'equal' if ok else 'differ'}: relative difference {relative:.2e}, "
+                    f"tolerance {tolerance:.0e}")
+        return ok, why
+
+
+class MismatchWatch:
+    """Reports once when logp_mismatch (the log-probs rollouts recorded against the training forward's, for the same
+    tokens) stays above `threshold` for `steps` steps in a row."""
+
+    def __init__(self, threshold: float, steps: int = 3, log=print):
+        self.threshold, self.steps, self.log, self.run, self.reported = threshold, steps, log, 0, False
+
+    def see(self, step: int, mismatch: float) -> None:
+        self.run = self.run + 1 if mismatch > self.threshold else 0
+        if self.run == self.steps and not self.reported:
+            self.reported = True
+            self.log(f"step {step}: logp_mismatch {mismatch:.2e} has been above {self.threshold:.0e} for {self.steps} "
+                     f"steps: the log-probs recorded while sampling are not what the training forward computes for "
+                     f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
+                     f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
+                     f"reading each prompt once (--share_prompt_prefix false)")
+
 
 # ---------------------------------------------------------------------------------------------
 # Speed-up 3, the sampler. Replaces torch.multinomial (slow at a 150k vocabulary) with an exact

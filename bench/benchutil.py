@@ -129,7 +129,7 @@ def mib(n_bytes: float) -> float:
 
 
 def percent(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.0f}%"
+    return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -143,7 +143,8 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def add_json_flag(parser) -> None:
-    parser.add_argument("--json", metavar="PATH", help="Also write the numbers and ratios printed as one JSON dict here.")
+    parser.add_argument("--json", metavar="PATH",
+                        help="Also write the numbers and ratios printed as one JSON dict here.")
 
 
 def report(out: dict, sections: list, json_path: str | None = None, verbose: bool = True) -> dict:

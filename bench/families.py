@@ -1,4 +1,4 @@
-"""One GNDPO step on each model family's tiny stand-in (tests/tiny_families.py), through main() as a user runs
+"""One GNDPO step on each model family's tiny stand-in (tiny_families.py), through main() as a user runs
 it: LoRA student, 4-bit teacher of the same family, B = 2 prompts x G = 2, at most 6 new tokens.
 
     python bench/families.py                 # every family, 3 steps each: the median step time
@@ -18,10 +18,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import ROOT, add_json_flag, median, report  # noqa: E402
+from benchutil import add_json_flag, median, report  # noqa: E402
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-import tiny_families  # noqa: E402
+import tiny_families  # noqa: E402  (beside gndpo_minimal.py, on the path benchutil set)
 
 import gndpo_minimal as g  # noqa: E402
 
@@ -39,9 +38,9 @@ def run(families: list[str] | None = None, steps: int = 3, json_path: str | None
             models = tiny_families.build(family, os.path.join(tmp, family))
             run_dir = os.path.join(tmp, family + "-run")
             g.main(g.Args(student_model=os.path.join(models, "student"), teacher_model=os.path.join(models, "teacher"),
-                          dataset_name=data, prompts_per_step=2, num_generations=2, micro_batch_size=4, max_new_tokens=6,
-                          num_eval_samples=0, max_steps=steps, save_steps=0, max_prompt_length=4096, output_dir=run_dir,
-                          logging_steps=0))
+                          dataset_name=data, prompts_per_step=2, num_generations=2, micro_batch_size=4,
+                          max_new_tokens=6, num_eval_samples=0, max_steps=steps, save_steps=0, max_prompt_length=4096,
+                          output_dir=run_dir, logging_steps=0))
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 metrics = [json.loads(line) for line in f]
             seconds = [m["time_generate"] + m["time_score"] + m["time_update"] for m in metrics]

@@ -7,7 +7,9 @@ once (--share_prompt_prefix, the default) against the same step with every sampl
     python bench/paper_shape.py --quick                # B = 1 x G = 4, 16 tokens, 1 round
     python bench/paper_shape.py --no_trl               # only ours, shared against plain
     python bench/paper_shape.py --json out.json        # the printed numbers as one JSON dict too
-    python bench/paper_shape.py --baseline /tmp/before # also an older checkout's main() (git worktree add /tmp/before <commit>)
+    python bench/paper_shape.py --gradient_checkpointing   # every student recomputes its activations in backward
+    python bench/paper_shape.py --baseline /tmp/before # also an older checkout's main()
+                                                       # (git worktree add /tmp/before <commit>)
 
 The shape (the paper: G = 16, Qwen2.5's 151,936-token vocabulary, an image of hundreds of tokens, answers of
 thousands): both tiny models' vocabulary padded to 151,936, every image resized to 224 x 224 pixels (16 x 16
@@ -36,14 +38,16 @@ PART_NAMES = {"time_generate": "rollout (generate)", "time_score": "teacher scor
 
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None, tokens: int | None = None,
         warmup: int | None = None, steps: int | None = None, rounds: int | None = None, trl: bool = True,
-        json_path: str | None = None, verbose: bool = True, baseline: str | None = None) -> dict:
-    """Runs the sides; returns vs_trl.run's result plus the shared / plain ratios per part (also to json_path)."""
+        json_path: str | None = None, verbose: bool = True, baseline: str | None = None,
+        gradient_checkpointing: bool = False) -> dict:
+    """Runs the sides; returns vs_trl.run's result plus the shared / plain ratios per part (also to json_path).
+    gradient_checkpointing goes to every side (its config records it)."""
     tokens = tokens or (16 if quick else 64)
     sides = (("baseline",) if baseline else ()) + ("ours_plain", "ours") + (("trl",) if trl else ())
     out = vs_trl.run(quick, prompts or (1 if quick else 2), generations or (4 if quick else 16), tokens,
                      warmup or 1, steps or (1 if quick else 2), rounds or (1 if quick else 2), teacher_4bit=True,
                      vocab=VOCAB, verbose=verbose, sides=sides, min_new_tokens=tokens, image_pixels=IMAGE_PIXELS,
-                     baseline=baseline)
+                     baseline=baseline, gradient_checkpointing=gradient_checkpointing)
     plain, shared = out["ours_plain"]["parts"], out["ours"]["parts"]
     out["part_ratios"] = {p: shared[p] / plain[p] for p in plain}
     out["largest_part"] = {side: PART_NAMES[max(out[side]["parts"], key=out[side]["parts"].get)]
@@ -57,8 +61,8 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
                 (["part", "plain s", "shared s", "shared / plain"], rows),
                 f"largest part: plain {out['largest_part']['ours_plain']}, shared {out['largest_part']['ours']}"]
     if baseline:
-        sections.append(f"ours / the baseline checkout ({baseline}): {out['vs_baseline_time_ratio']:.3f}x time per step, "
-                        f"{out['vs_baseline_peak_rss_ratio']:.3f}x peak RSS")
+        sections.append(f"ours / the baseline checkout ({baseline}): {out['vs_baseline_time_ratio']:.3f}x time "
+                        f"per step, {out['vs_baseline_peak_rss_ratio']:.3f}x peak RSS")
     if trl:
         sections.append(f"ours (shared) / TRL DistillationTrainer: {out['time_ratio']:.3f}x time per step, "
                         f"{out['peak_rss_ratio']:.3f}x peak RSS")
@@ -75,12 +79,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, help="Measured steps per process (default 2).")
     p.add_argument("--rounds", type=int, help="Times each side runs, alternating (default 2).")
     p.add_argument("--no_trl", action="store_true", help="Leave TRL out (it needs bench/requirements-trl.txt).")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="Every side's student recomputes its activations in the backward (default off).")
     p.add_argument("--baseline", help="A checkout of this repository (e.g. `git worktree add /tmp/before <commit>`): "
                    "its gndpo_minimal.main() runs as a fourth side.")
     add_json_flag(p)
     a = p.parse_args(argv)
     return run(a.quick, a.prompts, a.generations, a.tokens, a.warmup, a.steps, a.rounds, not a.no_trl, a.json,
-               baseline=a.baseline)
+               baseline=a.baseline, gradient_checkpointing=a.gradient_checkpointing)
 
 
 if __name__ == "__main__":

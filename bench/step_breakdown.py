@@ -1,6 +1,6 @@
 """Where the time of one GNDPO step goes, on the tiny models: the step exactly as main() runs it
 (step_prompts -> generate_and_score -> update_student -> step_metrics, set up by make_accelerator,
-load_models, load_data and make_optimizer), timed from outside.
+load_models, load_data, make_optimizer and make_models), timed from outside.
 
     python bench/step_breakdown.py            # Args() defaults: B = 32 prompts x G = 4, 8 new tokens
     python bench/step_breakdown.py --quick    # a few seconds: tiny batch, 1 + 2 steps
@@ -8,11 +8,13 @@ load_models, load_data and make_optimizer), timed from outside.
     python bench/step_breakdown.py --prompts 8 --vocab 151936   # both models' vocabulary padded to Qwen2.5's
     python bench/step_breakdown.py --quick --json out.json      # the printed numbers as one JSON dict too
     python bench/step_breakdown.py --compare   # also each step with --share_prompt_prefix false: ratios per part
+    python bench/step_breakdown.py --quick --gradient_checkpointing   # the student recomputes in its backward
 
 Where each part's seconds come from, so that nothing of the step is re-implemented here:
   prompts, metrics           the step_prompts / step_metrics calls, timed around them;
   generate, teacher scoring  time_generate / time_score, which generate_and_score returns;
-  student backward           accelerator.backward, wrapped on the instance update_student is given;
+  student backward           accelerator.backward, wrapped on the instance update_student is given (with
+                             --gradient_checkpointing it holds the recomputed forwards too);
   optimizer                  accelerator.clip_grad_norm_, optimizer.step / zero_grad, scheduler.step, wrapped too;
   student forward            the rest of update_student's time_update: the model forwards, the log-probs, the
                              loss and the per-update bookkeeping (plus the old policy's no-grad forward when
@@ -114,23 +116,19 @@ class ForwardTimer:
 
 
 def setup_step(args: g.Args, log) -> dict:
-    """Everything the step needs, built by main()'s own set-up functions."""
+    """Everything the step needs, built by main()'s own set-up functions, in main()'s order."""
     from accelerate.utils import set_seed
 
     accelerator, accum = g.make_accelerator(args)
     set_seed(args.seed)
     processor, student, teacher = g.load_models(args, accelerator, log)
-    sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
-    ignore_ids = torch.tensor(sample_config.suppress_tokens, device=accelerator.device) if sample_config.suppress_tokens else None
     train_ds, train_keep, _, _ = g.load_data(args, processor, True, log)
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
-    student.train()
-    # the scoring calls main() makes: each prompt read once where --share_prompt_prefix and the check allow
-    teacher_logps, student_logps = g.prompt_sharing(args, accelerator, g.response_logps, log)
-    return {"teacher_logps": teacher_logps, "student_logps": student_logps, "accelerator": accelerator, "processor": processor, "student": student, "teacher": teacher,
-            "policy": accelerator.unwrap_model(student), "optimizer": optimizer, "scheduler": scheduler,
-            "sample_config": sample_config, "ignore_ids": ignore_ids, "train_ds": train_ds, "train_keep": train_keep,
-            "log": log}
+    # the Models main() steps with: each prompt read once where --share_prompt_prefix and its checks allow
+    models = g.make_models(args, accelerator, processor, student, teacher, log)
+    models.student.train()
+    return {"accelerator": accelerator, "models": models, "optimizer": optimizer, "scheduler": scheduler,
+            "train_ds": train_ds, "train_keep": train_keep, "log": log}
 
 
 def time_update_calls(clock: Clock, accelerator, optimizer, scheduler) -> None:
@@ -143,48 +141,59 @@ def time_update_calls(clock: Clock, accelerator, optimizer, scheduler) -> None:
 
 
 def one_step(step: int, args: g.Args, setup: dict, clock: Clock, timers: dict[str, ForwardTimer],
-             scoring: tuple | None = None) -> dict:
-    """One step as main() runs it (with scoring = (teacher_logps, student_logps) instead of the setup's); returns seconds per part, the step's seconds, model and vision tower seconds
-    per COMPUTE_PARTS part and the valid response tokens."""
-    accelerator, student, policy, teacher = setup["accelerator"], setup["student"], setup["policy"], setup["teacher"]
+             models: g.Models | None = None) -> dict:
+    """One step as main() runs it, with `models` (default: the setup's) as the step's Models; returns seconds
+    per part, the step's seconds, model and vision tower seconds per COMPUTE_PARTS part and the valid response
+    tokens."""
+    accelerator, models = setup["accelerator"], models or setup["models"]
     clock.take()
     model_seconds = lambda: {name: dict(t.seconds) for name, t in timers.items()}  # noqa: E731
     before = model_seconds()
-    teacher_logps, student_logps = scoring or (setup["teacher_logps"], setup["student_logps"])
     start = time.perf_counter()
-    prompts, group_ids = clock.wrap("prompts", g.step_prompts)(setup["train_ds"], setup["train_keep"], args, step)
-    batch = g.generate_and_score(policy, teacher, setup["processor"], prompts, group_ids, args, setup["sample_config"],
-                                 seed=g.step_seed(args.seed, step, 0), ignore_ids=setup["ignore_ids"],
-                                 teacher_logps=teacher_logps, student_logps=student_logps, log=setup["log"], step=step)
+    prompts = clock.wrap("prompts", g.step_prompts)(setup["train_ds"], setup["train_keep"], args, step)
+    batch = g.generate_and_score(models, prompts, args, setup["log"])
     after_generate = model_seconds()
-    update = g.update_student(student, setup["optimizer"], setup["scheduler"], accelerator, batch, args,
-                              ignore_ids=setup["ignore_ids"], student_logps=student_logps, log=setup["log"], step=step)
+    update = g.update_student(models, setup["optimizer"], setup["scheduler"], accelerator, batch, args,
+                              log=setup["log"])
     after_update = model_seconds()
-    clock.wrap("metrics", g.step_metrics)(accelerator, batch, update, args.score_clip, step, time.perf_counter() - start)
+    clock.wrap("metrics", g.step_metrics)(accelerator, batch, update, args.score_clip, time.perf_counter() - start)
     total = time.perf_counter() - start
 
     t = clock.take()
-    parts = {"prompts": t["prompts"], "generate": batch["time_generate"], "teacher scoring": batch["time_score"],
+    parts = {"prompts": t["prompts"], "generate": batch.time_generate, "teacher scoring": batch.time_score,
              "student backward": t.get("student backward", 0.0), "optimizer": t.get("optimizer", 0.0),
              "metrics": t["metrics"]}
     parts["student forward"] = update["time_update"] - parts["student backward"] - parts["optimizer"]
     # the teacher runs only inside scoring, the student in generate and in the update
     spans = {"generate": ("student", before, after_generate), "teacher scoring": ("teacher", before, after_generate),
              "student update": ("student", after_generate, after_update)}
-    compute = {part: {k: b[model][k] - a[model][k] for k in ("model", "vision")} for part, (model, a, b) in spans.items()}
-    return {"parts": parts, "total": total, "compute": compute, "tokens": int(batch["response_mask"].sum()),
-            "skipped_updates": update["skipped_updates"]}
+    compute = {part: {k: b[model][k] - a[model][k] for k in ("model", "vision")}
+               for part, (model, a, b) in spans.items()}
+    return {"parts": parts, "total": total, "compute": compute, "tokens": int(batch.response_mask.sum()),
+            "responses": batch.response_mask.shape[0], "skipped_updates": update["skipped_updates"]}
+
+
+def summarize(measured: list[dict]) -> dict:
+    """Means over the measured steps: seconds per part, step seconds, valid response tokens, response rows."""
+    n = len(measured)
+    return {"parts": {p: sum(m["parts"][p] for m in measured) / n for p in PARTS},
+            "step": sum(m["total"] for m in measured) / n,
+            "tokens_per_step": sum(m["tokens"] for m in measured) / n,
+            "responses_per_step": sum(m["responses"] for m in measured) / n,
+            "skipped_updates": sum(m["skipped_updates"] for m in measured), "steps": n}
 
 
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, micro_batch_size: int | None = None, warmup: int | None = None,
         steps: int | None = None, teacher_4bit: bool = True, vocab: int = 0, student: str | None = None,
         teacher: str | None = None, steps_per_generation: int = 1, num_iterations: int = 1,
-        json_path: str | None = None, verbose: bool = True, compare: bool = False) -> dict:
+        json_path: str | None = None, verbose: bool = True, compare: bool = False,
+        gradient_checkpointing: bool = False) -> dict:
     """Measures `steps` steps after `warmup` ones; returns mean seconds per part, mean step seconds, part
-    shares, model and vision tower seconds per part, tokens/s (and writes them to json_path when given).
-    compare: every step also runs with --share_prompt_prefix false (each sample reads its own prompt), the two
-    sides alternating which goes first; "plain" and "shared_vs_plain" (ratios per part) are added."""
+    shares, model and vision tower seconds per part, tokens/s, which forwards read each prompt once (and writes
+    them to json_path when given). compare: every step also runs with --share_prompt_prefix false (each sample
+    reads its own prompt), the two sides alternating which goes first; "plain" and "shared_vs_plain" (ratios
+    per part) are added."""
     student_dir, teacher_dir, which = tiny_models(student, teacher)
     with tempfile.TemporaryDirectory(prefix="gndpo-step-") as tmp:
         if vocab:
@@ -202,77 +211,87 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
                       max_new_tokens=max_new_tokens or (4 if quick else defaults.max_new_tokens),
                       micro_batch_size=micro_batch_size or (B * G if quick else min(defaults.micro_batch_size, B * G)),
                       steps_per_generation=steps_per_generation, num_iterations=num_iterations,
-                      output_dir=os.path.join(tmp, "run"))
+                      gradient_checkpointing=gradient_checkpointing, output_dir=os.path.join(tmp, "run"))
         setup = setup_step(args, print if verbose else (lambda msg: None))
+        models = setup["models"]
         clock = Clock()
         time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
-        timers = {"student": ForwardTimer(setup["policy"].get_base_model()), "teacher": ForwardTimer(setup["teacher"])}
-        sides = {"shared": (args, None)}
-        if compare:
-            sides["plain"] = (dataclasses.replace(args, share_prompt_prefix=False), (g.response_logps, g.response_logps))
+        timers = {"student": ForwardTimer(models.policy.get_base_model()), "teacher": ForwardTimer(models.teacher)}
+        sides = {"shared": (args, models)}
+        if compare:  # the same student, optimizer and teacher; every forward plain, no distinct prompts encoded
+            sides["plain"] = (dataclasses.replace(args, share_prompt_prefix=False),
+                              dataclasses.replace(models, sharing=g.PrefixSharing(enabled=False)))
         runs = {side: [] for side in sides}
         for step in range(warmup + steps):
             for side in (list(sides) if step % 2 == 0 else list(sides)[::-1]):
                 result = one_step(step, sides[side][0], setup, clock, timers, sides[side][1])
                 if step >= warmup:
                     runs[side].append(result)
+        # the model's own flag (set on each layer that recomputes): what gradient_checkpointing_enable() did
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in models.policy.modules())
         measured = runs["shared"]
 
-    n = len(measured)
-    parts = {p: sum(m["parts"][p] for m in measured) / n for p in PARTS}
-    step_time = sum(m["total"] for m in measured) / n
-    tokens = sum(m["tokens"] for m in measured) / n
+    mean = summarize(measured)
+    n, parts, step_time, tokens = mean["steps"], mean["parts"], mean["step"], mean["tokens_per_step"]
     part_time = {"generate": parts["generate"], "teacher scoring": parts["teacher scoring"],
                  "student update": parts["student forward"] + parts["student backward"] + parts["optimizer"]}
     compute = {}
     for part, _ in COMPUTE_PARTS:
         model = sum(m["compute"][part]["model"] for m in measured) / n
         vision = sum(m["compute"][part]["vision"] for m in measured) / n
+        # 0 where a hook saw nothing (the tests catch that; the report still prints)
         compute[part] = {"part_seconds": part_time[part], "model_seconds": model, "vision_seconds": vision,
-                          "model_share_of_part": model / part_time[part], "vision_share_of_model": vision / model}
+                         "model_share_of_part": model / part_time[part] if part_time[part] > 0 else 0.0,
+                         "vision_share_of_model": vision / model if model > 0 else 0.0}
     all_model = sum(f["model_seconds"] for f in compute.values())
     all_vision = sum(f["vision_seconds"] for f in compute.values())
     config = {"prompts": B, "G": G, "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.micro_batch_size,
               "teacher_4bit": teacher_4bit, "steps_per_generation": steps_per_generation,
-              "num_iterations": num_iterations, "warmup": warmup, "vocab": vocab}
-    out = {"parts": parts, "shares": {p: parts[p] / step_time for p in PARTS}, "step": step_time,
-           "accounted": sum(parts.values()) / step_time, "tokens_per_step": tokens,
+              "num_iterations": num_iterations, "gradient_checkpointing": gradient_checkpointing, "warmup": warmup,
+              "vocab": vocab}
+    out = {**mean, "shares": {p: parts[p] / step_time for p in PARTS}, "accounted": sum(parts.values()) / step_time,
            "tokens_per_second": tokens / step_time, "model_compute": compute,
-           "vision_share_of_all_model_compute": all_vision / all_model,
-           "skipped_updates": sum(m["skipped_updates"] for m in measured), "steps": n, "models": which,
-           "threads": torch.get_num_threads(), "config": config}
+           "vision_share_of_all_model_compute": all_vision / all_model if all_model > 0 else 0.0,
+           # what the measured steps ran: the forwards that read each prompt once (PrefixSharing's decisions) and
+           # whether the student recomputes its activations in the backward (the model's own flag)
+           "share_prompt_prefix": models.sharing.summary(), "student_gradient_checkpointing": checkpointing,
+           "models": which, "threads": torch.get_num_threads(), "config": config}
 
     part_rows = [[p, parts[p], percent(parts[p], step_time)] for p in PARTS]
     part_rows.append(["step (measured)", step_time, f"{percent(sum(parts.values()), step_time)} accounted"])
     compute_rows = [[f"{part} ({model})", compute[part]["model_seconds"],
                      percent(compute[part]["model_seconds"], compute[part]["part_seconds"]),
                      compute[part]["vision_seconds"], percent(compute[part]["vision_seconds"],
-                                                               compute[part]["model_seconds"])]
+                                                              compute[part]["model_seconds"])]
                     for part, model in COMPUTE_PARTS]
     compute_rows.append(["all parts", all_model, "", all_vision, percent(all_vision, all_model)])
+    read_once = ", ".join(f"{role} {'yes' if done else 'no'}" for role, done in out["share_prompt_prefix"].items())
     extra = []
     if compare:
-        plain = {p: sum(m["parts"][p] for m in runs["plain"]) / n for p in PARTS}
-        plain_step = sum(m["total"] for m in runs["plain"]) / n
-        out["plain"] = {"parts": plain, "step": plain_step, "largest_part": max(plain, key=plain.get)}
-        out["shared_vs_plain"] = {"step": step_time / plain_step,
-                                  **{p: parts[p] / plain[p] for p in PARTS if plain[p] > 0}}
+        plain = summarize(runs["plain"])
+        out["plain"] = {**plain, "largest_part": max(plain["parts"], key=plain["parts"].get),
+                        "share_prompt_prefix": sides["plain"][1].sharing.summary()}
+        out["shared_vs_plain"] = {"step": step_time / plain["step"],
+                                  **{p: parts[p] / plain["parts"][p] for p in PARTS if plain["parts"][p] > 0}}
         out["largest_part"] = max(parts, key=parts.get)
-        extra = ["", "each prompt read once (shared) against every sample reading its own (plain, "
-                 "--share_prompt_prefix false), alternating step by step:",
+        extra = ["", ("each prompt read once (shared) against every sample reading its own (plain, "
+                      "--share_prompt_prefix false), alternating step by step:"),
                  (["part", "plain s", "shared s", "shared / plain"],
-                  [[p, plain[p], parts[p], parts[p] / plain[p] if plain[p] > 0 else ""] for p in PARTS]
-                  + [["step", plain_step, step_time, step_time / plain_step]]),
+                  [[p, plain["parts"][p], parts[p], parts[p] / plain["parts"][p] if plain["parts"][p] > 0 else ""]
+                   for p in PARTS] + [["step", plain["step"], step_time, step_time / plain["step"]]]),
                  f"largest part: plain {out['plain']['largest_part']}, shared {out['largest_part']}"]
     return report(out, [
-        f"GNDPO step on {which}; B={B} x G={G}, max_new_tokens={args.max_new_tokens}, micro-batch "
-        f"{args.micro_batch_size}, {steps_per_generation * num_iterations} update(s) per step, teacher "
-        f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {torch.get_num_threads()} thread(s); mean of {n} step(s) "
-        f"after {warmup} warm-up",
+        (f"GNDPO step on {which}; B={B} x G={G}, max_new_tokens={args.max_new_tokens}, micro-batch "
+         f"{args.micro_batch_size}, {steps_per_generation * num_iterations} update(s) per step, teacher "
+         f"{'4-bit nf4' if teacher_4bit else 'fp32'}, gradient checkpointing "
+         f"{'on' if gradient_checkpointing else 'off'}, {torch.get_num_threads()} thread(s); mean of {n} step(s) "
+         f"after {warmup} warm-up"),
+        f"each prompt read once: {read_once}",
         (["part", "seconds", "share"], part_rows),
         f"response tokens per step {tokens:.0f}, tokens per second {tokens / step_time:.1f}",
         "",
-        "model compute inside the parts (forward hooks on the model and its vision tower), and the vision tower's share:",
+        ("model compute inside the parts (forward hooks on the model and its vision tower), and the vision "
+         "tower's share:"),
         (["part (model)", "model compute s", "share of the part", "vision tower s", "share of the model compute"],
          compute_rows),
         *extra,
@@ -288,19 +307,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro_batch_size", type=int, help="Sequences per forward (default 32).")
     p.add_argument("--steps_per_generation", type=int, default=1, help="K updates per step (default 1).")
     p.add_argument("--num_iterations", type=int, default=1, help="E passes over the rollouts per step (default 1).")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="The student recomputes its activations in the backward (Args.gradient_checkpointing).")
     p.add_argument("--warmup", type=int, help="Unmeasured steps first (default 1).")
     p.add_argument("--compare", action="store_true", help="Also run every step with --share_prompt_prefix false, "
                    "alternating, and print the ratios.")
     p.add_argument("--steps", type=int, help="Measured steps (default 5; 2 with --quick).")
     p.add_argument("--fp32_teacher", action="store_true", help="Full-precision teacher instead of 4-bit nf4.")
-    p.add_argument("--vocab", type=int, default=0, help="Pad both models' vocabulary to this size (e.g. 151936) first.")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="Pad both models' vocabulary to this size (e.g. 151936) first.")
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
     p.add_argument("--teacher_model", help="Teacher folder (default: assets/tiny/teacher, else random-init).")
     add_json_flag(p)
     a = p.parse_args(argv)
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.micro_batch_size, a.warmup, a.steps,
                not a.fp32_teacher, a.vocab, a.student_model, a.teacher_model, a.steps_per_generation,
-               a.num_iterations, a.json, compare=a.compare)
+               a.num_iterations, a.json, compare=a.compare, gradient_checkpointing=a.gradient_checkpointing)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ tiny Qwen2.5-VL student and teacher, the same image questions, batch, G and resp
     python bench/vs_trl.py --quick                # a few seconds of steps: B = 2 x G = 2, 1 + 1 steps, 1 round
     python bench/vs_trl.py --vocab 151936         # both models' vocabulary padded to Qwen2.5's
     python bench/vs_trl.py --quick --json out.json   # the printed numbers as one JSON dict too
+    python bench/vs_trl.py --gradient_checkpointing  # both students recompute their activations in the backward
 
 TRL's closest trainer is `trl.DistillationTrainer` (on-policy distillation, Agarwal et al. 2024; it takes a
 processor and images, so the vision-language path is compared as is). One step on each side:
@@ -21,13 +22,13 @@ processor and images, so the vision-language path is compared as is). One step o
            backward, never a full logits tensor.
   update   both: AdamW on the LoRA adapter, grad-norm clip 1.
 
-Both use the same LoRA adapter (built by gndpo_minimal.load_student), float32 weights, no gradient
-checkpointing, constant learning rate, no evaluation and no checkpoint inside the measured steps, one
-metrics line per step. Each side runs in a fresh Python process; the sides alternate (ours, TRL, ours,
-TRL, ...). Seconds per step: time between consecutive step ends after the warm-up steps, median over all
-measured steps of all rounds. Peak RSS: the process's resident-memory high-water mark over the measured
-steps (reset after warm-up), median over rounds; at these sizes it is mostly the Python libraries, so the
-RSS right after each side's imports is shown too.
+Both use the same LoRA adapter (built by gndpo_minimal.load_student), float32 weights, gradient checkpointing
+only with --gradient_checkpointing (then on every side), constant learning rate, no evaluation and no
+checkpoint inside the measured steps, one metrics line per step. Each side runs in a fresh Python process;
+the sides alternate (ours, TRL, ours, TRL, ...). Seconds per step: time between consecutive step ends after
+the warm-up steps, median over all measured steps of all rounds. Peak RSS: the process's resident-memory
+high-water mark over the measured steps (reset after warm-up), median over rounds; at these sizes it is mostly
+the Python libraries, so the RSS right after each side's imports is shown too.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ class StepClock:
         if len(self.marks) == self.total:
             self.peak_rss = peak_rss_bytes()
 
-    def result(self, side: str, libraries_rss: int) -> dict:
+    def result(self, side: str, libraries_rss: int, **extra) -> dict:
         if len(self.marks) < self.total:
             raise RuntimeError(f"{side}: saw {len(self.marks)} step ends, expected {self.total}")
         seconds = [b - a for a, b in zip(self.marks[self.warmup - 1:], self.marks[self.warmup:])]
         return {"side": side, "step_seconds": seconds, "peak_rss": self.peak_rss, "rss_at_start": self.rss_at_start,
                 "libraries_rss": libraries_rss, "parts": self.parts,
-                "response_tokens_per_step": sum(self.tokens) / len(self.tokens)}
+                "response_tokens_per_step": sum(self.tokens) / len(self.tokens), **extra}
 
 
 def gndpo_args(cfg: dict):
@@ -85,11 +86,12 @@ def gndpo_args(cfg: dict):
 
     import gndpo_minimal as g
 
-    extra = {"share_prompt_prefix": cfg.get("share_prompt_prefix", True)}
+    extra = {"share_prompt_prefix": cfg.get("share_prompt_prefix", True),
+             "gradient_checkpointing": cfg.get("gradient_checkpointing", False)}
     extra = {k: v for k, v in extra.items() if k in {f.name for f in dataclasses.fields(g.Args)}}  # older checkouts
-    return g.Args(**extra,student_model=cfg["student"], teacher_model=cfg["teacher"], teacher_4bit=cfg["teacher_4bit"],
-                  dataset_name=cfg["dataset"], num_eval_samples=0, prompts_per_step=cfg["prompts"],
-                  num_generations=cfg["G"], max_new_tokens=cfg["max_new_tokens"],
+    return g.Args(**extra, student_model=cfg["student"], teacher_model=cfg["teacher"],
+                  teacher_4bit=cfg["teacher_4bit"], dataset_name=cfg["dataset"], num_eval_samples=0,
+                  prompts_per_step=cfg["prompts"], num_generations=cfg["G"], max_new_tokens=cfg["max_new_tokens"],
                   micro_batch_size=cfg["prompts"] * cfg["G"], max_steps=cfg["warmup"] + cfg["steps"], save_steps=0,
                   output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"])
 
@@ -106,7 +108,9 @@ def forced_length(generation_configs, min_new_tokens: int):
 
 def ours_worker(cfg: dict) -> dict:
     """gndpo_minimal.main() as is; step ends (and its parts' seconds) are taken from its one accelerator.log()
-    call per step. With cfg["min_new_tokens"], sampled answers are forced to that length (forced_length)."""
+    call per step. With cfg["min_new_tokens"], sampled answers are forced to that length (forced_length). The
+    result also holds the run's summary.json entry on which forwards read each prompt once (None where a checkout
+    has none)."""
     if cfg.get("code_dir"):  # the baseline side: gndpo_minimal.py of another checkout
         sys.path.insert(0, cfg["code_dir"])
     import accelerate
@@ -127,8 +131,8 @@ def ours_worker(cfg: dict) -> dict:
     accelerate.Accelerator.log = log
     if cfg.get("min_new_tokens"):
         g.generation_configs = forced_length(g.generation_configs, cfg["min_new_tokens"])
-    g.main(gndpo_args(cfg))
-    return clock.result("ours", libraries_rss)
+    summary = g.main(gndpo_args(cfg))
+    return clock.result("ours", libraries_rss, share_prompt_prefix=summary.get("share_prompt_prefix"))
 
 
 def trl_worker(cfg: dict) -> dict:
@@ -160,8 +164,9 @@ def trl_worker(cfg: dict) -> dict:
     config = DistillationConfig(
         output_dir=cfg["output_dir"], per_device_train_batch_size=cfg["prompts"] * G, gradient_accumulation_steps=1,
         max_steps=cfg["warmup"] + cfg["steps"], max_completion_length=args.max_new_tokens, beta=1.0,
-        temperature=args.temperature, top_k=0, top_p=1.0, learning_rate=args.learning_rate, lr_scheduler_type="constant",
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, bf16=False, gradient_checkpointing=False,
+        temperature=args.temperature, top_k=0, top_p=1.0, learning_rate=args.learning_rate,
+        lr_scheduler_type="constant", weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, bf16=False,
+        gradient_checkpointing=args.gradient_checkpointing,
         shuffle_dataset=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
         generation_kwargs={"suppress_tokens": g.vision_token_ids(processor.tokenizer),  # the ids ours suppresses
@@ -178,7 +183,8 @@ def run_worker(side: str, cfg: dict) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if done.returncode or not lines:
-        raise RuntimeError(f"the {side} worker failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        raise RuntimeError(f"the {side} worker failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-5000:]}")
     return json.loads(lines[-1][len(RESULT_TAG):])
 
 
@@ -186,30 +192,35 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         max_new_tokens: int | None = None, warmup: int | None = None, steps: int | None = None,
         rounds: int | None = None, teacher_4bit: bool = False, vocab: int = 0, student: str | None = None,
         teacher: str | None = None, json_path: str | None = None, verbose: bool = True, sides: tuple = SIDES,
-        min_new_tokens: int = 0, image_pixels: int = 0, baseline: str | None = None) -> dict:
+        min_new_tokens: int = 0, image_pixels: int = 0, baseline: str | None = None,
+        gradient_checkpointing: bool = False) -> dict:
     """Alternates fresh processes of each side (ours, TRL, and ours_plain: ours without prompt sharing) `rounds`
     times; returns each side's medians and ours / TRL ratios (also written to json_path when given).
     min_new_tokens forces every sampled answer to at least that length on every side; image_pixels resizes
     every image to that many pixels (with vocab, on the padded copies). baseline: a checkout of this repository
-    (e.g. `git worktree add /tmp/before <commit>`) whose gndpo_minimal.py the "baseline" side runs."""
+    (e.g. `git worktree add /tmp/before <commit>`) whose gndpo_minimal.py the "baseline" side runs.
+    gradient_checkpointing: every side's student recomputes its activations in the backward."""
     import tiny_world
 
     student_dir, teacher_dir, which = tiny_models(student, teacher)
     cfg = {"student": student_dir, "teacher": teacher_dir, "teacher_4bit": teacher_4bit,
            "prompts": prompts or (2 if quick else 8), "G": generations or (2 if quick else 4),
            "max_new_tokens": max_new_tokens or (4 if quick else 8), "warmup": warmup or (1 if quick else 2),
-           "steps": steps or (1 if quick else 4), "seed": 0, "min_new_tokens": min_new_tokens}
+           "steps": steps or (1 if quick else 4), "seed": 0, "min_new_tokens": min_new_tokens,
+           "gradient_checkpointing": gradient_checkpointing}
     rounds = rounds or (1 if quick else 2)
     per_side = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="gndpo-vs-trl-") as tmp:
         cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for every side
         tiny_world.make_dataset(cfg["prompts"] * (cfg["warmup"] + cfg["steps"]), seed=1).save_to_disk(cfg["dataset"])
         if vocab or image_pixels:
-            cfg["student"], cfg["teacher"] = padded_models(cfg["student"], cfg["teacher"], vocab or None, tmp, image_pixels)
+            cfg["student"], cfg["teacher"] = padded_models(cfg["student"], cfg["teacher"], vocab or None, tmp,
+                                                           image_pixels)
             which += f", vocabulary padded to {vocab}" if vocab else ""
         for r in range(rounds):
             for side in sides:
-                side_cfg = dict(cfg, output_dir=os.path.join(tmp, f"{side}-{r}"), share_prompt_prefix=side != "ours_plain",
+                side_cfg = dict(cfg, output_dir=os.path.join(tmp, f"{side}-{r}"),
+                                share_prompt_prefix=side != "ours_plain",
                                 code_dir=os.path.abspath(baseline) if side == "baseline" else None)
                 per_side[side].append(run_worker("trl" if side == "trl" else "ours", side_cfg))
     out = {"config": cfg, "rounds": rounds, "models": which, "runs": per_side}
@@ -245,7 +256,8 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
     return report(out, [
         f"{which}; B={cfg['prompts']} x G={cfg['G']}, max_new_tokens={cfg['max_new_tokens']}"
         f"{f' (at least {min_new_tokens})' if min_new_tokens else ''}, teacher "
-        f"{'4-bit nf4' if teacher_4bit else 'fp32'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
+        f"{'4-bit nf4' if teacher_4bit else 'fp32'}, gradient checkpointing "
+        f"{'on' if gradient_checkpointing else 'off'}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
         f"{rounds} round(s), sides alternating in fresh processes; threads: OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}",
         (["side", "median s/step", "round medians", "peak RSS MiB (steps)", "RSS MiB after imports",
@@ -262,7 +274,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--warmup", type=int, help="Unmeasured steps per process (default 2, at least 1).")
     p.add_argument("--steps", type=int, help="Measured steps per process (default 4).")
     p.add_argument("--rounds", type=int, help="Times each side runs, alternating (default 2).")
-    p.add_argument("--teacher_4bit", action="store_true", help="Both sides with the 4-bit nf4 teacher (default fp32).")
+    p.add_argument("--teacher_4bit", action="store_true",
+                   help="Both sides with the 4-bit nf4 teacher (default fp32).")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="Every side's student recomputes its activations in the backward.")
     p.add_argument("--vocab", type=int, default=0, help="Pad both models' vocabulary to this size (e.g. 151936, "
                    "Qwen2.5's) to see the cost of the loss at a real vocabulary; 0 = keep the tiny one.")
     p.add_argument("--student_model", help="Student folder (default: assets/tiny/student, else random-init).")
@@ -270,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     add_json_flag(p)
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(LABELS),
                    help="Sides to run, alternating (default: ours trl).")
-    p.add_argument("--baseline", help="A checkout of this repository: adds its gndpo_minimal.main() as side 'baseline'.")
+    p.add_argument("--baseline",
+                   help="A checkout of this repository: adds its gndpo_minimal.main() as side 'baseline'.")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -280,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     sides = tuple(a.sides) + (("baseline",) if a.baseline and "baseline" not in a.sides else ())
     return run(a.quick, a.prompts, a.generations, a.max_new_tokens, a.warmup, a.steps, a.rounds, a.teacher_4bit,
-               a.vocab, a.student_model, a.teacher_model, a.json, sides=sides, baseline=a.baseline)
+               a.vocab, a.student_model, a.teacher_model, a.json, sides=sides, baseline=a.baseline,
+               gradient_checkpointing=a.gradient_checkpointing)
 
 
 if __name__ == "__main__":

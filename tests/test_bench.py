@@ -1,11 +1,16 @@
 """The benchmark scripts in bench/ run with --quick and report numbers that hang together.
 
-No timing is asserted (the machine may be shared); the checks are about what the tables claim: the step
-breakdown accounts for the whole step and each part holds the model compute measured inside it,
-token_logps gives the naive log-probs and gradients on the bench's own tensors while the naive side
-really holds a float32 copy of the logits, and the TRL comparison measured the same number of steps on
-both sides. Each script runs through its command line with --json, and the numbers are read back from
-that file: the one source the docs quote.
+No timing is asserted (the machine may be shared), and no ratio is checked against its own division: the
+checks are about what the tables claim and could be wrong about. The step breakdown's parts, each timed on
+its own, add up to the step timed around them, each part holds the model compute measured inside it, the
+step sampled B x G responses of at most max_new_tokens tokens, and the forwards that read each prompt once
+are the ones the script says it measured (with --gradient_checkpointing too, which the student really got).
+token_logps gives the naive log-probs and gradients on the bench's own tensors while the naive side really
+holds a float32 copy of the logits. The TRL comparison measured the same number of steps on both sides and
+our logged parts lie inside each measured step; the paper shape forces every answer to the same length on
+both of our sides, one reading each prompt once and the other not. --gradient_checkpointing reaches every
+worker's Args. Each script runs through its command line
+with --json, and the numbers are read back from that file: the one source the docs quote.
 """
 
 import json
@@ -17,8 +22,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import paper_shape  # noqa: E402
 import step_breakdown  # noqa: E402
 import token_logps as token_logps_bench  # noqa: E402
+import vs_trl  # noqa: E402
+
+CONFIG_KEYS = {"prompts", "G", "max_new_tokens", "micro_batch_size", "teacher_4bit", "steps_per_generation",
+               "num_iterations", "gradient_checkpointing", "warmup", "vocab"}
 
 
 def models(untrained_models):
@@ -35,30 +45,66 @@ def run_cli(module, argv: list[str], tmp_path) -> dict:
     return out
 
 
-@pytest.mark.slow
-def test_step_breakdown_parts_add_up_to_the_step(untrained_models, tmp_path, capsys):
-    student, teacher = models(untrained_models)
-    out = run_cli(step_breakdown, ["--quick", "--student_model", student, "--teacher_model", teacher], tmp_path)
-    parts, step = out["parts"], out["step"]
+def check_step_side(side: dict, cfg: dict) -> None:
+    """One side of step_breakdown: every part measured, the parts add up to the step, B x G responses of at most
+    max_new_tokens valid tokens each, no update skipped."""
+    parts, step = side["parts"], side["step"]
     assert set(parts) == set(step_breakdown.PARTS)
     assert all(v > 0 for v in parts.values()), parts
     # the parts come from the step functions' own clocks and from wrappers, the step from a clock around them
     # all: together they are the step, bar the gaps between calls
     assert sum(parts.values()) == pytest.approx(step, rel=0.02, abs=2e-3)
-    assert out["accounted"] == pytest.approx(sum(out["shares"].values()))
-    assert out["skipped_updates"] == 0
-    cfg = out["config"]
-    assert 0 < out["tokens_per_step"] <= cfg["prompts"] * cfg["G"] * cfg["max_new_tokens"]
-    assert out["tokens_per_second"] == pytest.approx(out["tokens_per_step"] / step)
-    # the hooks run inside the parts: each part holds its model's compute, which holds the vision tower's
+    assert side["steps"] == 2  # --quick: 2 measured steps after 1 warm-up
+    assert side["responses_per_step"] == cfg["prompts"] * cfg["G"]
+    assert 0 < side["tokens_per_step"] <= cfg["prompts"] * cfg["G"] * cfg["max_new_tokens"]
+    assert side["skipped_updates"] == 0
+
+
+def check_model_compute(out: dict) -> None:
+    """The hooks run inside the parts: each part holds its model's compute, which holds the vision tower's."""
     for part, _ in step_breakdown.COMPUTE_PARTS:
         c = out["model_compute"][part]
         assert 0 < c["vision_seconds"] <= c["model_seconds"] <= c["part_seconds"] * 1.01 + 1e-3, (part, c)
-    assert out["model_compute"]["student update"]["part_seconds"] == pytest.approx(
-        parts["student forward"] + parts["student backward"] + parts["optimizer"])
+
+
+@pytest.mark.slow
+def test_step_breakdown_parts_add_up_to_the_step(untrained_models, tmp_path, capsys):
+    student, teacher = models(untrained_models)
+    out = run_cli(step_breakdown, ["--quick", "--student_model", student, "--teacher_model", teacher], tmp_path)
+    cfg = out["config"]
+    assert set(cfg) == CONFIG_KEYS and cfg["gradient_checkpointing"] is False
+    assert out["student_gradient_checkpointing"] is False
+    check_step_side(out, cfg)
+    check_model_compute(out)
+    # the default measured the step main() runs: every forward read each prompt once (each check passed)
+    assert out["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
     printed = capsys.readouterr().out
+    assert "gradient checkpointing off" in printed
     for part in step_breakdown.PARTS:
         assert f"| {part} |" in printed
+
+
+@pytest.mark.slow
+def test_step_breakdown_compare_under_gradient_checkpointing(untrained_models, tmp_path, capsys):
+    student, teacher = models(untrained_models)
+    out = run_cli(step_breakdown, ["--quick", "--compare", "--gradient_checkpointing", "--student_model", student,
+                                   "--teacher_model", teacher], tmp_path)
+    cfg = out["config"]
+    assert set(cfg) == CONFIG_KEYS and cfg["gradient_checkpointing"] is True
+    assert out["student_gradient_checkpointing"] is True  # the flag reached the model: its layers recompute
+    # both sides: the same number of steps, each sampling B x G responses, their parts adding up to the step
+    check_step_side(out, cfg)
+    check_step_side(out["plain"], cfg)
+    check_model_compute(out)
+    # every role was decided during the steps; the teacher is not checkpointed, and the rollouts read the
+    # prompt once exactly when the student's update does
+    shared = out["share_prompt_prefix"]
+    assert shared["teacher"] is True and shared["student"] in (True, False), shared
+    assert shared["rollout"] == shared["student"], shared
+    assert out["plain"]["share_prompt_prefix"] == {"teacher": False, "student": False, "rollout": False}
+    printed = capsys.readouterr().out
+    assert "gradient checkpointing on" in printed
+    assert "| step |" in printed
 
 
 @pytest.mark.slow
@@ -73,61 +119,82 @@ def test_token_logps_bench_matches_naive_and_sees_the_naive_float_copy(tmp_path,
         assert r["naive"]["extra_bytes"] >= 0.9 * B * T * V * 4, (mode, r["naive"])
         assert r["token_logps"]["extra_bytes"] > 0
         assert r["naive"]["seconds"] > 0 and r["token_logps"]["seconds"] > 0
-        assert r["memory_ratio"] == pytest.approx(r["naive"]["extra_bytes"] / r["token_logps"]["extra_bytes"])
-        assert r["time_ratio"] == pytest.approx(r["token_logps"]["seconds"] / r["naive"]["seconds"])
     assert out["with backward"]["max_abs_grad_diff"] < 1e-3
     # without autograd the chunked version never holds a float32 copy of all logits
-    assert out["no autograd"]["memory_ratio"] > 1
+    assert out["no autograd"]["naive"]["extra_bytes"] > out["no autograd"]["token_logps"]["extra_bytes"]
     assert "| no autograd |" in capsys.readouterr().out
+
+
+def check_parts_inside_steps(run: dict) -> None:
+    """main() logs time_generate / time_score / time_update of each step; the step's seconds (between two step
+    ends) hold all three."""
+    assert len(run["parts"]) == len(run["step_seconds"])
+    for parts, seconds in zip(run["parts"], run["step_seconds"]):
+        assert set(parts) == set(vs_trl.PARTS)
+        assert all(v > 0 for v in parts.values()), parts
+        assert sum(parts.values()) <= seconds + 1e-3, (parts, seconds)
 
 
 @pytest.mark.slow
 def test_vs_trl_measures_both_sides_on_the_same_work(untrained_models, tmp_path, capsys):
-    pytest.importorskip("trl", reason="TRL is installed for this benchmark only: pip install -r bench/requirements-trl.txt")
-    import vs_trl
-
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        pytest.fail("TRL is missing: pip install -r bench/requirements-trl.txt (the TRL side runs it)")
     student, teacher = models(untrained_models)
     out = run_cli(vs_trl, ["--quick", "--student_model", student, "--teacher_model", teacher], tmp_path)
     cfg = out["config"]
+    assert cfg["gradient_checkpointing"] is False
     for side in vs_trl.SIDES:
         (run,) = out["runs"][side]
         assert len(run["step_seconds"]) == cfg["steps"] and all(s > 0 for s in run["step_seconds"])
         assert 0 < run["response_tokens_per_step"] <= cfg["prompts"] * cfg["G"] * cfg["max_new_tokens"]
         assert run["peak_rss"] >= run["rss_at_start"] > 0
-    assert out["time_ratio"] == pytest.approx(out["ours"]["seconds_per_step"] / out["trl"]["seconds_per_step"])
-    assert out["peak_rss_ratio"] == pytest.approx(out["ours"]["peak_rss"] / out["trl"]["peak_rss"])
-    assert "| ratio ours / TRL |" in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_step_breakdown_compare_alternates_shared_and_plain(untrained_models, tmp_path, capsys):
-    student, teacher = models(untrained_models)
-    out = run_cli(step_breakdown, ["--quick", "--compare", "--student_model", student, "--teacher_model", teacher],
-                  tmp_path)
-    plain = out["plain"]
-    assert set(plain["parts"]) == set(step_breakdown.PARTS) and plain["step"] > 0
-    assert out["shared_vs_plain"]["step"] == pytest.approx(out["step"] / plain["step"])
-    for part, ratio in out["shared_vs_plain"].items():
-        if part != "step":
-            assert ratio == pytest.approx(out["parts"][part] / plain["parts"][part])
-    assert out["largest_part"] == max(out["parts"], key=out["parts"].get)
-    assert "| step |" in capsys.readouterr().out
+    check_parts_inside_steps(out["runs"]["ours"][0])
+    assert out["runs"]["ours"][0]["share_prompt_prefix"]["teacher"] is True  # main()'s own default
+    printed = capsys.readouterr().out
+    assert "| ratio ours / TRL |" in printed and "gradient checkpointing off" in printed
 
 
 @pytest.mark.slow
 def test_paper_shape_forces_the_shape_on_both_of_our_sides(tmp_path, capsys):
-    import paper_shape
-
     out = run_cli(paper_shape, ["--quick", "--no_trl"], tmp_path)
     cfg = out["config"]
+    assert cfg["gradient_checkpointing"] is False and cfg["min_new_tokens"] > 0
     assert set(out["runs"]) == {"ours", "ours_plain"}
     for side in ("ours", "ours_plain"):
         (run,) = out["runs"][side]
         # every sampled answer is forced to the full length: the sides do the same work
         assert run["response_tokens_per_step"] == cfg["prompts"] * cfg["G"] * cfg["min_new_tokens"]
         assert set(out[side]["parts"]) == set(paper_shape.PART_NAMES)
-    assert out["shared_vs_plain_time_ratio"] == pytest.approx(out["ours"]["seconds_per_step"] /
-                                                             out["ours_plain"]["seconds_per_step"])
-    for part, ratio in out["part_ratios"].items():
-        assert ratio == pytest.approx(out["ours"]["parts"][part] / out["ours_plain"]["parts"][part])
-    assert "| teacher scoring |" in capsys.readouterr().out
+        check_parts_inside_steps(run)
+    # the two sides differ in what they claim to: one reads each prompt once in its scoring and its update, the
+    # other nowhere. (The rollout's check compares float32 log-probs over the padded random vocabulary at a 1e-4
+    # tolerance, measured around 3e-5 here: it is left free, a fallback there is the script's own decision.)
+    shared = out["runs"]["ours"][0]["share_prompt_prefix"]
+    assert shared["teacher"] is True and shared["student"] is True and shared["rollout"] in (True, False), shared
+    assert out["runs"]["ours_plain"][0]["share_prompt_prefix"] == {"teacher": False, "student": False,
+                                                                   "rollout": False}
+    printed = capsys.readouterr().out
+    assert "| teacher scoring |" in printed and "gradient checkpointing off" in printed
+
+
+def test_gradient_checkpointing_reaches_the_workers(monkeypatch):
+    """paper_shape --gradient_checkpointing -> vs_trl.run -> every worker's config -> Args (without running)."""
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_run(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(vs_trl, "run", fake_run)
+    with pytest.raises(Stop):
+        paper_shape.main(["--quick", "--no_trl", "--gradient_checkpointing"])
+    assert seen["gradient_checkpointing"] is True
+    cfg = {"student": "s", "teacher": "t", "teacher_4bit": True, "dataset": "d", "prompts": 1, "G": 2,
+           "max_new_tokens": 4, "warmup": 1, "steps": 1, "output_dir": "o", "seed": 0}
+    assert vs_trl.gndpo_args(cfg).gradient_checkpointing is False
+    assert vs_trl.gndpo_args(dict(cfg, gradient_checkpointing=True)).gradient_checkpointing is True

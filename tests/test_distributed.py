@@ -72,6 +72,22 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
 
 # --- prompt sharding ---------------------------------------------------------------------------
 
+@pytest.mark.slow
+def test_two_processes_give_the_update_gradient_of_one(untrained_models, tmp_path):
+    """The same 8 rollouts (one with no valid token) in one process or split over two: the update applies the same
+    gradient, since GSPO's sequence mean is taken over the valid sequences of the whole mini-batch, all processes
+    together, not over each process's own."""
+    gradients = {}
+    for processes in (1, 2):
+        run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
+             "127.0.0.1", "--master_port", str(free_port()), os.path.join("tests", "dist_update_worker.py")],
+            env={**ENV, "OUT_DIR": str(tmp_path), "MODELS_DIR": untrained_models})
+        gradients[processes] = torch.load(tmp_path / f"grad{processes}.pt")
+    assert gradients[1].norm() > 0
+    relative = ((gradients[2] - gradients[1]).norm() / gradients[1].norm()).item()
+    assert relative < 1e-5, relative
+
+
 def test_step_prompt_indices_distinct_per_step_and_per_epoch(monkeypatch):
     n_rows, B = 10, 4  # 2 whole steps per epoch; 2 rows wait for the next shuffle each epoch
     calls = []
@@ -161,6 +177,8 @@ def test_script_two_processes_global(untrained_models, tmp_path):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert "student_accuracy_after" in summary and summary["steps"] == 2
+    # both processes agreed that every forward reads each prompt once
+    assert summary["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
 
 
 @pytest.mark.slow

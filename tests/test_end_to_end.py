@@ -6,6 +6,7 @@ shipped trained ones.
 """
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -209,15 +210,15 @@ def test_rollout_logps_match_full_forward(args, temperature):
     rows = tiny_world.make_rows(4, seed=3)
     prompts = [(r["question"], [r["image"]]) for r in rows for _ in range(2)]
     torch.manual_seed(0)
-    chunk = g.rollout(student, processor, prompts, config, args, eos_ids)
-    ids, mask, sampled = chunk["response_ids"], chunk["response_mask"], chunk["sampled_logps"]
+    rollout = g.rollout(student, processor, prompts, config, args)
+    ids, mask, sampled = rollout.response_ids, rollout.response_mask, rollout.sampled_logps
     assert ids.shape == mask.shape == sampled.shape and ids.shape[0] == len(prompts)
     assert ids.shape[1] <= args.max_new_tokens  # generate() stops early once every row has ended
-    assert (chunk["attention_mask"][:, 0] == 0).any(), "no left-padded prompt: the test lost its padding case"
+    assert (rollout.row_inputs["attention_mask"][:, 0] == 0).any(), "no left-padded prompt: the test lost its padding"
 
     # no vision special token is ever sampled, although unsuppressed they would dominate
     with torch.no_grad():
-        next_logits = student(**g.model_inputs(chunk)).logits[:, -1]  # (n, V)
+        next_logits = student(**rollout.row_inputs).logits[:, -1]  # (n, V)
     assert torch.softmax(next_logits, -1)[:, ignore_ids].sum(-1).min() > 0.5
     assert not torch.isin(ids, ignore_ids).any()
 
@@ -235,9 +236,10 @@ def test_rollout_logps_match_full_forward(args, temperature):
     # log-probs recorded during generate() == a full forward of the same policy on prompt + response
     valid = mask.bool()
     with torch.no_grad():
-        scored = g.response_logps(student, chunk, ignore_ids, temperature)
-        without_mm = g.response_logps(student, {k: v for k, v in chunk.items() if k != "mm_token_type_ids"},
-                                      ignore_ids, temperature)
+        scored = g.response_logps(student, rollout, ignore_ids, temperature)
+        without_types = {k: v for k, v in rollout.row_inputs.items() if k != "mm_token_type_ids"}
+        without_mm = g.response_logps(student, dataclasses.replace(rollout, row_inputs=without_types), ignore_ids,
+                                      temperature)
     assert torch.isfinite(sampled[valid]).all() and (sampled[valid] <= 0).all()
     torch.testing.assert_close(scored[valid], sampled[valid], atol=1e-5, rtol=0)
     # the multimodal position ids matter: without mm_token_type_ids the log-probs move

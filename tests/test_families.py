@@ -1,4 +1,4 @@
-"""Every model family gndpo_minimal.py claims to train, proven on a tiny random stand-in (tests/tiny_families.py).
+"""Every model family gndpo_minimal.py claims to train, proven on a tiny random stand-in (tiny_families.py).
 
 Per family: one GNDPO step through main() (LoRA student, 4-bit teacher of the same family); sampling log-probs
 equal to the training forward's (positions, image tokens and token types passed right); the teacher's scoring
@@ -82,7 +82,7 @@ def test_one_step_through_main(run):
     # the start-up check found the shared prompt equal to the plain forward (4-bit teacher): the student of a
     # hybrid model falls back, since its linear-attention layers update the cache's state in place
     student_shares = "qwen3_5" not in run["args"].student_model
-    assert run["summary"]["prompt_read_once"] == {"teacher": True, "student": student_shares}
+    assert run["summary"]["share_prompt_prefix"] == {"teacher": True, "student": student_shares, "rollout": True}
 
 
 @family_params()
@@ -91,17 +91,20 @@ def test_sampling_logps_equal_the_training_forward(run):
     assert run["metrics"][0]["logp_mismatch"] < 1e-4
 
 
-def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0, share_prompts: bool = False):
+def family_rollout(models: str, data: str, n_prompts: int = 2, bias: float = 0.0, shared_prefix: bool = False,
+                   min_tokens: int = 0):
     """A rollout of the family's plain student on the first rows of the data, as main() makes it; with `bias`
     added to the logits of every vision special token (in generate and in any later forward alike); with
-    share_prompts, decoded on the distinct prompts' shared cache instead of by generate()."""
+    shared_prefix, decoded on the distinct prompts' shared cache instead of by generate(); with min_tokens, every
+    response at least that long (the end token held back)."""
     from transformers import AutoProcessor
 
-    args = family_args(models, data, "/nonexistent", max_new_tokens=8)
+    args = family_args(models, data, "/nonexistent", max_new_tokens=max(8, min_tokens))
     processor = AutoProcessor.from_pretrained(args.student_model)
     student = g.load_student(args, torch.float32)
     student.train()
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
+    sample_config.min_new_tokens = min_tokens
     ignore_ids = torch.tensor(sample_config.suppress_tokens)
     if bias:
         extra = torch.zeros(student.get_output_embeddings().weight.shape[0])
@@ -110,47 +113,63 @@ def scored_chunk(models: str, data: str, n_prompts: int = 2, bias: float = 0.0, 
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=n_prompts, log=None)
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
     torch.manual_seed(0)
-    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id,
-                      share_prompts=share_prompts)
-    (chunk,) = g.cut_rollouts(processor, prompts, [chunk], len(prompts), args)  # every row's prompt, for plain forwards
-    return args, processor, student, chunk, ignore_ids
+    rollout = g.rollout(student, processor, prompts, sample_config, args, shared_prefix=shared_prefix)
+    (rollout,) = g.cut_rollouts(processor, prompts, [rollout], len(prompts), args)  # every row's prompt: plain forwards
+    return args, processor, student, rollout, ignore_ids
 
 
 @family_params()
 def test_teacher_scoring_equals_a_plain_full_forward(models, family_data):
-    args, _, _, chunk, ignore_ids = scored_chunk(models, family_data)
+    args, _, _, rollout, ignore_ids = family_rollout(models, family_data)
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     with torch.no_grad():
-        scored = g.response_logps(teacher, chunk, ignore_ids)
-        inputs = g.sequence_inputs(chunk)
+        scored = g.response_logps(teacher, rollout, ignore_ids)
+        inputs = g.sequence_inputs(rollout)
         logits = teacher(**inputs, use_cache=False).logits.float()  # (n, P + R, V): every position
-    R = chunk["response_ids"].shape[1]
+    R = rollout.response_ids.shape[1]
     logits[..., ignore_ids] = float("-inf")
-    full = logits[:, -R - 1:-1].log_softmax(-1).gather(-1, chunk["response_ids"][..., None]).squeeze(-1)
-    valid = chunk["response_mask"].bool()
+    full = logits[:, -R - 1:-1].log_softmax(-1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
+    valid = rollout.response_mask.bool()
     torch.testing.assert_close(scored[valid], full[valid], atol=1e-4, rtol=0)
 
 
 @family_params()
 def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
-    """shared_prompt_logps (one forward per distinct prompt, its cache indexed to the samples) == the plain full
-    forward, for the teacher and the LoRA student: the family's positions (M-RoPE), left padding, token types
-    and hybrid-attention caches all go through it."""
-    args, _, student, chunk, ignore_ids = scored_chunk(models, family_data)
+    """SharedPrefix.logps (one forward per distinct prompt, its cache indexed to the samples) == the plain full
+    forward, in value for the teacher and in value and gradient for the LoRA student, with and without gradient
+    checkpointing, on responses of 24 tokens (longer than the Gemma 3 stand-in's sliding window of 8): the
+    family's positions (M-RoPE), left padding, token types, sliding windows and hybrid-attention caches all go
+    through it. The Qwen3.5 student's check refuses, with its reason: its linear-attention layers update the
+    cache's state in place, which autograd cannot differentiate through."""
+    family = next(f for f, path in BUILT.items() if path == models)
+    args, _, student, rollout, ignore_ids = family_rollout(models, family_data, min_tokens=24)
+    assert rollout.response_mask.sum(1).min() >= 24
     teacher = g.load_teacher(dataclasses.replace(args, teacher_4bit=False), torch.float32, torch.device("cpu"))
-    assert chunk["prompt_index"].tolist() == [0, 1, 0, 1] and chunk["prompt_inputs"]["input_ids"].shape[0] == 2
-    valid = chunk["response_mask"].bool()
+    assert rollout.prompt_index.tolist() == [0, 1, 0, 1] and rollout.prompt_inputs["input_ids"].shape[0] == 2
+    valid = rollout.response_mask.bool()
     with torch.no_grad():
-        for model in (teacher, student):
-            shared, plain = g.shared_prompt_logps(model, chunk, ignore_ids), g.response_logps(model, chunk, ignore_ids)
-            torch.testing.assert_close(shared[valid], plain[valid], atol=1e-4, rtol=0)
+        shared = g.SharedPrefix.logps(teacher, rollout, ignore_ids)
+        plain = g.response_logps(teacher, rollout, ignore_ids)
+    torch.testing.assert_close(shared[valid], plain[valid], atol=1e-4, rtol=0)
+    for checkpointing in (False, True):
+        if checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            student.enable_input_require_grads()
+        logs = []
+        sharing = g.PrefixSharing(log=logs.append)
+        ok = sharing.check("student", student, rollout, ignore_ids, 0.7)
+        if family == "qwen3_5":
+            assert not ok and "error" in logs[0], logs
+            continue
+        assert ok, logs
+        assert sharing.difference["student"]["values"] < 1e-4 and sharing.difference["student"]["gradient"] < 1e-4
     # the rollout decoded token by token on the shared cache: its recorded log-probs are the plain forward's
-    _, _, student, chunk, _ = scored_chunk(models, family_data, share_prompts=True)
-    valid = chunk["response_mask"].bool()
-    assert valid.sum(1).max() > 1 and not torch.isin(chunk["response_ids"], ignore_ids).any()
+    _, _, student, rollout, _ = family_rollout(models, family_data, shared_prefix=True, min_tokens=24)
+    valid = rollout.response_mask.bool()
+    assert valid.sum(1).min() >= 24 and not torch.isin(rollout.response_ids, ignore_ids).any()
     with torch.no_grad():
-        plain = g.response_logps(student, chunk, ignore_ids)
-    torch.testing.assert_close(chunk["sampled_logps"][valid], plain[valid], atol=1e-4, rtol=0)
+        plain = g.response_logps(student.eval(), rollout, ignore_ids)
+    torch.testing.assert_close(rollout.sampled_logps[valid], plain[valid], atol=1e-4, rtol=0)
 
 
 @family_params()
@@ -179,10 +198,11 @@ def test_lora_on_the_language_model_only_and_the_adapter_reloads(run, models):
     missing, unexpected = trained.load_state_dict(saved, strict=False)
     assert not unexpected and not [k for k in missing if "lora_" in k]
     reloaded = PeftModel.from_pretrained(base, os.path.join(run["out"], "adapter"))
-    _, _, _, chunk, ignore_ids = scored_chunk(models, args.dataset_name)
+    _, _, _, rollout, ignore_ids = family_rollout(models, args.dataset_name)
     with torch.no_grad():
-        a, b = g.response_logps(trained.eval(), chunk, ignore_ids), g.response_logps(reloaded.eval(), chunk, ignore_ids)
-    valid = chunk["response_mask"].bool()
+        a = g.response_logps(trained.eval(), rollout, ignore_ids)
+        b = g.response_logps(reloaded.eval(), rollout, ignore_ids)
+    valid = rollout.response_mask.bool()
     torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=0)
 
 
@@ -191,7 +211,7 @@ def test_sampling_never_emits_image_special_tokens(models, family_data):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(os.path.join(models, "student"))
-    _, processor, _, chunk, ignore_ids = scored_chunk(models, family_data, bias=8.0)
+    _, processor, _, rollout, ignore_ids = family_rollout(models, family_data, bias=8.0)
     # the image placeholder of the family is among the suppressed ids, found from names and the config
     image_token = getattr(processor, "image_token", None)
     if image_token:
@@ -200,7 +220,7 @@ def test_sampling_never_emits_image_special_tokens(models, family_data):
         if isinstance(getattr(config, key, None), int):
             assert getattr(config, key) in ignore_ids.tolist()
     # the biased student would sample them most of the time; suppressed, it never does
-    assert not torch.isin(chunk["response_ids"], ignore_ids).any()
+    assert not torch.isin(rollout.response_ids, ignore_ids).any()
 
 
 @family_params()
@@ -308,17 +328,17 @@ def test_left_padding_changes_no_logprob(models):
     prompts = [(r["question"] + " Answer with one word." * k, [r["image"]])
                for k, r in zip((0, 1, 2, 0), tiny_world.make_rows(4, seed=3))]
     torch.manual_seed(0)
-    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
-    assert (chunk["attention_mask"] == 0).sum(1).max() >= 8  # real left padding
-    valid = chunk["response_mask"].bool()
+    rollout = g.rollout(student, processor, prompts, sample_config, args)
+    assert (rollout.row_inputs["attention_mask"] == 0).sum(1).max() >= 8  # real left padding
+    valid = rollout.response_mask.bool()
     for model in (student, teacher):
         with torch.no_grad():
-            batched = g.response_logps(model, chunk, ignore_ids)
+            batched = g.response_logps(model, rollout, ignore_ids)
             alone = []
             for i in range(len(prompts)):
-                row = dict(g.encode_prompts(processor, prompts[i:i + 1]), response_ids=chunk["response_ids"][i:i + 1],
-                           response_mask=chunk["response_mask"][i:i + 1])
+                row = g.Rollout(rollout.response_ids[i:i + 1], rollout.response_mask[i:i + 1],
+                                rollout.sampled_logps[i:i + 1], row_inputs=g.encode_prompts(processor, prompts[i:i + 1]))
                 alone.append(g.response_logps(model, row, ignore_ids))
         torch.testing.assert_close(batched[valid], torch.cat(alone)[valid], atol=1e-4, rtol=0)
         if model is student:
-            torch.testing.assert_close(chunk["sampled_logps"][valid], batched[valid], atol=1e-4, rtol=0)
+            torch.testing.assert_close(rollout.sampled_logps[valid], batched[valid], atol=1e-4, rtol=0)

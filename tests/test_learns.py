@@ -16,10 +16,10 @@ def reverse_kl_on_fixed_batch(student, teacher, processor, args, prompts) -> flo
     config, _ = g.generation_configs(processor.tokenizer, teacher, args)
     ignore = torch.tensor(config.suppress_tokens)
     torch.manual_seed(1234)
-    chunk = g.rollout(student, processor, prompts, config, args, config.eos_token_id)
-    teacher_lp = g.response_logps(teacher, chunk, ignore)
-    mask = chunk["response_mask"].bool()
-    return (chunk["sampled_logps"] - teacher_lp)[mask].mean().item()
+    rollout = g.rollout(student, processor, prompts, config, args)
+    teacher_lp = g.response_logps(teacher, rollout, ignore)
+    mask = rollout.response_mask.bool()
+    return (rollout.sampled_logps - teacher_lp)[mask].mean().item()
 
 
 def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):

@@ -1,4 +1,4 @@
-"""The four math functions against the spec, on random tensors."""
+"""The math functions against the spec (slow, obvious transcriptions of it), on random tensors."""
 
 import pytest
 import torch
@@ -76,13 +76,13 @@ def test_token_logps_never_copies_whole_tensor_to_float32(monkeypatch):
     import gndpo_minimal
 
     sizes = []
-    original = gndpo_minimal._rows_logps
+    original = gndpo_minimal._chunk_logps
 
-    def spy(rows, ids, ignore_ids, temperature=1.0):
-        sizes.append(rows.numel())
-        return original(rows, ids, ignore_ids, temperature)
+    def spy(logits, ids, ignore_ids, temperature=1.0):
+        sizes.append(logits.numel())
+        return original(logits, ids, ignore_ids, temperature)
 
-    monkeypatch.setattr(gndpo_minimal, "_rows_logps", spy)
+    monkeypatch.setattr(gndpo_minimal, "_chunk_logps", spy)
     logits = torch.randn(4, 16, 1000).to(torch.bfloat16)
     gndpo_minimal.token_logps(logits, torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
     assert max(sizes) <= 8 * 1000 < logits.numel()

@@ -1,22 +1,24 @@
-"""Each prompt read once (--share_prompt_prefix): shared_prompt_logps against the plain full forward, the start-up
-check that chooses between them and falls back, the flag, and the rollout's sampler.
+"""Each prompt read once (--share_prompt_prefix): SharedPrefix.logps against the plain full forward, the start-up
+check that chooses between them and falls back (PrefixSharing), the flag, and the rollout's sampler.
 
 Every family's stand-in is checked in tests/test_families.py; here the tiny random Qwen2.5-VL pair (M-RoPE
 positions, left padding) carries the mechanics.
 """
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
+from accelerate import Accelerator
 
 import gndpo_minimal as g
 
 
 @pytest.fixture(scope="module")
 def pair(untrained_models):
-    """Student (LoRA, training mode), fp32 teacher and one rollout of 4 prompts x G = 3 in one chunk."""
+    """Student (LoRA, training mode), fp32 teacher and one rollout of 4 prompts x G = 3 in one micro-batch."""
     args = g.Args(student_model=os.path.join(untrained_models, "student"),
                   teacher_model=os.path.join(untrained_models, "teacher"), teacher_4bit=False, max_new_tokens=6,
                   prompts_per_step=4, num_generations=3, max_train_samples=16, num_eval_samples=0)
@@ -29,40 +31,41 @@ def pair(untrained_models):
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=16, log=None)
-    prompts, _ = g.step_prompts(ds, keep, args, step=0)
+    prompts = g.step_prompts(ds, keep, args, step=0).prompts
     torch.manual_seed(0)
-    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
-    return {"args": args, "processor": processor, "student": student, "teacher": teacher, "chunk": chunk,
+    rollout = g.rollout(student, processor, prompts, sample_config, args)
+    return {"args": args, "processor": processor, "student": student, "teacher": teacher, "rollout": rollout,
             "prompts": prompts, "ignore_ids": torch.tensor(sample_config.suppress_tokens), "config": sample_config}
 
 
-def test_prompt_groups_follow_object_identity():
+def test_distinct_prompts_follow_object_identity():
     a, b = ("q", []), ("q", [])  # equal, but two draws of the same row: two prompts
-    assert g.prompt_groups([a, a, b, b]) == ([a, b], [0, 0, 1, 1])
-    assert g.prompt_groups([a, b, a, b]) == ([a, b], [0, 1, 0, 1])
+    assert g.distinct_prompts([a, a, b, b]) == ([a, b], [0, 0, 1, 1])
+    assert g.distinct_prompts([a, b, a, b]) == ([a, b], [0, 1, 0, 1])
 
 
 def test_rollout_carries_each_distinct_prompt_once(pair):
-    chunk = pair["chunk"]
-    assert chunk["prompt_inputs"]["input_ids"].shape[0] == 4 and chunk["input_ids"].shape[0] == 12
-    assert chunk["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    rollout = pair["rollout"]
+    assert rollout.prompt_inputs["input_ids"].shape[0] == 4 and rollout.row_inputs["input_ids"].shape[0] == 12
+    assert rollout.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     # the distinct prompts' ids are the rows' ids (same left padding: same longest prompt)
-    assert torch.equal(chunk["prompt_inputs"]["input_ids"][chunk["prompt_index"]], chunk["input_ids"])
+    assert torch.equal(rollout.prompt_inputs["input_ids"][rollout.prompt_index], rollout.row_inputs["input_ids"])
 
 
 def test_shared_prompt_equals_the_plain_forward_in_value_and_gradient(pair):
-    chunk, ignore, valid = pair["chunk"], pair["ignore_ids"], pair["chunk"]["response_mask"].bool()
-    assert (chunk["attention_mask"][:, 0] == 0).any(), "no left-padded prompt: the test lost its padding case"
+    rollout, ignore, valid = pair["rollout"], pair["ignore_ids"], pair["rollout"].response_mask.bool()
+    assert (rollout.row_inputs["attention_mask"][:, 0] == 0).any(), "no left-padded prompt: the test lost its padding"
     with torch.no_grad():
-        plain_t, shared_t = g.response_logps(pair["teacher"], chunk, ignore), g.shared_prompt_logps(pair["teacher"], chunk, ignore)
+        plain_t = g.response_logps(pair["teacher"], rollout, ignore)
+        shared_t = g.SharedPrefix.logps(pair["teacher"], rollout, ignore)
     torch.testing.assert_close(shared_t[valid], plain_t[valid], atol=1e-5, rtol=0)
 
     student = pair["student"]
-    weights = torch.randn(chunk["response_ids"].shape, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
     grads = []
-    for fn in (g.response_logps, g.shared_prompt_logps):
+    for fn in (g.response_logps, g.SharedPrefix.logps):
         student.zero_grad(set_to_none=True)
-        logps = fn(student, chunk, ignore, 0.7)  # a temperature, as the update uses it
+        logps = fn(student, rollout, ignore, 0.7)  # a temperature, as the update uses it
         (logps * weights * valid).sum().backward()  # the gradient flows through the cache into the prompt's forward
         grads.append({n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad})
     student.zero_grad(set_to_none=True)
@@ -73,8 +76,9 @@ def test_shared_prompt_equals_the_plain_forward_in_value_and_gradient(pair):
 
 def test_the_check_falls_back_when_the_shared_forward_differs(pair):
     """A model whose forward on a cache gives other logits (as a family whose positions went wrong would): the
-    check sees it on the first chunk, logs why once, and every call then scores with the plain forward."""
-    teacher, chunk, ignore = pair["teacher"], pair["chunk"], pair["ignore_ids"]
+    check sees it on the first micro-batch, logs why once, and every call then scores with the plain forward."""
+    teacher, rollout, ignore = pair["teacher"], pair["rollout"], pair["ignore_ids"]
+
     def off_on_a_cache(module, args, kwargs, output):
         if kwargs.get("cache") is not None:
             output.logits = output.logits + torch.linspace(0, 1, output.logits.shape[-1])
@@ -83,19 +87,21 @@ def test_the_check_falls_back_when_the_shared_forward_differs(pair):
     hook = teacher.register_forward_hook(off_on_a_cache, with_kwargs=True)
     try:
         logs = []
-        scoring = g.PromptSharing("teacher", logs.append)
+        sharing = g.PrefixSharing(log=logs.append)
         with torch.no_grad():
-            first, again = scoring(teacher, chunk, ignore), scoring(teacher, chunk, ignore)
-            plain = g.response_logps(teacher, chunk, ignore)
+            first = sharing.logps("teacher", teacher, rollout, ignore)
+            again = sharing.logps("teacher", teacher, rollout, ignore)
+            plain = g.response_logps(teacher, rollout, ignore)
     finally:
         hook.remove()
-    assert scoring.shared is False and scoring.difference > 1e-2
+    assert sharing.decided["teacher"] is False and sharing.difference["teacher"]["values"] > 1e-2
     assert len(logs) == 1 and "falling back" in logs[0] and "max |difference|" in logs[0]
     assert torch.equal(first, plain) and torch.equal(again, plain)
 
 
 def test_the_check_falls_back_when_the_shared_forward_fails(pair):
-    teacher, chunk = pair["teacher"], pair["chunk"]
+    teacher, rollout = pair["teacher"], pair["rollout"]
+
     def refuse(module, args, kwargs):
         if kwargs.get("cache") is not None:
             raise NotImplementedError("no continuation from a cache")
@@ -103,42 +109,37 @@ def test_the_check_falls_back_when_the_shared_forward_fails(pair):
     hook = teacher.register_forward_pre_hook(refuse, with_kwargs=True)
     try:
         logs = []
-        scoring = g.PromptSharing("teacher", logs.append)
+        sharing = g.PrefixSharing(log=logs.append)
         with torch.no_grad():
-            scoring(teacher, chunk, pair["ignore_ids"])
+            sharing.logps("teacher", teacher, rollout, pair["ignore_ids"])
     finally:
         hook.remove()
-    assert scoring.shared is False and "NotImplementedError: no continuation from a cache" in logs[0]
+    assert sharing.decided["teacher"] is False and "NotImplementedError: no continuation from a cache" in logs[0]
 
 
 def test_the_check_passes_and_another_process_can_veto_it(pair):
     logs = []
     with torch.no_grad():
-        ok = g.PromptSharing("teacher", logs.append)
-        ok(pair["teacher"], pair["chunk"], pair["ignore_ids"])
-        vetoed = g.PromptSharing("teacher", logs.append, agree=lambda mine: False)
-        vetoed(pair["teacher"], pair["chunk"], pair["ignore_ids"])
-    assert ok.shared is True and ok.difference < 1e-4 and "read once" in logs[0]
-    assert vetoed.shared is False and "another process" in logs[1]
+        ok = g.PrefixSharing(log=logs.append)
+        ok.logps("teacher", pair["teacher"], pair["rollout"], pair["ignore_ids"])
+        vetoed = g.PrefixSharing(log=logs.append, agree=lambda mine: False)
+        vetoed.logps("teacher", pair["teacher"], pair["rollout"], pair["ignore_ids"])
+    assert ok.decided["teacher"] is True and ok.difference["teacher"]["values"] < 1e-4 and "read once" in logs[0]
+    assert vetoed.decided["teacher"] is False and "another process" in logs[1]
 
 
 def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
-    import dataclasses
-
-    from accelerate import Accelerator
-
     args = dataclasses.replace(pair["args"], share_prompt_prefix=False)
     torch.manual_seed(0)
-    chunk = g.rollout(pair["student"], pair["processor"], pair["prompts"], pair["config"], args, pair["config"].eos_token_id)
-    assert "prompt_inputs" not in chunk and "prompt_index" not in chunk
-    assert torch.equal(chunk["response_ids"], pair["chunk"]["response_ids"])  # sampling does not depend on the flag
-    assert g.prompt_sharing(args, Accelerator(cpu=True), g.response_logps) == (g.response_logps, g.response_logps)
-    # gradient checkpointing keeps the student's update on the plain forward, with the reason logged
-    logs = []
-    teacher_fn, student_fn = g.prompt_sharing(dataclasses.replace(pair["args"], gradient_checkpointing=True),
-                                              Accelerator(cpu=True), g.response_logps, logs.append)
-    assert isinstance(teacher_fn, g.PromptSharing) and teacher_fn.shared is None
-    assert student_fn.shared is False and "--gradient_checkpointing" in logs[0]
+    rollout = g.rollout(pair["student"], pair["processor"], pair["prompts"], pair["config"], args)
+    assert rollout.prompt_inputs is None and rollout.prompt_index is None
+    assert torch.equal(rollout.response_ids, pair["rollout"].response_ids)  # sampling does not depend on the flag
+    sharing = g.PrefixSharing.for_run(args, Accelerator(cpu=True))
+    assert sharing.decided == {"teacher": False, "student": False, "rollout": False}
+    # gradient checkpointing leaves every decision to its check
+    sharing = g.PrefixSharing.for_run(dataclasses.replace(pair["args"], gradient_checkpointing=True),
+                                      Accelerator(cpu=True))
+    assert sharing.decided == {"rollout": None, "teacher": None, "student": None}
 
 
 def test_the_sampler_draws_from_the_tempered_distribution():
@@ -185,8 +186,8 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
                                 share_prompt_prefix=share))
         with open(os.path.join(out, "metrics.jsonl")) as f:
             runs[share] = ([json.loads(line) for line in f], summary)
-    assert runs[True][1]["prompt_read_once"] == {"teacher": True, "student": True}
-    assert runs[False][1]["prompt_read_once"] == {"teacher": None, "student": None}
+    assert runs[True][1]["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
+    assert runs[False][1]["share_prompt_prefix"] == {"teacher": False, "student": False, "rollout": False}
     for on, off in zip(runs[True][0], runs[False][0]):
         for key, value in off.items():
             if not key.startswith("time") and key != "tokens_per_second":
@@ -194,9 +195,9 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
 
 
 def test_without_lm_head_gives_hidden_states_and_puts_the_head_back(pair):
-    teacher, chunk = pair["teacher"], pair["chunk"]
+    teacher, rollout = pair["teacher"], pair["rollout"]
     head = teacher.get_output_embeddings()
-    inputs = g.sequence_inputs(chunk)
+    inputs = g.sequence_inputs(rollout)
     with torch.no_grad():
         with g.without_lm_head(teacher) as weight:
             hidden = teacher(**inputs, logits_to_keep=3).logits
@@ -211,3 +212,168 @@ def test_without_lm_head_gives_hidden_states_and_puts_the_head_back(pair):
             assert weight is None and teacher.get_output_embeddings() is head
     finally:
         hook.remove()
+
+
+def test_the_check_falls_back_when_values_agree_but_the_gradient_does_not(pair):
+    """A shared forward whose log-probs are right but whose gradient is not (here halved on its way back through
+    the response forward, as a cache detached from the prompt's forward would lose part of it): the value check
+    alone would pass it; the gradient comparison catches it and says so."""
+    student, rollout, ignore = pair["student"], pair["rollout"], pair["ignore_ids"]
+
+    def half_gradient_on_a_cache(module, args, kwargs, output):
+        if kwargs.get("cache") is not None:
+            output.logits = output.logits.detach() + 0.5 * (output.logits - output.logits.detach())
+        return output
+
+    hook = student.get_base_model().register_forward_hook(half_gradient_on_a_cache, with_kwargs=True)
+    try:
+        logs = []
+        sharing = g.PrefixSharing(log=logs.append)
+        assert not sharing.check("student", student, rollout, ignore, 1.0)
+    finally:
+        hook.remove()
+    assert sharing.difference["student"]["values"] < 1e-5  # the values were right
+    assert sharing.difference["student"]["gradient"] > 0.1
+    assert "values equal" in logs[0] and "gradients differ" in logs[0] and "falling back" in logs[0]
+
+
+def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
+    """check_rollout takes the rows of the first two distinct prompts, all G samples of each, even when the
+    micro-batches hold one row each: rows of different prompts meet in the check's forwards."""
+    args = dataclasses.replace(pair["args"], micro_batch_size=1)
+    check = g.check_rollout(pair["processor"], pair["prompts"], [pair["rollout"]], args)
+    assert check.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert check.prompt_inputs["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
+    torch.testing.assert_close(check.sampled_logps, pair["rollout"].sampled_logps[:6, :check.sampled_logps.shape[1]])
+    cut = g.check_rollout(pair["processor"], pair["prompts"], [pair["rollout"]], args, max_tokens=2)
+    assert cut.response_ids.shape == (6, 2)
+
+
+def sampling_models(pair, sharing, student=None) -> g.Models:
+    """Models for sample_rollouts on the pair: the fp32 teacher, the student (or another), the given checks."""
+    student = student if student is not None else pair["student"]
+    return g.Models(student, student, pair["teacher"], pair["processor"], pair["config"], pair["ignore_ids"], sharing)
+
+
+def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
+    """The first step samples on the shared prompts, and the log-probs it recorded are compared with the plain
+    forward over the same tokens. A policy whose forward on a cache is off fails that check: the step is sampled
+    again with generate(), with one log line, and every later step uses generate() too."""
+    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)])
+    student = pair["student"]
+
+    def off_on_a_cache(module, args, kwargs, output):
+        if kwargs.get("cache") is not None and not torch.is_grad_enabled():
+            output.logits = output.logits + torch.linspace(0, 1, output.logits.shape[-1])
+        return output
+
+    hook = student.register_forward_hook(off_on_a_cache, with_kwargs=True)
+    try:
+        logs = []
+        sharing = g.PrefixSharing(log=logs.append)
+        sharing.decided.update(teacher=True, student=True)  # only the rollout's check is pending
+        torch.manual_seed(0)
+        rollouts = g.sample_rollouts(sampling_models(pair, sharing), prompts, pair["args"])
+    finally:
+        hook.remove()
+    assert sharing.decided["rollout"] is False and len(logs) == 1
+    assert logs[0].startswith("rollout: falling back") and "recorded differ" in logs[0]
+    # sampled again by generate(): the same draws as a generate() rollout of the same seed
+    (rollout,) = rollouts
+    assert rollout.row_inputs is not None
+    assert torch.equal(rollout.response_ids, pair["rollout"].response_ids)
+
+
+def test_rollouts_share_under_gradient_checkpointing_and_their_check_passes(pair, untrained_models):
+    """The rollout's decision is its own: with the student checkpointed, sampling on the shared prompts still
+    passes its check, and so does the student's update (read-only prompt cache)."""
+    args = dataclasses.replace(pair["args"], gradient_checkpointing=True)
+    torch.manual_seed(0)
+    student = g.load_student(args, torch.float32)
+    student.train()
+    logs = []
+    sharing = g.PrefixSharing.for_run(args, Accelerator(cpu=True), logs.append)
+    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)])
+    torch.manual_seed(0)
+    rollouts = g.sample_rollouts(sampling_models(pair, sharing, student), prompts, args)
+    assert sharing.decided == {"rollout": True, "teacher": True, "student": True}, logs
+    assert "gradients equal" in logs[2]
+    (rollout,) = rollouts
+    assert rollout.row_inputs is None and rollout.prompt_index is not None  # no forward reads every row's prompt
+
+
+def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equals_plain(pair, untrained_models):
+    """With gradient checkpointing the response forward on the shared prompt is checkpointed too (backward runs
+    each layer again) and its cache is read-only, so value and gradient equal the plain forward's."""
+    args = dataclasses.replace(pair["args"], gradient_checkpointing=True)
+    rollout, ignore = pair["rollout"], pair["ignore_ids"]
+    weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for fn in (g.response_logps, g.SharedPrefix.logps):
+        torch.manual_seed(0)
+        student = g.load_student(args, torch.float32)
+        student.train()
+        layer = next(m for m in student.modules() if type(m).__name__.endswith("DecoderLayer"))
+        calls = []
+        layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        logps = fn(student, rollout, ignore)
+        forward_calls = len(calls)
+        (logps * weights * rollout.response_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad}
+        results[fn] = (logps.detach(), grads, forward_calls, len(calls))
+    plain, shared = results[g.response_logps], results[g.SharedPrefix.logps]
+    assert plain[2:] == (1, 2)  # one forward, run again in backward
+    assert shared[2:] == (2, 3)  # the prompt's forward (kept), the response's (run again in backward)
+    valid = rollout.response_mask.bool()
+    torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=1e-5, rtol=0)
+    for name in plain[1]:
+        torch.testing.assert_close(shared[1][name], plain[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_rollouts_sample_from_the_policy_without_dropout(pair):
+    """With --lora_dropout 0.5 the recorded sampling log-probs are those of an eval-mode forward (the policy being
+    trained, dropout off), while the update's forward, in training mode, follows the dropout."""
+    args = dataclasses.replace(pair["args"], lora_dropout=0.5)
+    torch.manual_seed(0)
+    student = g.load_student(args, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for _, p in sorted((n, p) for n, p in student.named_parameters() if p.requires_grad):
+        p.data = torch.randn(p.shape, generator=gen) * 0.3  # an adapter large enough for dropout to show
+    student.train()
+    torch.manual_seed(0)
+    rollout = g.rollout(student, pair["processor"], pair["prompts"], pair["config"], args)
+    assert student.training  # put back as it was
+    valid = rollout.response_mask.bool()
+    with torch.no_grad():
+        evaluated = g.response_logps(student.eval(), rollout, pair["ignore_ids"])
+        trained = g.response_logps(student.train(), rollout, pair["ignore_ids"])
+    torch.testing.assert_close(rollout.sampled_logps[valid], evaluated[valid], atol=1e-5, rtol=0)
+    assert (trained[valid] - evaluated[valid]).abs().max() > 1e-3  # the update's forward has dropout on
+
+
+def test_a_lasting_logp_mismatch_is_reported_once():
+    logs = []
+    watch = g.MismatchWatch(1e-4, steps=3, log=logs.append)
+    for step, mismatch in enumerate([1e-3, 1e-3, 1e-7, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3], start=1):
+        watch.see(step, mismatch)
+    assert len(logs) == 1 and logs[0].startswith("step 6: logp_mismatch 1.00e-03") and "off-policy" in logs[0]
+
+
+@pytest.mark.slow
+def test_main_under_gradient_checkpointing_reads_each_prompt_once_and_matches_plain(untrained_models, tmp_path):
+    """The recipes' setting: with gradient checkpointing, rollouts, teacher scoring and the student's update all
+    read each prompt once, and 4 steps match the same run with every sample reading its own prompt."""
+    runs = {}
+    for share in (True, False):
+        out = str(tmp_path / str(share))
+        summary = g.main(g.Args(student_model=os.path.join(untrained_models, "student"),
+                                teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
+                                num_generations=3, micro_batch_size=6, max_new_tokens=6, max_train_samples=16,
+                                num_eval_samples=0, max_steps=4, save_steps=0, output_dir=out,
+                                gradient_checkpointing=True, share_prompt_prefix=share))
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            runs[share] = ([json.loads(line) for line in f], summary)
+    assert runs[True][1]["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
+    for on, off in zip(runs[True][0], runs[False][0]):
+        assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-4)
+        assert on["reverse_kl"] == pytest.approx(off["reverse_kl"], rel=1e-4)

@@ -97,7 +97,8 @@ def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
         value, default = getattr(args, name), getattr(defaults, name)
         if default is not None:
             assert type(value) is type(default), f"{name}: {value!r} is {type(value).__name__}, not {type(default).__name__}"
-    assert g.check_args(args, num_processes=1) == 32 * 16 // args.micro_batch_size
+    # one update holds the whole rollout batch of one process
+    assert g.check_args(args, num_processes=1) * args.micro_batch_size == args.prompts_per_step * args.num_generations
     # the paper's setup (arXiv 2606.09091)
     assert (args.prompts_per_step, args.num_generations, args.temperature) == (32, 16, 1.0)
     assert (args.score_clip, args.max_grad_norm, args.weight_decay) == (5.0, 1.0, 0.01)
@@ -112,7 +113,8 @@ def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
     assert (args.image_column, args.question_column, args.answer_column) == ("images", "problem", "answer")
     assert "<think> </think>" in args.instruction and "\\boxed{}" in args.instruction and args.require_think
     assert 1024 <= args.max_new_tokens <= 4096 and args.max_prompt_length >= 1024
-    assert args.max_steps == 2101 // 32  # one epoch
+    # one epoch of whole steps: the rows left at its end are fewer than a step's (Geometry3K's train split: 2101 rows)
+    assert args.max_steps * args.prompts_per_step <= 2101 < (args.max_steps + 1) * args.prompts_per_step
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
@@ -193,7 +195,7 @@ def test_estimate_memory_script_takes_the_runs_flags_and_local_config_folders(tm
 # ---------------------------------------------------------------------------------------------
 
 
-def rollout_chunk(untrained_models, n=4, max_new_tokens=16, seed=0):
+def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
     """Prompts of the tiny task and one rollout of the untrained student, as main() makes them."""
     import tiny_world
     from transformers import AutoProcessor
@@ -206,11 +208,17 @@ def rollout_chunk(untrained_models, n=4, max_new_tokens=16, seed=0):
     sample_config.min_new_tokens = max_new_tokens  # full-length responses: every position counts
     prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(n, seed)]
     torch.manual_seed(seed)
-    chunk = g.rollout(student, processor, prompts, sample_config, args, sample_config.eos_token_id)
-    return args, chunk, torch.tensor(sample_config.suppress_tokens)
+    rollout = g.rollout(student, processor, prompts, sample_config, args)
+    return args, rollout, torch.tensor(sample_config.suppress_tokens)
 
 
-def saved_for_backward(model, chunk, ignore_ids) -> int:
+def bf16_pixels(rollout: g.Rollout) -> g.Rollout:
+    """The rollout with its pixels in bfloat16, as a bf16 model reads them."""
+    inputs = {**rollout.row_inputs, "pixel_values": rollout.row_inputs["pixel_values"].bfloat16()}
+    return dataclasses.replace(rollout, row_inputs=inputs)
+
+
+def saved_for_backward(model, rollout, ignore_ids) -> int:
     """Bytes of the distinct tensors autograd keeps during response_logps, weights not counted."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -222,14 +230,14 @@ def saved_for_backward(model, chunk, ignore_ids) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        g.response_logps(model, chunk, ignore_ids)
+        g.response_logps(model, rollout, ignore_ids)
     return sum(seen.values())
 
 
 def test_activation_bound_matches_what_autograd_saves(untrained_models):
-    args, chunk, ignore_ids = rollout_chunk(untrained_models)
-    n, R = chunk["response_ids"].shape
-    T = chunk["input_ids"].shape[1] + R
+    args, rollout, ignore_ids = sample_rollout(untrained_models)
+    n, R = rollout.response_ids.shape
+    T = rollout.row_inputs["input_ids"].shape[1] + R
     shape = text_shape(meta_model(args.student_model))
     lora = lora_layers(meta_model(args.student_model), args.lora_target_modules)
     logits = n * (R + 1) * shape["vocab"] * 2
@@ -237,8 +245,7 @@ def test_activation_bound_matches_what_autograd_saves(untrained_models):
     for checkpointing in (False, True):
         student = g.load_student(dataclasses.replace(args, gradient_checkpointing=checkpointing), torch.bfloat16)
         student.train()
-        bf16_chunk = dict(chunk, pixel_values=chunk["pixel_values"].bfloat16())
-        saved[checkpointing] = saved_for_backward(student, bf16_chunk, ignore_ids) - logits
+        saved[checkpointing] = saved_for_backward(student, bf16_pixels(rollout), ignore_ids) - logits
     per_layer = layer_saved_for_backward(shape, 2, lora, args.lora_r, T)
     # without checkpointing: the per-token count of estimate_memory is what autograd keeps, to within 20%
     assert saved[False] == pytest.approx(n * T * shape["layers"] * per_layer, rel=0.2)
@@ -249,7 +256,7 @@ def test_activation_bound_matches_what_autograd_saves(untrained_models):
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
-    """Stand-ins of other decoder layouts (tests/tiny_families.py), built once: Qwen3-VL (q/k norms, head_dim
+    """Stand-ins of other decoder layouts (tiny_families.py), built once: Qwen3-VL (q/k norms, head_dim
     set apart from hidden / heads) and Qwen3.5 (gated attention between gated delta net layers)."""
     import tiny_families
 
@@ -264,9 +271,9 @@ def family_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_activation_bound_matches_what_autograd_saves_in_other_layer_layouts(family_models, family):
-    args, chunk, ignore_ids = rollout_chunk(family_models(family))
-    n, R = chunk["response_ids"].shape
-    T = chunk["input_ids"].shape[1] + R
+    args, rollout, ignore_ids = sample_rollout(family_models(family))
+    n, R = rollout.response_ids.shape
+    T = rollout.row_inputs["input_ids"].shape[1] + R
     shape = text_shape(meta_model(args.student_model))
     assert shape["qk_norm"] and shape["gated_attention"] == (family == "qwen3_5")
     assert shape["linear_layers"] == (1 if family == "qwen3_5" else 0)
@@ -276,7 +283,7 @@ def test_activation_bound_matches_what_autograd_saves_in_other_layer_layouts(fam
     # the bound counts every layer; without this, layers before the first adapter (here Qwen3.5's first layer, a
     # delta net) keep nothing, since no gradient has to pass them (gradient checkpointing turns this on too)
     student.enable_input_require_grads()
-    saved = saved_for_backward(student, dict(chunk, pixel_values=chunk["pixel_values"].bfloat16()), ignore_ids)
+    saved = saved_for_backward(student, bf16_pixels(rollout), ignore_ids)
     saved -= n * (R + 1) * shape["vocab"] * 2  # the kept logits
     assert saved == pytest.approx(n * T * shape["layers"] * layer_saved_for_backward(shape, 2, lora, args.lora_r, T), rel=0.2)
 
@@ -338,8 +345,8 @@ def test_logits_memory_of_scoring_and_update_stays_within_the_estimates_allowanc
 
 
 def test_gradient_checkpointing_gives_the_same_lora_gradients(untrained_models):
-    args, chunk, ignore_ids = rollout_chunk(untrained_models, seed=1)
-    mask = chunk["response_mask"]
+    args, rollout, ignore_ids = sample_rollout(untrained_models, seed=1)
+    mask = rollout.response_mask
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
     grads, layer_calls = {}, {}
     for checkpointing in (False, True):
@@ -353,7 +360,7 @@ def test_gradient_checkpointing_gives_the_same_lora_gradients(untrained_models):
         # hooks on the layer itself do not see it) and stops the replay once the saved tensors are rebuilt.
         calls = []
         layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
-        logps = g.response_logps(student, chunk, ignore_ids)
+        logps = g.response_logps(student, rollout, ignore_ids)
         loss, _ = g.policy_loss(logps, logps.detach(), advantages, mask)
         loss.backward()
         grads[checkpointing] = {n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad}
@@ -466,7 +473,7 @@ RECIPE_FAMILY = {"qwen2.5vl": "qwen2_5_vl", "internvl3.5": "internvl", "gemma3":
 def test_every_recipe_runs_one_step_on_its_familys_stand_in(recipe, geometry3k_dir, tmp_path):
     """Each recipe's settings (LoRA with gradient checkpointing, its micro-batch and generation batch, the
     think/boxed instruction, 4-bit teacher, Geometry3K columns) run one step through main() on a tiny random
-    stand-in of the recipe's model family (tests/tiny_families.py): no recipe is untested code."""
+    stand-in of the recipe's model family (tiny_families.py): no recipe is untested code."""
     import tiny_families
 
     family = next(f for key, f in RECIPE_FAMILY.items() if key in os.path.basename(recipe))

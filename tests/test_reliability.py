@@ -269,8 +269,8 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
 
     now, seen_vocab = CurrentStep(), []
 
-    def nan_teacher(model, chunk, ignore_ids):
-        logps = g.response_logps(model, chunk, ignore_ids)
+    def nan_teacher(model, rollout, ignore_ids):
+        logps = g.response_logps(model, rollout, ignore_ids)
         seen_vocab.append(model.get_input_embeddings().weight.shape[0])
         if now.step == 1:
             logps = logps.clone()

@@ -3,7 +3,7 @@ step_prompts -> generate_and_score -> update_student -> step_metrics.
 
 * off-policy updates (K = steps_per_generation, E = num_iterations): the ratio leaves 1 and the clip acts,
   GSPO and PPO then differ; K = E = 1 is the plain on-policy update (ratio 1, one optimizer step);
-* the math section of gndpo_minimal.py runs pasted alone into a file after `import torch`.
+* the GNDPO math section of gndpo_minimal.py runs pasted alone into a file after `import torch`.
 """
 
 import copy
@@ -35,43 +35,56 @@ def setup(untrained_models):
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)  # the LoRA's random init: the same starting student whatever ran before in this process
     processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
-    sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
-    ignore_ids = torch.tensor(sample_config.suppress_tokens)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
-    prompts, group_ids = g.step_prompts(train_ds, keep, args, step=0)
+    models = g.make_models(args, accelerator, processor, student, teacher, log=lambda msg: None)
     student.train()
-    batch = g.generate_and_score(student, teacher, processor, prompts, group_ids, args, sample_config, seed=0,
-                                 ignore_ids=ignore_ids)
-    return {"args": args, "accelerator": accelerator, "student": student, "batch": batch, "ignore_ids": ignore_ids,
-            "lora": {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}}
+    prompts = g.step_prompts(train_ds, keep, args, step=0)
+    batch = g.generate_and_score(models, prompts, args)
+    # the same micro-batches with every row's prompt, which the tests' plain forwards read
+    batch = dataclasses.replace(batch, rollouts=g.cut_rollouts(processor, prompts.prompts, batch.rollouts, 2, args))
+    return {"args": args, "accelerator": accelerator, "models": models, "batch": batch, "processor": processor,
+            "train": (train_ds, keep), "lora": {n: p.detach().clone() for n, p in student.named_parameters()
+                                                if p.requires_grad}}
 
 
-def run_update(setup, batch: dict | None = None, **changes) -> tuple[dict, dict]:
-    """update_student on a fresh copy of the student (LoRA at its starting values) with Args changes, on the
-    setup's batch or another; returns (its metrics, the trained LoRA weights)."""
+def fresh_models(setup, student=None) -> g.Models:
+    """The setup's Models around a fresh copy of the student (LoRA at its starting values) or the given one, every
+    forward the plain one (each prompt read once has tests of its own), so that no test's check decides another's."""
+    student = student if student is not None else copy.deepcopy(setup["models"].student)
+    return dataclasses.replace(setup["models"], student=student, policy=student, sharing=g.PrefixSharing(False))
+
+
+def run_update(setup, batch: g.ScoredBatch | None = None, **changes) -> tuple[dict, dict]:
+    """update_student on a fresh copy of the student with Args changes, on the setup's batch or another;
+    returns (its metrics, the trained LoRA weights)."""
     args = dataclasses.replace(setup["args"], **changes)
-    student = copy.deepcopy(setup["student"])
     accelerator = setup["accelerator"]
     accum = g.check_args(args, 1)
     accelerator.gradient_accumulation_steps = accum
-    student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
-    batch = batch or setup["batch"]
-    batch = {**batch, "chunks": [dict(c) for c in batch["chunks"]]}
-    update = g.update_student(student, optimizer, scheduler, accelerator, batch, args, ignore_ids=setup["ignore_ids"],
-                              log=lambda msg: None)
+    student, optimizer, scheduler = g.make_optimizer(args, accelerator, copy.deepcopy(setup["models"].student), accum)
+    update = g.update_student(fresh_models(setup, student), optimizer, scheduler, accelerator, batch or setup["batch"],
+                              args, log=lambda msg: None)
     return update, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.slow
 def test_generate_and_score_returns_whitened_advantages_over_the_batch(setup):
     b = setup["batch"]
-    n, R = b["response_mask"].shape
-    assert n == 8 and len(b["chunks"]) == 4 and b["nonfinite_tokens"] == 0
+    n, R = b.response_mask.shape
+    assert n == 8 and len(b.rollouts) == 4 and b.nonfinite_tokens == 0
     for key in ("teacher_logps", "student_logps", "scores", "advantages"):
-        assert b[key].shape == (n, R)
-    a = b["advantages"][b["response_mask"].bool()]
+        assert getattr(b, key).shape == (n, R)
+    a = b.advantages[b.response_mask.bool()]
     assert abs(a.mean().item()) < 1e-5 and a.std().item() == pytest.approx(1.0, abs=1e-4)
-    assert (b["advantages"][~b["response_mask"].bool()] == 0).all()
+    assert (b.advantages[~b.response_mask.bool()] == 0).all()
+    # each micro-batch's rows of the (n, R) tensors, in order: its own mask, nothing valid beyond its R
+    start = 0
+    for rollout, advantages, mask in b.micro_batches():
+        rows, width = rollout.response_ids.shape
+        assert torch.equal(mask, rollout.response_mask) and advantages.shape == (rows, width)
+        assert not b.response_mask[start:start + rows, width:].any()
+        start += rows
+    assert start == n
 
 
 @pytest.mark.slow
@@ -81,21 +94,20 @@ def test_one_generate_call_recut_into_micro_batches_scores_like_the_whole_batch(
     from transformers import AutoProcessor
 
     args, b = setup["args"], setup["batch"]
-    assert [c["response_ids"].shape[0] for c in b["chunks"]] == [2, 2, 2, 2]
+    assert [r.response_ids.shape[0] for r in b.rollouts] == [2, 2, 2, 2]
     processor = AutoProcessor.from_pretrained(args.student_model)
-    train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
-    prompts, _ = g.step_prompts(train_ds, keep, args, step=0)
-    whole = dict(g.encode_prompts(processor, prompts, args.instruction))
-    R = b["response_mask"].shape[1]
-    whole.update(response_ids=torch.cat([torch.nn.functional.pad(c["response_ids"], (0, R - c["response_ids"].shape[1]),
-                                                                  value=processor.tokenizer.pad_token_id) for c in b["chunks"]]),
-                 response_mask=b["response_mask"])
+    prompts = g.step_prompts(*setup["train"], args, step=0).prompts
+    R = b.response_mask.shape[1]
+    ids = torch.cat([torch.nn.functional.pad(r.response_ids, (0, R - r.response_ids.shape[1]),
+                                             value=processor.tokenizer.pad_token_id) for r in b.rollouts])
+    whole = g.Rollout(ids, b.response_mask, b.student_logps,
+                      row_inputs=dict(g.encode_prompts(processor, prompts, args.instruction)))
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     with torch.no_grad():
-        together = g.response_logps(teacher, whole, setup["ignore_ids"])
-    valid = b["response_mask"].bool()
+        together = g.response_logps(teacher, whole, setup["models"].ignore_ids)
+    valid = b.response_mask.bool()
     # 4-bit matmuls over batches of other shapes round differently: equal to float32 noise, not bit for bit
-    torch.testing.assert_close(together[valid], b["teacher_logps"][valid], atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(together[valid], b.teacher_logps[valid], atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.slow
@@ -105,16 +117,16 @@ def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     assert update["ratio_mean"] == 1.0 and update["clip_frac"] == 0.0 and update["logp_mismatch"] < 1e-5
     # the same as one AdamW step on the summed micro-batch losses of the on-policy loss (old = logps.detach())
     args, b = setup["args"], setup["batch"]
-    student = copy.deepcopy(setup["student"])
+    student = copy.deepcopy(setup["models"].student)
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=args.weight_decay)
     row = 0
-    for c in b["chunks"]:
-        rows, R = c["response_ids"].shape
-        logps = g.response_logps(student, c, setup["ignore_ids"])
-        loss, _ = g.policy_loss(logps, logps.detach(), b["advantages"][row:row + rows, :R],
-                                b["response_mask"][row:row + rows, :R])
-        (loss / len(b["chunks"])).backward()
+    for r in b.rollouts:
+        rows, R = r.response_ids.shape
+        logps = g.response_logps(student, r, setup["models"].ignore_ids)
+        loss, _ = g.policy_loss(logps, logps.detach(), b.advantages[row:row + rows, :R],
+                                b.response_mask[row:row + rows, :R])
+        (loss / len(b.rollouts)).backward()
         row += rows
     torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
     optimizer.step()
@@ -124,14 +136,14 @@ def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     assert any(not torch.equal(weights[n], setup["lora"][n]) for n in weights)
 
 
-def repeated_batch(setup) -> dict:
+def repeated_batch(setup) -> g.ScoredBatch:
     """The first micro-batch four times over, every sampled token with advantage +1: each of K = 4 updates
     raises the probability of the same responses, so from the second update on their ratio is above 1 and,
     at a large learning rate, beyond 1 + clip_high, where the clip must act."""
-    b, chunk = setup["batch"], setup["batch"]["chunks"][0]
-    n, R = chunk["response_ids"].shape
-    mask = b["response_mask"][:n, :R].repeat(4, 1)  # (4n, R)
-    return {**b, "chunks": [chunk] * 4, "response_mask": mask, "advantages": mask.float()}
+    b, first = setup["batch"], setup["batch"].rollouts[0]
+    n, R = first.response_ids.shape
+    mask = b.response_mask[:n, :R].repeat(4, 1)  # (4n, R)
+    return dataclasses.replace(b, rollouts=[first] * 4, response_mask=mask, advantages=mask.float())
 
 
 @pytest.mark.slow
@@ -156,6 +168,68 @@ def test_off_policy_updates_move_the_ratio_and_clip(setup):
     assert warm["lr"] == pytest.approx(5e-2)
 
 
+@pytest.fixture(scope="module")
+def setup32(untrained_models):
+    """One scored batch of 8 prompts x G = 4 = 32 rows in one micro-batch, and what re-cuts it."""
+    args = g.Args(student_model=os.path.join(untrained_models, "student"),
+                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=8, num_generations=4,
+                  micro_batch_size=32, max_new_tokens=6, max_train_samples=16, num_eval_samples=0,
+                  max_grad_norm=1e9)  # no clipping: the gradient itself is compared
+    accelerator, _ = g.make_accelerator(args)
+    set_seed(0)
+    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
+    models = g.make_models(args, accelerator, processor, student, teacher, log=lambda msg: None)
+    student.train()
+    prompts = g.step_prompts(train_ds, keep, args, step=0)
+    batch = g.generate_and_score(models, prompts, args)
+    return {"args": args, "accelerator": accelerator, "models": models, "batch": batch, "processor": processor,
+            "prompts": prompts.prompts}
+
+
+def update_gradient(setup, batch: g.ScoredBatch, **changes) -> torch.Tensor:
+    """The gradient (all trainable parameters, flattened) that update_student's one update applies to a fresh copy
+    of the student, read when the optimizer steps."""
+    args = dataclasses.replace(setup["args"], **changes)
+    accelerator = setup["accelerator"]
+    accum = g.check_args(args, 1)
+    accelerator.gradient_accumulation_steps, accelerator.step = accum, 0  # a fresh count of micro-batches
+    student, optimizer, scheduler = g.make_optimizer(args, accelerator, copy.deepcopy(setup["models"].student), accum)
+    params, grads, step = [p for p in student.parameters() if p.requires_grad], [], optimizer.step
+
+    def record(*a, **k):
+        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        return step(*a, **k)
+
+    optimizer.step = record
+    models = dataclasses.replace(setup["models"], student=student, policy=student, sharing=g.PrefixSharing(False))
+    update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda msg: None)
+    assert update["skipped_updates"] == 0 and len(grads) == 1
+    return grads[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("empty_row", [None, 5], ids=["all_rows_valid", "row_5_fully_masked"])
+def test_the_gradient_does_not_depend_on_the_micro_batch_size(setup32, empty_row):
+    """GSPO's sequence mean is taken over the valid sequences of the whole mini-batch, not per micro-batch: cut into
+    micro-batches of 1, 4 or 32 rows, the update's gradient is the same, also when a sequence has no valid token
+    left (its teacher log-probs not finite, say), which a per-micro-batch mean would weigh differently."""
+    batch = setup32["batch"]
+    if empty_row is not None:
+        mask = batch.response_mask.clone()
+        mask[empty_row] = 0
+        batch = dataclasses.replace(batch, response_mask=mask, advantages=batch.advantages * mask)
+    gradients = {}
+    for size in (1, 4, 32):
+        rollouts = g.cut_rollouts(setup32["processor"], setup32["prompts"], batch.rollouts, size, setup32["args"])
+        gradients[size] = update_gradient(setup32, dataclasses.replace(batch, rollouts=rollouts),
+                                          micro_batch_size=size)
+    assert gradients[32].norm() > 0
+    for size in (1, 4):
+        relative = ((gradients[size] - gradients[32]).norm() / gradients[32].norm()).item()
+        assert relative < 1e-6, (size, relative)
+
+
 def test_steps_per_generation_must_divide_the_micro_batches():
     args = g.Args(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=3)
     with pytest.raises(ValueError, match="--steps_per_generation 3 does not divide"):
@@ -171,44 +245,51 @@ def test_steps_per_generation_must_divide_the_micro_batches():
 
 
 def math_section() -> str:
-    """The text of gndpo_minimal.py from the math section's header to the next section's header."""
+    """The text of gndpo_minimal.py from the GNDPO math section's header to the next section's header."""
     with open(SCRIPT) as f:
         text = f.read()
     rule = "# " + "-" * 93 + "\n"
-    start = text.index(rule + "# Math:")
+    start = text.index(rule + "# GNDPO math:")
     end = text.index(rule, text.index(rule, start + len(rule)) + len(rule))
     return text[start:end]
 
 
 def test_math_section_runs_pasted_alone():
-    namespace: dict = {}
-    exec(compile("import torch\n" + math_section(), "pasted.py", "exec"), namespace)
-    assert {"token_logps", "distill_scores", "normalize_scores", "policy_loss"} <= set(namespace)
-    torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11, requires_grad=True)
-    ids = torch.randint(1, 11, (3, 5))  # never the ignored id 0
-    logps = namespace["token_logps"](logits, ids, torch.tensor([0]))
-    teacher = torch.log_softmax(torch.randn(3, 5, 11), -1).gather(-1, ids[..., None]).squeeze(-1)
-    mask = torch.ones(3, 5)
-    mask[0, 3:] = 0
-    scores = namespace["distill_scores"](teacher, logps.detach(), mask)
-    for mode in ("none", "global", "sequence", "group", "center", "scale"):
-        adv = namespace["normalize_scores"](scores, mask, mode, torch.tensor([0, 0, 1]))
-        torch.testing.assert_close(adv, g.normalize_scores(scores, mask, mode, torch.tensor([0, 0, 1])))
-    adv = namespace["normalize_scores"](scores, mask, "global", all_reduce=False)
-    for loss_type in ("gspo", "ppo"):
-        loss, metrics = namespace["policy_loss"](logps, logps.detach() - 0.1, adv, mask, loss_type)
-        loss.backward(retain_graph=True)
-        assert torch.isfinite(logits.grad).all() and metrics["ratio_mean"] > 1
-    # the error paths raise ValueError, never NameError for a name the section does not define
+    """Pasted alone after `import torch`, the section's functions give the spec's numbers (the slow transcriptions
+    in test_math.py), and their error paths raise ValueError, never NameError for a name it does not define."""
+    from test_math import random_mask, spec_center, spec_global, spec_gspo, spec_scale
+
+    ns: dict = {}
+    exec(compile("import torch\n" + math_section(), "pasted.py", "exec"), ns)
+    assert {"distill_scores", "normalize_scores", "policy_loss"} <= set(ns)
+    gen = torch.Generator().manual_seed(0)
+    teacher, student = torch.randn(4, 6, generator=gen) * 4 - 3, torch.randn(4, 6, generator=gen) - 1
+    mask = random_mask(4, 6, gen, min_len=2)
+    scores = ns["distill_scores"](teacher, student, mask)
+    torch.testing.assert_close(scores, ((teacher - student).clamp(-5, 5) * mask).float())
+    oracles = {"none": lambda s, m: s * m, "global": spec_global, "center": spec_center, "scale": spec_scale}
+    for mode, oracle in oracles.items():
+        torch.testing.assert_close(ns["normalize_scores"](scores, mask, mode), oracle(scores, mask), msg=mode)
+    seq = ns["normalize_scores"](scores, mask, "sequence")
+    grp = ns["normalize_scores"](scores, mask, "group", torch.tensor([0, 1, 0, 1]))
+    for i in range(4):
+        torch.testing.assert_close(seq[i:i + 1], spec_global(scores[i:i + 1], mask[i:i + 1]))
+    torch.testing.assert_close(grp[[1, 3]], spec_global(scores[[1, 3]], mask[[1, 3]]))
+    advantages = ns["normalize_scores"](scores, mask, "global", all_reduce=False)
+    new = (student + torch.randn(4, 6, generator=gen) * 1.5).requires_grad_()  # ratios away from 1: the clip acts
+    loss, metrics = ns["policy_loss"](new, student, advantages, mask, "gspo")
+    reference = spec_gspo(new, student, advantages, mask)
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(torch.autograd.grad(loss, new)[0], torch.autograd.grad(reference, new)[0])
+    assert 0 < metrics["clip_frac"] < 1
     with pytest.raises(ValueError, match="unknown advantage mode"):
-        namespace["normalize_scores"](scores, mask, "batch")
+        ns["normalize_scores"](scores, mask, "batch")
     with pytest.raises(ValueError, match="unknown loss_type"):
-        namespace["policy_loss"](logps, logps.detach(), adv, mask, "dpo")
+        ns["policy_loss"](new, student, advantages, mask, "dpo")
     with pytest.raises(ValueError, match="at least 2 valid"):
-        namespace["normalize_scores"](scores, torch.zeros(3, 5))
+        ns["normalize_scores"](scores, torch.zeros(4, 6))
     with pytest.raises(ValueError, match="needs group_ids"):
-        namespace["normalize_scores"](scores, mask, "group")
+        ns["normalize_scores"](scores, mask, "group")
 
 
 def test_no_top_level_import_circle():

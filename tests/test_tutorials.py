@@ -8,6 +8,8 @@ import base64
 import glob
 import os
 
+import jupytext
+import nbformat
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,8 +17,6 @@ TUTORIALS = os.path.join(ROOT, "tutorials")
 NOTEBOOKS = sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.ipynb")))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CELL_TIMEOUT_S = 400  # the longest cell is two short training runs (06_trace_outliers)
-
-nbformat = pytest.importorskip("nbformat")
 
 
 def names(paths):
@@ -68,7 +68,6 @@ def test_stored_notebook_has_outputs_and_no_errors(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=names(NOTEBOOKS))
 def test_notebook_matches_its_jupytext_source(path):
-    jupytext = pytest.importorskip("jupytext")
     source = path[:-len(".ipynb")] + ".py"
     assert os.path.isfile(source), f"{os.path.basename(source)} (the percent-format source) is missing"
     ours = [(c.cell_type, c.source.strip()) for c in read(path).cells]

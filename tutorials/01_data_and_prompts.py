@@ -142,7 +142,9 @@ print(" ".join(tok if n == 1 else f"{tok}x{n}" for tok, n in runs))
 # `mm_token_type_ids` marks the image positions (1) among the text (0). Qwen2.5-VL uses it to give image tokens
 # 3-D (time, height, width) rotary positions; a forward pass without it silently falls back to 1-D positions
 # and its log-probs drift from what `generate()` sampled. That is why every forward in the script passes it
-# (`model_inputs`), and why the response part of a sequence is extended with zeros there.
+# (`sequence_inputs` builds the plain forward's inputs from a rollout's `row_inputs`, the processor batch of
+# every row's prompt), and why the response part of a sequence is extended with zeros there (response tokens
+# are text).
 
 # %% [markdown]
 # ## A batch of prompts

@@ -19,9 +19,11 @@
 # On-policy distillation learns from the student's **own** samples. Each step, every prompt is repeated G times
 # and the student samples G responses at temperature 1 from its full distribution. `rollout()` returns the
 # sampled token ids, a mask of the real response tokens, and the student's log-probability of every sampled token,
-# recorded during generation. Those log-probs are the `student_lp` of the distillation score in the next notebook.
+# recorded during generation, in a `Rollout` (a small dataclass that also keeps the encoded prompts the scoring
+# forwards read). Those log-probs are the `student_lp` of the distillation score in the next notebook.
 
 # %%
+import dataclasses
 import logging
 import os
 import sys
@@ -42,8 +44,8 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, generation_configs, grade_answer, load_split, load_student, prepare_split,
-                           response_logps, rollout, row_images, step_seed)
+from gndpo_minimal import (Args, SharedPrefix, generation_configs, grade_answer, load_split, load_student,
+                           prepare_split, response_logps, rollout, row_images, step_seed)
 from plotting import token_grid  # tutorials/plotting.py: display helpers
 
 args = Args()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
@@ -82,10 +84,10 @@ print("suppressed:", tokenizer.convert_ids_to_tokens(sample_config.suppress_toke
 # ## Sampling G responses per prompt
 #
 # Three training prompts (one per question of the task), each repeated G times. In `main()`, the step's
-# `generate_and_score` seeds the step with `step_seed(seed, step, process)` and calls `rollout` on each
-# micro-batch of its prompts, so a resumed run samples exactly what the interrupted one would have. Here we
-# seed and call `rollout` ourselves, to look at what it returns (notebook 3 makes the same call through
-# `generate_and_score`).
+# `step_prompts` returns them in a `StepPrompts` together with the step's seed, `step_seed(seed, step, process)`;
+# `generate_and_score` seeds the sampling with it and calls `rollout` on the step's prompts, so a resumed run
+# samples exactly what the interrupted one would have. Here we seed and call `rollout` ourselves, to look at what
+# it returns (notebook 3 makes the same call through `generate_and_score`).
 
 # %%
 train_ds = load_split(args, args.train_split)  # the tiny task's training split, read from disk (notebook 1)
@@ -95,29 +97,38 @@ first_of_question = {}  # one prompt per question of the task
 for i in keep:
     first_of_question.setdefault(train_ds[i][args.question_column], i)
 rows = [train_ds[i] for i in first_of_question.values()]
-prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
+distinct = [(r[args.question_column], row_images(r, args.image_column)) for r in rows]
+prompts = [p for p in distinct for _ in range(G)]  # a prompt's G copies are one object, as step_prompts makes them
 references = [r[args.answer_column] for r in rows for _ in range(G)]
 
 torch.manual_seed(step_seed(args.seed, 0, 0))
-chunk = rollout(student, processor, prompts, sample_config, args, eos_ids)
-for key in ("input_ids", "response_ids", "response_mask", "sampled_logps"):
-    print(f"{key:14s} {tuple(chunk[key].shape)}  {chunk[key].dtype}")
+sampled = rollout(student, processor, prompts, sample_config, args)  # a Rollout
+for name, value in [("row_inputs['input_ids']", sampled.row_inputs["input_ids"])] + [
+        (field, getattr(sampled, field)) for field in ("response_ids", "response_mask", "sampled_logps")]:
+    print(f"{name:23s} {str(tuple(value.shape)):9s} {value.dtype}")
+print("row_inputs:", list(sampled.row_inputs), "| prompt_inputs['input_ids']:",
+      tuple(sampled.prompt_inputs["input_ids"].shape), "| prompt_index:", sampled.prompt_index.tolist())
 
 # %% [markdown]
-# `input_ids` are the left-padded prompts (n = prompts x G rows); `response_ids` are the R newly sampled positions.
-# The **response mask** is 1 up to and including the first end token `<|im_end|>` and 0 after it: the end token
-# is a decision the student made (stopping), so it is scored and trained like any other token; the padding after
-# it is not.
+# `row_inputs` is the processor's batch of every row's prompt (notebook 1): the left-padded `input_ids`
+# (n = prompts x G rows), the attention mask, the image patches and token types. `response_ids` are the R newly
+# sampled positions. The **response mask** is 1 up to and including the first end token `<|im_end|>` and 0 after
+# it: the end token is a decision the student made (stopping), so it is scored and trained like any other token;
+# the padding after it is not.
+#
+# With `--share_prompt_prefix` (on by default) the rollout also holds `prompt_inputs`, the batch of the 3
+# *distinct* prompts, and `prompt_index`, each row's prompt in it: the faster forwards (`SharedPrefix`) read each
+# prompt and its image once for its G samples instead of G times.
 
 # %%
-texts = tokenizer.batch_decode(chunk["response_ids"], skip_special_tokens=True)
+texts = tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
 table = pd.DataFrame({
     "question": [q for q, _ in prompts],
     "reference": references,
     "sampled response": texts,
     "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
-    "tokens (mask sum)": chunk["response_mask"].sum(1).tolist(),
-    "log p(response)": (chunk["sampled_logps"] * chunk["response_mask"]).sum(1).round(decimals=2).tolist(),
+    "tokens (mask sum)": sampled.response_mask.sum(1).tolist(),
+    "log p(response)": (sampled.sampled_logps * sampled.response_mask).sum(1).round(decimals=2).tolist(),
 })
 table
 
@@ -127,7 +138,7 @@ table
 
 # %%
 fig, ax = plt.subplots(figsize=(11, 5))
-token_grid(ax, tokenizer, eos_ids, chunk["response_ids"], chunk["response_mask"], chunk["sampled_logps"],
+token_grid(ax, tokenizer, eos_ids, sampled.response_ids, sampled.response_mask, sampled.sampled_logps,
            "Student log-prob of each sampled token (grey = masked out)", "viridis", -6, 0, "log p_student(token)")
 for g in range(1, len(rows)):
     ax.axhline(g * G - 0.5, color="white", lw=2)  # separates the prompts' groups of G samples
@@ -136,25 +147,43 @@ plt.show()
 # %% [markdown]
 # ## Are the recorded log-probs right?
 #
-# `rollout()` records log p(token) from the very logits `generate()` sampled from (a logits processor, so no
-# extra forward pass is needed). The training forward (`response_logps`) recomputes them from scratch on
-# prompt + response. The two must agree: the update treats the samples as drawn from the policy its forward
-# computes (ratio 1 with one update per step), and the distillation score uses the recorded log-probs, so a gap
-# would bias both. A useful check: `update_student` measures the gap on every step's training forward, and
-# `main()` logs it as `logp_mismatch`.
+# `rollout()` records log p(token) from the very logits `generate()` sampled from (a logits processor, so no extra
+# forward pass is needed). The plain training forward (`response_logps`) recomputes them from scratch on prompt +
+# response, from the rollout's `row_inputs`. The two must agree: the update treats the samples as drawn from the
+# policy its forward computes (ratio 1 with one update per step), and the distillation score uses the recorded
+# log-probs, so a gap would bias both. A useful check: `update_student` measures the gap on every step's training
+# forward, and `main()` logs it as `logp_mismatch`. The paths that read each prompt once for its G samples must
+# agree too: the forward (`SharedPrefix.logps`) and the sampling loop (`rollout(..., shared_prefix=True)`, which
+# does not encode every row's prompt at all). `main()` samples that way from its first step, and checks both
+# against the plain forward on that step's rollouts before it relies on them (notebook 3).
 
 # %%
 with torch.no_grad():
-    recomputed = response_logps(student, chunk, ignore_ids, args.temperature)
-valid = chunk["response_mask"].bool()
-gap = (recomputed - chunk["sampled_logps"]).abs()[valid]
+    recomputed = response_logps(student, sampled, ignore_ids, args.temperature)
+valid = sampled.response_mask.bool()
+gap = (recomputed - sampled.sampled_logps).abs()[valid]
 print(f"max |recomputed - sampled| over {int(valid.sum())} response tokens: {gap.max():.2e}")
 
 # The same forward without mm_token_type_ids: Qwen2.5-VL then uses 1-D positions for the image tokens.
-without_types = {k: v for k, v in chunk.items() if k != "mm_token_type_ids"}
+without_types = dataclasses.replace(sampled, row_inputs={k: v for k, v in sampled.row_inputs.items()
+                                                         if k != "mm_token_type_ids"})
 with torch.no_grad():
     drifted = response_logps(student, without_types, ignore_ids, args.temperature)
-print(f"...and without mm_token_type_ids: {(drifted - chunk['sampled_logps']).abs()[valid].max():.2e}")
+print(f"...and without mm_token_type_ids: {(drifted - sampled.sampled_logps).abs()[valid].max():.2e}")
+
+# The forward that reads each distinct prompt once (prompt_inputs, prompt_index), then continues its G responses.
+with torch.no_grad():
+    shared = SharedPrefix.logps(student, sampled, ignore_ids, args.temperature)
+print(f"...and SharedPrefix.logps, each prompt read once: {(shared - sampled.sampled_logps).abs()[valid].max():.2e}")
+
+# Sampling itself on the shared prompts (SharedPrefix.sample instead of generate()), from the same seed.
+torch.manual_seed(step_seed(args.seed, 0, 0))
+on_shared = rollout(student, processor, prompts, sample_config, args, shared_prefix=True)
+print("rollout(..., shared_prefix=True) from the same seed: same tokens",
+      torch.equal(on_shared.response_ids, sampled.response_ids), "| row_inputs:", on_shared.row_inputs)
+if on_shared.sampled_logps.shape == sampled.sampled_logps.shape:
+    print(f"max |difference| of the recorded log-probs: "
+          f"{(on_shared.sampled_logps - sampled.sampled_logps).abs()[valid].max():.2e}")
 
 # %% [markdown]
 # **What just happened and why it matters.** The student produced G = 4 samples per prompt from its full

@@ -49,8 +49,9 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, distill_scores, generate_and_score, generation_configs, grade_answer, load_split,
-                           load_student, load_teacher, prepare_split, response_logps, rollout, row_images, step_seed)
+from gndpo_minimal import (Args, StepPrompts, distill_scores, generate_and_score, generation_configs, grade_answer,
+                           load_split, load_student, load_teacher, make_accelerator, make_models, prepare_split,
+                           response_logps, rollout, row_images, step_seed)
 from plotting import token_grid  # tutorials/plotting.py: display helpers
 
 args = Args()
@@ -77,26 +78,28 @@ first_of_question = {}  # one prompt per question of the task
 for i in keep:
     first_of_question.setdefault(train_ds[i][args.question_column], i)
 rows = [train_ds[i] for i in first_of_question.values()]
-prompts = [(r[args.question_column], row_images(r, args.image_column)) for r in rows for _ in range(G)]
+distinct = [(r[args.question_column], row_images(r, args.image_column)) for r in rows]
+prompts = [p for p in distinct for _ in range(G)]  # a prompt's G copies are one object, as step_prompts makes them
 references = [r[args.answer_column] for r in rows for _ in range(G)]
 torch.manual_seed(step_seed(args.seed, 0, 0))
-chunk = rollout(student, processor, prompts, sample_config, args, eos_ids)
-mask = chunk["response_mask"]
+sampled = rollout(student, processor, prompts, sample_config, args)  # a Rollout (notebook 2)
+mask = sampled.response_mask
 print(f"{len(prompts)} responses of up to {mask.shape[1]} tokens, {int(mask.sum())} valid tokens")
 
 # %% [markdown]
 # ## Score every sampled token with the teacher
 #
-# `response_logps` runs one forward pass of prompt + response and keeps only the response positions' logits.
-# The student's side needs no forward pass: `rollout()` already recorded `sampled_logps` while sampling.
+# `response_logps` runs one forward pass of prompt + response (the rollout's `row_inputs` and `response_ids`) and
+# keeps only the response positions' logits. The student's side needs no forward pass: `rollout()` already
+# recorded `sampled_logps` while sampling.
 
 # %%
 with torch.no_grad():
-    teacher_logps = response_logps(teacher, chunk, ignore_ids)  # (n, R)
-student_logps = chunk["sampled_logps"]  # (n, R)
+    teacher_logps = response_logps(teacher, sampled, ignore_ids)  # (n, R)
+student_logps = sampled.sampled_logps  # (n, R)
 scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)  # (n, R), 0 off the mask
 
-texts = tokenizer.batch_decode(chunk["response_ids"], skip_special_tokens=True)
+texts = tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
 valid = mask.bool()
 per_response = pd.DataFrame({
     "question": [q for q, _ in prompts],
@@ -118,7 +121,7 @@ per_response
 
 # %%
 show = slice(0, 2 * G)  # the first two prompts' samples
-ids, m = chunk["response_ids"][show], mask[show]
+ids, m = sampled.response_ids[show], mask[show]
 fig, axes = plt.subplots(3, 1, figsize=(11, 13))
 token_grid(axes[0], tokenizer, eos_ids, ids, m, student_logps[show], "Student: log p of each sampled token",
            "viridis", -6, 0, "log p")
@@ -140,20 +143,38 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 # %% [markdown]
 # ## The same in one call: `generate_and_score`
 #
-# In `main()` the calls above are one function, the second of the step's four: `generate_and_score` seeds the
-# step, runs `rollout` on each micro-batch of `micro_batch_size` prompts, has the teacher score every
-# micro-batch, drops tokens whose log-probs are not finite (a broken teacher), clamps the scores, and turns them
-# into advantages (the next notebook). Given the same prompts and seed, it returns the very numbers computed above.
+# In `main()` the calls above are one function, the second of the step's four:
+# `generate_and_score(models, prompts, args)`. Its two inputs are small dataclasses: `Models`, which `make_models`
+# builds once per run (the student, its unwrapped `policy` that samples, the teacher, the processor, the sampling
+# config, the ids never sampled), and `StepPrompts`, which `step_prompts` makes every step (the prompts, each
+# repeated G times, which prompt each row answers, and the step's seed). It seeds the sampling, runs `rollout`,
+# cuts the rollouts into micro-batches of `micro_batch_size` rows, has the teacher score every micro-batch,
+# drops tokens whose log-probs are not finite (a broken teacher), clamps the scores, and turns them into
+# advantages (the next notebook). It returns a `ScoredBatch`: the micro-batches' `Rollout`s and (n, R) tensors
+# over all rows. Given the same prompts and seed, it returns the very numbers computed above, although it
+# computes them another way:
+#
+# with `--share_prompt_prefix` (the default) the step's forwards can read each distinct prompt once for its G
+# samples (`SharedPrefix`, notebook 2). `make_models` sets up the checks that decide it
+# (`models.sharing`, a `PrefixSharing`): on the first step, before anything is scored, `generate_and_score` samples
+# on the shared prompts and compares, on the first two prompts' rows, each role's read-once path with the plain
+# one: the log-probs recorded while sampling (`rollout`), the teacher's forward (`teacher`) and the student's
+# forward and gradient (`student`). A role whose check fails falls back to the plain path for the whole run. The
+# checks print their verdicts below.
 
 # %%
+accelerator, _ = make_accelerator(args)  # as main(): one process, on the CPU here
+models = make_models(args, accelerator, processor, student, teacher)
 group_ids = [i for i in range(len(rows)) for _ in range(G)]  # which prompt each response answers
-step_batch = generate_and_score(student, teacher, processor, prompts, group_ids, args, sample_config,
-                                seed=step_seed(args.seed, 0, 0), ignore_ids=ignore_ids)
-print(f"{len(step_batch['chunks'])} micro-batch(es); (n, R) tensors:",
-      [k for k, v in step_batch.items() if torch.is_tensor(v) and v.dim() == 2])
+step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids)
+step_batch = generate_and_score(models, step_in, args)
+print(f"{len(step_batch.rollouts)} micro-batch(es) of {[len(r.response_ids) for r in step_batch.rollouts]} rows; "
+      "(n, R) tensors:", [f.name for f in dataclasses.fields(step_batch)
+                          if torch.is_tensor(getattr(step_batch, f.name))])
+print("forwards that read each prompt once:", models.sharing.decided)
 for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("teacher_logps", teacher_logps),
                    ("scores", scores)):
-    print(f"{name:14s} identical to the step-by-step calls: {torch.equal(step_batch[name], ours)}")
+    print(f"{name:14s} identical to the step-by-step calls: {torch.equal(getattr(step_batch, name), ours)}")
 
 # %% [markdown]
 # ## The 4-bit teacher against its full-precision self
@@ -167,7 +188,7 @@ teacher_full = load_teacher(dataclasses.replace(args, teacher_4bit=False), dtype
 print(f"full-precision teacher weights: {teacher_full.get_memory_footprint() / 1e6:.2f} MB "
       f"(4-bit: {teacher.get_memory_footprint() / 1e6:.2f} MB; the embeddings and lm_head stay full precision)")
 with torch.no_grad():
-    teacher_full_logps = response_logps(teacher_full, chunk, ignore_ids)
+    teacher_full_logps = response_logps(teacher_full, sampled, ignore_ids)
 scores_full = distill_scores(teacher_full_logps, student_logps, mask, args.score_clip)
 
 diff = (teacher_logps - teacher_full_logps)[valid].abs()

@@ -51,9 +51,9 @@ import torch
 from matplotlib.ticker import NullLocator
 from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, generate_and_score, generation_configs, load_split, load_student,
-                           load_teacher, make_accelerator, make_optimizer, normalize_scores, pad_cat, prepare_split,
-                           step_prompts, step_seed, update_student)
+from gndpo_minimal import (Args, generate_and_score, load_split, load_student, load_teacher, make_accelerator,
+                           make_models, make_optimizer, normalize_scores, pad_cat, prepare_split, step_prompts,
+                           update_student)
 
 args = Args(prompts_per_step=8, max_train_samples=64)  # B = 8 prompts (the default run: 32) from the first 64 rows
 accelerator, accum = make_accelerator(args)  # as main(): checks the arguments; accum = micro-batches per update
@@ -70,24 +70,22 @@ print(f"B = {args.prompts_per_step} prompts x G = {args.num_generations} samples
 # ## One batch: B prompts x G samples, scored by the teacher
 #
 # The step's first two functions, called as `main()` calls them at its first step: `step_prompts` draws the
-# step's B rows (a seeded permutation of the usable rows) and repeats each G times; `generate_and_score` samples
-# the responses, has the teacher score them, clamps the scores and turns them into advantages with
-# `args.advantage_mode` (notebooks 2 and 3 show its pieces one by one).
+# step's B rows (a seeded permutation of the usable rows), repeats each G times and returns them with the step's
+# seed in a `StepPrompts`; `generate_and_score` samples the responses, has the teacher score them, clamps the
+# scores and turns them into advantages with `args.advantage_mode`, and returns a `ScoredBatch` (notebooks 2
+# and 3 show its pieces one by one). `make_models` gathers what the step runs into a `Models` (notebook 3).
 
 # %%
-sample_config, _ = generation_configs(tokenizer, student, args)  # as main() builds it (notebook 2)
-ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)
+models = make_models(args, accelerator, processor, student, teacher)  # sampling config, ignored ids, checks
 train_ds, keep, _ = prepare_split(load_split(args, args.train_split), args, processor, args.train_split,
                                   args.max_train_samples, log=None)
 
-step = 0
-prompts, group_ids = step_prompts(train_ds, keep, args, step)  # this step's B rows, each repeated G times
-batch = generate_and_score(student, teacher, processor, prompts, group_ids, args, sample_config,
-                           seed=step_seed(args.seed, step, 0), ignore_ids=ignore_ids)
-group_ids = torch.tensor(group_ids)  # (B*G,): which prompt each response answers
-mask, scores = batch["response_mask"], batch["scores"]  # (n, R): real response tokens; clamped scores
+prompts = step_prompts(train_ds, keep, args, step=0)  # StepPrompts: the B rows, each repeated G times; the seed
+batch = generate_and_score(models, prompts, args)  # ScoredBatch: the rollouts and (n, R) tensors over all rows
+group_ids = torch.tensor(prompts.group_ids)  # (B*G,): which prompt each response answers
+mask, scores = batch.response_mask, batch.scores  # (n, R): real response tokens; clamped scores
 valid = mask.bool()
-raw = batch["teacher_logps"] - batch["student_logps"]  # (n, R) before the clamp
+raw = batch.teacher_logps - batch.student_logps  # (n, R) before the clamp
 outlier = valid & (raw.abs() >= args.score_clip)  # tokens the clamp cut
 print(f"{args.prompts_per_step} prompts x {args.num_generations} samples, {int(valid.sum())} valid tokens, "
       f"{int(outlier.sum())} of them at the clamp (|teacher - student| >= {args.score_clip:g})")
@@ -100,7 +98,7 @@ MODES = ("none", "global", "sequence", "group")  # OPD, GNDPO and the two local 
 advantages = {mode: normalize_scores(scores, mask, mode, group_ids) for mode in MODES}
 names = {"none": "OPD (none)", "global": "GNDPO (global)", "sequence": "sequence", "group": "group"}
 print(f"generate_and_score's advantages (advantage_mode={args.advantage_mode!r}) equal these: "
-      f"{torch.equal(batch['advantages'], advantages[args.advantage_mode])}")
+      f"{torch.equal(batch.advantages, advantages[args.advantage_mode])}")
 
 stats = pd.DataFrame({
     names[mode]: {
@@ -140,12 +138,12 @@ plt.show()
 
 # %%
 G = args.num_generations
-response_ids = pad_cat([c["response_ids"] for c in batch["chunks"]])  # (n, R), the sampled tokens
+response_ids = pad_cat([r.response_ids for r in batch.rollouts])  # (n, R): the micro-batches' sampled tokens
 texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
 worst = raw.masked_fill(~valid, float("inf")).argmin(1)  # (n,): each response's lowest-scoring position
-firsts = range(0, len(prompts), G)
+firsts = range(0, len(prompts.prompts), G)
 pd.DataFrame({
-    "question": [prompts[i][0] for i in firsts],
+    "question": [prompts.prompts[i][0] for i in firsts],
     "response": [texts[i] for i in firsts],
     "distinct of G": [len(set(texts[i:i + G])) for i in firsts],
     "lowest token": [tokenizer.decode(response_ids[i, worst[i]]) for i in firsts],
@@ -176,20 +174,23 @@ pd.DataFrame({
 # ## What each mode does to the gradient
 #
 # Now one update, made by the step's third function, `update_student`, as in `main()`: the student's log-probs of
-# the sampled tokens with gradient (`response_logps`), the GSPO `policy_loss` with `old_logps = logps.detach()`
+# the sampled tokens with gradient (`models.score_student`: the plain `response_logps`, or `SharedPrefix.logps`
+# once its check passed, notebook 3), the GSPO `policy_loss` with `old_logps = logps.detach()`
 # (one optimizer update per batch, so the ratio is exactly 1), `backward()`, the LoRA gradient clipped to
 # `max_grad_norm` = 1, and an AdamW step. It returns the gradient norm **before** clipping (`main()` logs it as
-# `grad_norm`): the measure here. Only `batch["advantages"]` changes from one mode to the next. So that every call
-# sees the same weights, the optimizer runs at learning rate 0: AdamW's step moves nothing, its weight decay
+# `grad_norm`): the measure here. Only the batch's advantages change from one mode to the next
+# (`dataclasses.replace(batch, advantages=...)`: a copy of the `ScoredBatch` with other advantages). So that every
+# call sees the same weights, the optimizer runs at learning rate 0: AdamW's step moves nothing, its weight decay
 # included (decay is scaled by the learning rate). The last cell checks that the weights did not move.
 
 # %%
 measure = dataclasses.replace(args, learning_rate=0.0)  # AdamW at lr 0: the updates measure, they do not train
 student, optimizer, scheduler = make_optimizer(measure, accelerator, student, accum)
+models = dataclasses.replace(models, student=student)  # the prepared student, as main() hands it to the update
 weights_before = {name: p.detach().clone() for name, p in student.named_parameters()}
 student.train()
-updates = {mode: update_student(student, optimizer, scheduler, accelerator, {**batch, "advantages": adv}, measure,
-                                ignore_ids=ignore_ids) for mode, adv in advantages.items()}
+updates = {mode: update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv),
+                                measure) for mode, adv in advantages.items()}
 grad_norms = {mode: u["grad_norm"] for mode, u in updates.items()}
 pd.DataFrame({names[mode]: {key: u[key] for key in ("grad_norm", "loss", "ratio_mean", "clip_frac", "lr", "updates")}
               for mode, u in updates.items()}).T.round(4)
@@ -201,11 +202,18 @@ pd.DataFrame({names[mode]: {key: u[key] for key in ("grad_norm", "loss", "ratio_
 
 # %%
 factors = [0.25, 1.0, 4.0]
-scaled = {mode: [grad_norms[mode] if k == 1 else
-                 update_student(student, optimizer, scheduler, accelerator,
-                                {**batch, "advantages": normalize_scores(scores * k, mask, mode, group_ids)}, measure,
-                                ignore_ids=ignore_ids)["grad_norm"]
-                 for k in factors] for mode in ("none", "global")}
+
+
+def grad_norm_of_scaled(k, mode):
+    """The pre-clip gradient norm of one update on the batch, its advantages those of the scores times k."""
+    adv = normalize_scores(scores * k, mask, mode, group_ids)
+    update = update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv),
+                            measure)
+    return update["grad_norm"]
+
+
+scaled = {mode: [grad_norms[mode] if k == 1 else grad_norm_of_scaled(k, mode) for k in factors]
+          for mode in ("none", "global")}
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 labels = [names[m] for m in MODES]

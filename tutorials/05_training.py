@@ -16,12 +16,13 @@
 # %% [markdown]
 # # 5. Training: a short OPD run and a short GNDPO run, side by side
 #
-# Everything from the previous notebooks, in a loop. `main()` sets up once (accelerator, models, data, optimizer)
-# and then, every step, calls the step's four functions: `step_prompts` (the step's rows, each repeated G times),
-# `generate_and_score` (rollouts, teacher scores, advantages: notebooks 2-4), `update_student` (one GSPO update
-# of the LoRA adapter per batch by default) and `step_metrics`. Here we call `main()` itself twice with small
-# settings, once with plain OPD advantages (`advantage_mode="none"`) and once with GNDPO's global normalization
-# (`"global"`), the same seed and the same prompts, then read the `metrics.jsonl` each run writes (one line per step).
+# Everything from the previous notebooks, in a loop. `main()` sets up once (accelerator, models and their `Models`
+# bundle, data, optimizer) and then, every step, calls the step's four functions: `step_prompts` (the step's rows,
+# each repeated G times, and the step's seed: a `StepPrompts`), `generate_and_score` (rollouts, teacher scores,
+# advantages: a `ScoredBatch`, notebooks 2-4), `update_student` (one GSPO update of the LoRA adapter per batch by
+# default) and `step_metrics` (the line of `metrics.jsonl`). Here we call `main()` itself twice with small settings,
+# once with plain OPD advantages (`advantage_mode="none"`) and once with GNDPO's global normalization (`"global"`),
+# the same seed and the same prompts, then read the `metrics.jsonl` each run writes (one line per step).
 #
 # The settings are tiny so that the notebook runs in about a minute on a laptop CPU: a demonstration of what to
 # look at, not a benchmark: the default run (`accelerate launch gndpo_minimal.py`) takes more and larger steps.
@@ -166,15 +167,15 @@ pd.DataFrame({
 # with the 8 prompts each step draws (both runs draw the same ones, so they swing together): over so few steps
 # its trend is hidden in that noise. The default run's 90 steps of 32 prompts bring it from about 0.9 to under 0.1.
 #
-# On this task the two modes behave alike. Responses are 6 tokens and the clamp at +-5 bounds every score, so the
-# raw scores already have a standard deviation of about 1 to 1.5 (`score_std` above) and whitening changes their
-# scale by less than 2x; the grad norms differ in level (GNDPO's advantages have unit variance in every batch), and neither run
-# needed clipping here. GNDPO's point is that the size of an update no longer follows the raw scores: when a
+# On this task the two modes behave alike. Responses are 6 tokens and the clamp at +-5 bounds every score, so the raw
+# scores already have a standard deviation of about 1 to 1.5 (`score_std` above) and whitening changes their scale by
+# less than 2x; the grad norms differ in level (GNDPO's advantages have unit variance in every batch), and neither
+# run needed clipping here. GNDPO's point is that the size of an update no longer follows the raw scores: when a
 # batch holds many clamped outlier tokens, OPD's gradient grows with them and `max_grad_norm` has to cut it back,
-# while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/opd_vs_gndpo_study.md) measures that
-# with a student that is confidently wrong (OPD's median grad norm twice GNDPO's, OPD clipped on 16% of its steps,
-# GNDPO on 1%), and compares the two modes over three seeds with the default settings
-# (`python docs/compare_opd_gndpo.py` reruns it).
+# while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/opd_vs_gndpo_study.md) measures that with a
+# student that is confidently wrong (OPD's median grad norm twice GNDPO's, OPD clipped on 16% of its steps, GNDPO on
+# 1%), and compares the two modes over three seeds with the default settings (`python studies/compare_opd_gndpo.py`
+# reruns it).
 #
 # From here: `python gndpo_minimal.py --help` lists every setting; `--steps_per_generation` and `--num_iterations`
 # make several updates per rollout batch, where the ratio moves away from 1 and `clip_frac` shows the clip acting;

@@ -16,10 +16,10 @@
 # %% [markdown]
 # # 6. Outlier states inside reasoning traces: OPD and GNDPO on the trace world
 #
-# On the default task answers are 6 tokens, so every token is an answer token. GNDPO was built for long
-# reasoning traces in which most tokens are agreed on and a few are far off: the *outlier states*. The trace
-# variant of the tiny world ([docs/world.md](../docs/world.md#the-trace-variant-long-answers-with-outlier-states-inside))
-# answers each question with a trace of about 37 tokens, then the box:
+# On the default task answers are 6 tokens, so every token is an answer token. GNDPO was built for long reasoning
+# traces in which most tokens are agreed on and a few are far off: the *outlier states*. The trace variant of the
+# tiny world ([docs/world.md](../docs/world.md#the-trace-variant-long-answers-with-outlier-states-inside)) answers
+# each question with a trace of about 37 tokens, then the box:
 # `<think>I look at the image. I see three shapes. They are red circles. ...</think>\boxed{red}`. Its student names
 # colors and shapes wrongly wherever they appear in the trace, so its disagreements with the teacher sit at a few
 # positions in the middle of long, otherwise agreed-on answers.
@@ -88,20 +88,21 @@ tokenizer = AutoTokenizer.from_pretrained(settings["student_model"])
 eos_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
 defaults = Args()
 print(f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings['num_generations']} samples per step, "
-      f"{settings['max_steps']} steps, learning rate {defaults.learning_rate:g}, score clamp +-{defaults.score_clip:g}, "
-      f"max_grad_norm {defaults.max_grad_norm:g}; capturing steps {CAPTURED}")
+      f"{settings['max_steps']} steps, learning rate {defaults.learning_rate:g}, "
+      f"score clamp +-{defaults.score_clip:g}, max_grad_norm {defaults.max_grad_norm:g}; capturing steps {CAPTURED}")
 
 # %% [markdown]
 # ## Recording what each step used
 #
 # `main(args, on_step, teacher_logps, loss_fn)` has three hooks: `on_step(step)` is called before each step with
-# its number; `teacher_logps(model, chunk, ignore_ids)` is the teacher's scoring call, which receives every
-# micro-batch of rollouts (its sampled token ids, response mask and the student's sampling log-probs); and
-# `loss_fn(logps, old_logps, advantages, mask, ...)` is the policy loss, which receives the advantages that
-# `generate_and_score` computed for that micro-batch. Wrapping the last two around the script's own
-# `response_logps` and `policy_loss` changes nothing in the run and lets us keep, at the captured steps, the
-# tokens, their scores (recomputed from the same log-probs with the script's `distill_scores`) and the
-# advantages exactly as the update saw them.
+# its number; `teacher_logps(teacher, rollout, ignore_ids)` replaces the teacher's scoring call and receives every
+# micro-batch as a `Rollout` (its sampled `response_ids`, `response_mask`, the student's `sampled_logps` and the
+# encoded prompts); and `loss_fn(logps, old_logps, advantages, mask, ...)` is the policy loss, which receives the
+# advantages that `generate_and_score` computed for that micro-batch. Wrapping the last two around the script's
+# own `response_logps` (the plain forward: without the hook, the run uses the forward that reads each prompt once
+# only where a check on the first step found it equal to this one) and `policy_loss` changes nothing in
+# the run and lets us keep, at the captured steps, the tokens, their scores (recomputed from the same log-probs
+# with the script's `distill_scores`) and the advantages exactly as the update saw them.
 
 # %%
 def train(mode):
@@ -113,11 +114,12 @@ def train(mode):
     def on_step(step):
         now["step"] = step
 
-    def recording_teacher_logps(model, chunk, ignore_ids):
-        teacher_lp = response_logps(model, chunk, ignore_ids)
+    def recording_teacher_logps(teacher, rollout, ignore_ids):
+        teacher_lp = response_logps(teacher, rollout, ignore_ids)
         if now["step"] in CAPTURED:
-            raw.setdefault(now["step"], {"chunks": [], "advantages": []})["chunks"].append(
-                {k: chunk[k].cpu() for k in ("response_ids", "response_mask", "sampled_logps")} | {"teacher": teacher_lp.cpu()})
+            kept = {k: getattr(rollout, k).cpu() for k in ("response_ids", "response_mask", "sampled_logps")}
+            raw.setdefault(now["step"], {"micro_batches": [], "advantages": []})["micro_batches"].append(
+                kept | {"teacher": teacher_lp.cpu()})
         return teacher_lp
 
     def recording_loss(logps, old_logps, advantages, mask, *rest):
@@ -134,12 +136,13 @@ def train(mode):
     except Exception:
         print(log.getvalue()[-4000:], progress.getvalue()[-4000:], sep="\n")
         raise
-    print(f"{mode}: teacher accuracy {summary['teacher_accuracy']:.3f}; student {summary['student_accuracy_before']:.3f} "
+    print(f"{mode}: teacher accuracy {summary['teacher_accuracy']:.3f}; "
+          f"student {summary['student_accuracy_before']:.3f} "
           f"-> {summary['student_accuracy_after']:.3f} (format {summary['student_format_rate_after']:.3f}) on "
           f"{settings['num_eval_samples']} held-out rows, {summary['wall_seconds']:.0f} s")
     captures = {}
     for step, r in raw.items():
-        cat = lambda key: pad_cat([c[key] for c in r["chunks"]])  # noqa: E731  (micro-batches -> one (n, R))
+        cat = lambda key: pad_cat([c[key] for c in r["micro_batches"]])  # noqa: E731  (micro-batches -> (n, R))
         mask = cat("response_mask")
         captures[step] = {"ids": cat("response_ids"), "mask": mask.bool(), "advantages": pad_cat(r["advantages"]),
                           "scores": distill_scores(cat("teacher"), cat("sampled_logps"), mask, defaults.score_clip)}
@@ -190,7 +193,8 @@ axes[1].set(title="Gradient norm before clipping", ylabel="pre-clip grad norm", 
 axes[2].set(title="Tokens at the score clamp", ylabel="share of sampled tokens")
 axes[3].set(title="Mean response length", ylabel="tokens")
 axes[4].axhline(opd_summary["teacher_accuracy"], color="grey", ls=":", label="teacher")
-axes[4].set(title=f"Greedy accuracy ({settings['num_eval_samples']} held-out rows)", ylabel="accuracy", ylim=(-0.02, 1.02))
+axes[4].set(title=f"Greedy accuracy ({settings['num_eval_samples']} held-out rows)", ylabel="accuracy",
+            ylim=(-0.02, 1.02))
 for ax in axes:
     ax.set_xlabel("optimizer step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -308,7 +312,8 @@ draw_trace(axes[2], gndpo_cap[last], worst_response(gndpo_cap[last]), f"GNDPO ru
            "the most tokens at the clamp (bars: scores; dots: advantages)", gndpo_cap[last])
 fig.tight_layout()
 plt.show()
-print("step-1 response:", tokenizer.decode(opd_cap[1]["ids"][first][opd_cap[1]["mask"][first]], skip_special_tokens=True))
+print("step-1 response:",
+      tokenizer.decode(opd_cap[1]["ids"][first][opd_cap[1]["mask"][first]], skip_special_tokens=True))
 
 # %% [markdown]
 # **What to look for.**

@@ -6,18 +6,15 @@ the family's special tokens and a chat template in the family's format, and the 
 all written with `save_pretrained`, so gndpo_minimal.py loads them through the same `from_pretrained` path as a
 published checkpoint. The teacher is a larger instance of the same family with the same tokenizer.
 
-Nothing here is part of the algorithm: it is test scaffolding, shared by tests/test_families.py and bench/.
+Nothing here is part of the algorithm: it is scaffolding, shared by tests/ and bench/ (as tiny_world.py is).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 # Plain text that every family's tokenizer is trained on, so prompts and answers tokenize compactly.
 CORPUS = [
@@ -447,13 +444,14 @@ def build_gemma3(out: str) -> str:
         # Every linear layer of the teacher has a multiple of 64 inputs and of 32 outputs: bitsandbytes' CPU
         # 4-bit kernel needs both.
         hidden, heads, kv_heads, head_dim = (128, 4, 2, 32) if big else (64, 4, 2, 16)
-        # 5 sliding-window layers per global one in the real models (window 1024); here a window of 16 tokens,
-        # shorter than a prompt, and both layer types in each model, so the window's mask and cache are exercised.
+        # 5 sliding-window layers per global one in the real models (window 1024); here a window of 8 tokens,
+        # shorter than a prompt and than the tests' longest responses, and both layer types in each model, so the
+        # window's mask and cache are exercised, also for a response read on a cached prompt.
         layer_types = ["sliding_attention"] * (2 if big else 1) + ["full_attention"]
         text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                     num_hidden_layers=len(layer_types), layer_types=layer_types, num_attention_heads=heads,
                     num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-                    sliding_window=16, max_position_embeddings=1024, pad_token_id=ids["<pad>"],
+                    sliding_window=8, max_position_embeddings=1024, pad_token_id=ids["<pad>"],
                     eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
         vision = dict(model_type="siglip_vision_model", hidden_size=2 * 32 if big else 32,
                       intermediate_size=4 * 32 if big else 2 * 32, num_hidden_layers=2, num_attention_heads=2,

@@ -1,13 +1,14 @@
-"""OPD vs GNDPO (and whitening's two halves): runs gndpo_minimal.py for each advantage mode, learning rate and
-seed, then writes a table (docs/<tag>.md) and plots per step of grad norm, reverse KL, response length and,
-with --eval_steps, greedy accuracy (docs/<tag>.png).
+"""OPD vs GNDPO (and whitening's two halves): runs gndpo_minimal.py (the repository root's) for each advantage
+mode, learning rate and seed, then writes a table (docs/studies/<tag>.md) and plots per step of grad norm,
+reverse KL, response length and, with --eval_steps, greedy accuracy (docs/studies/<tag>.png). The page that
+discusses them is docs/opd_vs_gndpo_study.md.
 
-    python docs/compare_opd_gndpo.py --seeds 0 1 2            # runs, then tabulates and plots
-    python docs/compare_opd_gndpo.py --seeds 0 1 2 --jobs 2   # two runs at a time, one thread each
-    python docs/compare_opd_gndpo.py --seeds 0 1 2 --no_run   # only tabulates and plots existing runs
-    python docs/compare_opd_gndpo.py --world trace --jobs 2 --tag opd_vs_gndpo_trace \\
+    python studies/compare_opd_gndpo.py --seeds 0 1 2            # runs, then tabulates and plots
+    python studies/compare_opd_gndpo.py --seeds 0 1 2 --jobs 2   # two runs at a time, one thread each
+    python studies/compare_opd_gndpo.py --seeds 0 1 2 --no_run   # only tabulates and plots existing runs
+    python studies/compare_opd_gndpo.py --world trace --jobs 2 --tag opd_vs_gndpo_trace \\
         --runs_dir runs/compare_trace -- --max_steps 60 --eval_steps 10   # the trace world (docs/world.md)
-    python docs/compare_opd_gndpo.py --world trace --modes none global --lrs 3e-3 1e-2 --seeds 0 ...
+    python studies/compare_opd_gndpo.py --world trace --modes none global --lrs 3e-3 1e-2 --seeds 0 ...
 
 --modes picks the advantage modes (default: none center scale global), --lrs the learning rates (default:
 the script's own, 1e-3, and run folders without an lr in their name). --world trace adds the flags that
@@ -25,15 +26,18 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-NAMES = {"none": "OPD", "center": "center", "scale": "scale", "global": "GNDPO", "sequence": "sequence", "group": "group"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: gndpo_minimal.py, assets/
+SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
+OUT_DIR = os.path.join(ROOT, "docs", "studies")  # where the tables and plots go by default
+NAMES = {"none": "OPD", "center": "center", "scale": "scale", "global": "GNDPO", "sequence": "sequence",
+         "group": "group"}
 COLORS = {"none": "tab:orange", "center": "tab:green", "scale": "tab:purple", "global": "tab:blue",
           "sequence": "tab:brown", "group": "tab:gray"}
 TRACE = os.path.join(ROOT, "assets", "trace")
 WORLDS = {"tiny": [],  # the script's defaults: assets/tiny
-          "trace": ["--student_model", os.path.join(TRACE, "student"), "--teacher_model", os.path.join(TRACE, "teacher"),
-                    "--dataset_name", os.path.join(TRACE, "data"), "--max_new_tokens", "38", "--require_think"]}
+          "trace": ["--student_model", os.path.join(TRACE, "student"),
+                    "--teacher_model", os.path.join(TRACE, "teacher"), "--dataset_name", os.path.join(TRACE, "data"),
+                    "--max_new_tokens", "38", "--require_think"]}
 
 
 def run_all(jobs: list[tuple[str, float | None, int, str]], extra: list[str], parallel: int) -> None:
@@ -43,7 +47,7 @@ def run_all(jobs: list[tuple[str, float | None, int, str]], extra: list[str], pa
 
     def run(job: tuple[str, float | None, int, str]) -> None:
         mode, lr, seed, out = job
-        cmd = [sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), "--advantage_mode", mode, "--seed", str(seed),
+        cmd = [sys.executable, SCRIPT, "--advantage_mode", mode, "--seed", str(seed),
                "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0",
                *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *extra]
         print("$", " ".join(cmd), flush=True)
@@ -93,14 +97,16 @@ def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     acc = f"**{r['acc_after']:.3f}**" if bold else f"{r['acc_after']:.3f}"
     teacher = f" ({r['teacher']:.3f})" if r.get("teacher") is not None else ""
     return (f"| {name} | {lr} | {seed} | {r['acc_before']:.3f} -> {acc}{teacher} | {r['format_after']:.3f} | "
-            f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | {r['spikes']:g} | "
+            f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
+            f"{r['spikes']:g} | "
             f"{r['clipped']:.2f} | {r['len_first']:.1f} -> {r['len_last']:.1f} | "
             f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {r['wall']:.0f} |")
 
 
 def scale_row(name: str, lr: str, seed: str, r: dict) -> str:
     return (f"| {name} | {lr} | {seed} | {r['score_std_first']:.3f} -> {r['score_std_last']:.3f} | "
-            f"{r['adv_std_first']:.3f} -> {r['adv_std_last']:.3f} | {r['adv_min_first']:.2f} -> {r['adv_min_last']:.2f} | "
+            f"{r['adv_std_first']:.3f} -> {r['adv_std_last']:.3f} | "
+            f"{r['adv_min_first']:.2f} -> {r['adv_min_last']:.2f} | "
             f"{r['gn_first']:.3f} -> {r['gn_last']:.3f} |")
 
 
@@ -120,13 +126,16 @@ def main() -> None:
                         help="learning rates (default: the script's own; run folders then carry no lr)")
     parser.add_argument("--world", choices=list(WORLDS), default="tiny", help="trace: the runs use assets/trace")
     parser.add_argument("--max_grad_norm", type=float, default=1.0,
-                        help="the runs' --max_grad_norm, for the share of steps cut by the clip (pass the same after --)")
+                        help="the runs' --max_grad_norm, for the share of steps cut by the clip "
+                             "(pass the same after --)")
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "compare"))
     parser.add_argument("--no_run", action="store_true", help="only tabulate and plot existing runs")
     parser.add_argument("--skip_existing", action="store_true",
-                        help="run only the jobs whose folder has no summary.json yet (e.g. one grid reusing another's runs)")
+                        help="run only the jobs whose folder has no summary.json yet (e.g. one grid reusing "
+                             "another's runs)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each then uses one thread)")
-    parser.add_argument("--tag", default="opd_vs_gndpo", help="name of the .md/.png written under docs/")
+    parser.add_argument("--tag", default="opd_vs_gndpo", help="name of the .md/.png written under --out_dir")
+    parser.add_argument("--out_dir", default=OUT_DIR, help="folder of the table and plot (default: docs/studies)")
     args, extra = parser.parse_known_args()
     extra = WORLDS[args.world] + [a for a in extra if a != "--"]
     lrs = args.lrs or [None]
@@ -138,9 +147,10 @@ def main() -> None:
         run_all(todo, extra, args.jobs)
     results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
 
-    lines = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | reverse KL first -> last 10 | "
-             "grad norm median / max | spikes (> 5x median) | steps clipped | response length first 10 -> last 10 | "
-             "tokens at the clamp first 10 -> last 10 | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
+             "reverse KL first -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
+             "response length first 10 -> last 10 | tokens at the clamp first 10 -> last 10 | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     means, scales = [], []
     for lr in lrs:
         lr_text = "default" if lr is None else f"{lr:g}"
@@ -162,7 +172,8 @@ def main() -> None:
               "advantage):", "", "| advantages | lr | seed | score std | advantage std | advantage min | grad norm |",
               "|---|---|---|---|---|---|---|", *scales]
     table = "\n".join(lines)
-    with open(os.path.join(HERE, f"{args.tag}.md"), "w") as f:
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{args.tag}.md"), "w") as f:
         f.write(table + "\n")
     print(table)
 
@@ -196,8 +207,8 @@ def main() -> None:
             a.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, f"{args.tag}.png"), dpi=100)
-    print("wrote", os.path.join(HERE, f"{args.tag}.md"), "and .png")
+    fig.savefig(os.path.join(args.out_dir, f"{args.tag}.png"), dpi=100)
+    print("wrote", os.path.join(args.out_dir, f"{args.tag}.md"), "and .png")
 
 
 if __name__ == "__main__":

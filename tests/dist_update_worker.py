@@ -1,0 +1,66 @@
+"""One process of the update check in test_distributed.py: the gradient of update_student's update with the rollout
+batch spread over 1 or 2 processes (run with torchrun, gloo).
+
+Every process builds the same global batch: 4 prompts x G = 2 rollouts of the untrained tiny student (seeded),
+advantages drawn from a seeded generator, and row 1 fully masked (as if every teacher log-prob of it were not
+finite), so that the processes hold different numbers of valid sequences. A process keeps its contiguous share of
+the 8 rows (all of them alone, 4 each with two), makes the update, and OUT_DIR/grad<processes>.pt receives the
+gradient the optimizer applied (after the all-reduce), read on the main process.
+"""
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gndpo_minimal as g  # noqa: E402
+import tiny_world  # noqa: E402
+
+
+def main() -> None:
+    models_dir = os.environ["MODELS_DIR"]
+    args = g.Args(student_model=os.path.join(models_dir, "student"), teacher_model=os.path.join(models_dir, "teacher"),
+                  prompts_per_step=4, num_generations=2, micro_batch_size=2, max_new_tokens=6, max_grad_norm=1e9,
+                  num_eval_samples=0, output_dir=os.environ["OUT_DIR"])
+    accelerator, accum = g.make_accelerator(args)
+    torch.manual_seed(0)  # the same LoRA adapter on every process
+    processor, student, _ = g.load_models(dataclasses.replace(args, teacher_4bit=False), accelerator, lambda m: None)
+    rows = tiny_world.make_rows(4, seed=3)
+    prompts = [p for p in ((r["question"], [r["image"]]) for r in rows) for _ in range(2)]  # G copies, one object
+    config, _ = g.generation_configs(processor.tokenizer, student, args)
+    torch.manual_seed(0)  # the same rollouts on every process
+    rollout = g.rollout(student, processor, prompts, config, args)
+    mask = rollout.response_mask.clone()
+    mask[1] = 0
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    n = len(prompts) // accelerator.num_processes
+    mine = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
+    micro_batches = g.cut_rollouts(processor, prompts[mine], [g.Rollout(rollout.response_ids[mine],
+                                   rollout.response_mask[mine], rollout.sampled_logps[mine])], args.micro_batch_size,
+                                   args)
+    R = max(r.response_ids.shape[1] for r in micro_batches)
+    batch = g.ScoredBatch(0, micro_batches, mask[mine, :R], advantages[mine, :R], advantages[mine, :R],
+                          advantages[mine, :R], advantages[mine, :R], 0, 0.0, 0.0)
+    student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
+    params, grads, step = [p for p in student.parameters() if p.requires_grad], [], optimizer.step
+
+    def record(*a, **k):
+        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        return step(*a, **k)
+
+    optimizer.step = record
+    models = g.Models(student, accelerator.unwrap_model(student), None, processor, config,
+                      torch.tensor(config.suppress_tokens), g.PrefixSharing(False))
+    update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda m: None)
+    assert update["skipped_updates"] == 0 and len(grads) == 1
+    if accelerator.is_main_process:
+        torch.save(grads[0], os.path.join(os.environ["OUT_DIR"], f"grad{accelerator.num_processes}.pt"))
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
