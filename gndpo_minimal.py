@@ -117,15 +117,23 @@ class Args:
                               "(global whitening's two halves alone, for ablations).")
     loss_type: str = arg("gspo", "gspo (sequence-level ratio) | ppo (token-level ratio). They differ only off-policy "
                          "(--steps_per_generation or --num_iterations > 1).")
-    score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
+    score_type: str = arg("log_ratio", "log_ratio (clamp(teacher_lp - student_lp), GNDPO's) | power (p_T^alpha - "
+                          "p_S^alpha of the sampled token, in [-1, 1]: PowerOPD's bounded score, no clamp).")
+    score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip] (log_ratio).")
+    power_alpha: float = arg(5.0, "alpha of the power score.")
+    score_std_floor: float = arg(0.0, "global mode: when the batch's score std is below this, center only (do not "
+                                 "scale noise up to unit spread, as in self-distillation); 0 = off.")
+    reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward (1 right, 0 wrong; rows without an "
+                               "answer get none) to the normalized distillation advantages; 0 = GNDPO alone.")
     clip_low: float = arg(0.2, "Lower ratio clip (1 - clip_low). Acts only off-policy.")
     clip_high: float = arg(0.2, "Upper ratio clip (1 + clip_high). Acts only off-policy.")
     steps_per_generation: int = arg(1, "K: the step's rollout batch is cut into K mini-batches, one optimizer update "
                                     "each. K > 1 costs one no-grad student forward over the K - 1 later ones.")
     num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
     # optimization
-    learning_rate: float = arg(1e-3, "AdamW learning rate (LoRA wants a larger one than full fine-tuning).")
-    weight_decay: float = arg(0.01, "AdamW weight decay.")
+    optimizer: str = arg("adamw", "adamw | sgd (plain SGD, no momentum: for studying how the advantages' scale acts).")
+    learning_rate: float = arg(1e-3, "Learning rate (LoRA wants a larger one than full fine-tuning).")
+    weight_decay: float = arg(0.01, "Weight decay.")
     warmup_steps: int = arg(0, "Linear warmup over this many optimizer updates (K * E per step), then constant.")
     max_grad_norm: float = arg(1.0, "Clip the gradient norm to this (the pre-clip norm is logged).")
     max_steps: int = arg(90, "Optimizer steps.")
@@ -154,10 +162,13 @@ class Args:
 # GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
 # ---------------------------------------------------------------------------------------------
 
-import torch  # noqa: E402  (repeated so that the section stands alone)
+import math  # noqa: E402  (repeated so that the section stands alone)
+
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale")
+SCORE_TYPES = ("log_ratio", "power")
 LOSS_TYPES = ("gspo", "ppo")
 
 
@@ -171,6 +182,49 @@ def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, res
     """
     scores = (teacher_logps.float() - student_logps.float()).clamp(-clip, clip)
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
+                 alpha: float = 5.0) -> torch.Tensor:
+    """PowerOPD's bounded per-token score s = p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), from
+    the two log-probs: exp(alpha * teacher_lp) - exp(alpha * student_lp). All (B, T); returns (B, T) float32 in
+    [-1, 1], 0 where the mask is 0. Bounded before anything else sees it, so it needs no clamp; tokens both
+    models find unlikely score about 0 whatever their log-ratio."""
+    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
+    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
+    """(3,) float64 (count, sum, sum of squares) of the valid scores over the global batch: one all-reduce when
+    torch.distributed runs several processes and all_reduce is set. mask: float64 (B, T)."""
+    s = scores.double() * mask
+    stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])
+    if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)
+    return stats
+
+
+def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
+    """The unbiased std of the scores over every valid token of the global batch (what global whitening divides
+    by). scores, response_mask: (B, T). 0.0 with fewer than 2 valid tokens."""
+    count, total, total_sq = _global_sums(scores, response_mask.to(torch.float64), all_reduce).tolist()
+    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
+
+
+def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's group-normalized task advantages: (r - mean) / (std + eps) over the responses that share a group id
+    (the G samples of a prompt), std unbiased. rewards: (B,) float with NaN for a response that has no reward (no
+    reference answer): it gets 0 and stays out of its group's statistics. group_ids: (B,) int. Returns (B,)
+    float32; a group whose rewards are all equal gives 0 (nothing to prefer)."""
+    has = torch.isfinite(rewards)
+    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
+    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
+            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
+    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
+    mean = total / count.clamp(min=1)
+    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
+    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
 
 
 def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
@@ -208,9 +262,7 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
     if mode == "none":
         return scores * response_mask.to(scores.dtype)
     if mode in ("global", "center", "scale"):
-        stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])  # (3,)
-        if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stats)
+        stats = _global_sums(scores, mask, all_reduce)  # (3,)
         if stats[0] < 2:
             raise ValueError(f"{mode} normalization needs at least 2 valid response tokens in the batch, got "
                              f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses "
@@ -311,6 +363,7 @@ class StepPrompts:
     seed: int  # step_seed(args.seed, step, process): a resumed run samples what the interrupted one would have
     prompts: list  # n = (this process's prompts) x G pairs (prompt, images); a prompt's G copies are one object
     group_ids: list[int]  # (n,) each row's prompt id, unique over the run
+    answers: list  # (n,) each row's reference answer, None where the data has none
 
 
 @dataclass
@@ -343,6 +396,10 @@ class ScoredBatch:
     nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
     time_generate: float
     time_score: float
+    std_floored: bool | None = None  # --score_std_floor: the scores were centered, not scaled (None: no floor)
+    rewards: torch.Tensor | None = None  # (n,) --reward_weight: task reward, NaN without a reference answer
+    reward_advantages: torch.Tensor | None = None  # (n,) group_reward_advantages of the rewards
+    group_ids: torch.Tensor | None = None  # (n,) each row's prompt id
 
     def micro_batches(self) -> list[tuple[Rollout, torch.Tensor, torch.Tensor]]:
         """(rollout, its advantages, its response mask) per micro-batch: its rows of the (n, R) tensors, cut to
@@ -363,13 +420,14 @@ class ScoredBatch:
 def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
                  process_index: int = 0) -> StepPrompts:
     """This process's share of the step's B prompts, each repeated G times, and the step's sampling seed."""
-    prompts, group_ids = [], []
+    prompts, group_ids, answers = [], [], []
     for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
                                               num_processes, process_index):
         row = train_ds[train_keep[position]]
         prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
         group_ids += [group_id] * args.num_generations
-    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids)
+        answers += [row[args.answer_column]] * args.num_generations
+    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers)
 
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
@@ -391,17 +449,33 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
     finite = torch.isfinite(teacher_logps) & torch.isfinite(student_logps)
     nonfinite = int(((~finite) & mask.bool()).sum())
     mask = mask * finite
-    # ALGO: clamped scores, then advantages whitened over every valid token of the global batch (GNDPO)
-    scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
+    # ALGO: the per-token score: GNDPO's clamped log-ratio (or PowerOPD's bounded one, --score_type power)
+    if args.score_type == "power":
+        scores = power_scores(teacher_logps, student_logps, mask, args.power_alpha)
+    else:
+        scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
+    # ALGO: advantages whitened over every valid token of the global batch (GNDPO); with --score_std_floor,
+    # scores spread less than the floor (noise, as when the student is its own teacher) are centered, not scaled up
+    group_ids = torch.tensor(prompts.group_ids, device=mask.device)
+    floor = args.score_std_floor > 0 and args.advantage_mode == "global"
+    floored = floor and score_std(scores, mask) < args.score_std_floor
     try:
-        advantages = normalize_scores(scores, mask, args.advantage_mode, torch.tensor(prompts.group_ids))
+        advantages = normalize_scores(scores, mask, "center" if floored else args.advantage_mode, group_ids)
     except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
         log(f"step {prompts.step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
         # non-finite: all processes then skip this step's updates together
         advantages = torch.full_like(scores, float("nan"))
-    return ScoredBatch(prompts.step, rollouts, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
-                       t_generate, time.time() - t0)
+    batch = ScoredBatch(prompts.step, rollouts, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
+                        t_generate, 0.0, floored if floor else None, group_ids=group_ids)
+    # ALGO, optional (--reward_weight w): the graded answer's task reward, normalized over the G samples of its
+    # prompt, added to every token's advantage after the distillation advantages were normalized
+    if args.reward_weight:
+        batch.rewards = task_rewards(models.processor, rollouts, prompts.answers)  # (n,) 1, 0, or NaN: no answer
+        batch.reward_advantages = group_reward_advantages(batch.rewards, group_ids.cpu()).to(mask.device)  # (n,)
+        batch.advantages = advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
+    batch.time_score = time.time() - t0
+    return batch
 
 
 def update_student(models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args,
@@ -420,7 +494,8 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
     (over the updates' tokens),
     logp_mismatch (|old log-probs - sampling log-probs| per token: ~0 when the scoring inputs are right),
     grad_norm (mean pre-clip norm over the updates), grad_norm_max, lr (the last update's), updates,
-    skipped_updates, the token counts behind the means, time_update.
+    skipped_updates, the token counts behind the means, update_norm (||delta theta|| over the step's updates, the
+    trainable parameters), time_update.
     """
     t0 = time.time()
     parts, K, E = batch.micro_batches(), args.steps_per_generation, args.num_iterations
@@ -439,6 +514,7 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
     sums = {"loss": 0.0, "clipped_tokens": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0,
             "mismatch_tokens": 0.0}
     grad_norms, lr, skipped = [], float("nan"), 0
+    start = trainable_values(models.student)  # for the update's size
     for epoch in range(E):
         for k in range(K):
             loss_sum = 0.0
@@ -481,7 +557,8 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
             "ratio_mean": sums["ratio"] / n, "logp_mismatch": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
             "grad_norm": sum(grad_norms) / len(grad_norms), "grad_norm_max": max(grad_norms), "lr": lr,
             "updates": K * E, "skipped_updates": skipped, "tokens": sums["tokens"],
-            "mismatch_tokens": sums["mismatch_tokens"], "time_update": time.time() - t0}
+            "mismatch_tokens": sums["mismatch_tokens"], "update_norm": distance(models.student, start, accelerator),
+            "time_update": time.time() - t0}
 
 
 def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: float, step_time: float) -> dict:
@@ -503,13 +580,14 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: floa
               "nonfinite": float(batch.nonfinite_tokens), "loss": update["loss"],
               "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
               "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
-              "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"]},
+              "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
+              **(reward_sums(batch) if batch.rewards is not None else {})},
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
         highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
                "time_generate": batch.time_generate, "time_score": batch.time_score,
                "time_update": update["time_update"]})
     N, U = max(r["tokens"], 1.0), max(r["update_tokens"], 1.0)
-    return {
+    metrics = {
         "step": batch.step + 1, "loss": r["loss"], "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
         "score_std": math.sqrt(max(r["score_sq_sum"] / N - (r["score_sum"] / N) ** 2, 0.0)),
         "score_clamped_frac": r["clamped"] / N, "adv_mean": r["adv_sum"] / N,
@@ -517,10 +595,18 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: floa
         "adv_min": r["adv_min"], "adv_max": r["adv_max"], "clip_frac": r["clipped_tokens"] / U,
         "ratio_mean": r["ratio_sum"] / U, "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
         "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"], "lr": update["lr"],
+        "update_norm": update["update_norm"],
         "response_length": r["tokens"] / max(r["responses"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
         "time_generate": r["time_generate"], "time_score": r["time_score"], "time_update": r["time_update"],
         "tokens_per_second": r["tokens"] / step_time,
     }
+    if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
+        metrics["score_std_floored"] = int(batch.std_floored)
+    if batch.rewards is not None:  # --reward_weight
+        metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
+                       reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
+                       reward_no_answer=int(r["no_answer"]))
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,6 +679,8 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
         counters["skipped_steps"] += bool(update["skipped_updates"])
         metrics = step_metrics(accelerator, batch, update, args.score_clip, time.time() - t_step)
         metrics["skipped_steps"] = counters["skipped_steps"]
+        if batch.std_floored is not None:
+            counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
         mismatch.see(step + 1, metrics["logp_mismatch"])
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
             e = evaluate_policy()
@@ -624,6 +712,7 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
     summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
                    advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
                    skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"],
+                   **{k: v for k, v in counters.items() if k == "std_floored_steps"},
                    share_prompt_prefix=models.sharing.summary())
     finish_run(accelerator, summary, summary_path, eval_rows, log)
     return summary
@@ -1491,6 +1580,13 @@ def grade_answer(response: str, reference: str) -> bool:
         return False
 
 
+def task_rewards(processor, rollouts: list[Rollout], answers: list) -> torch.Tensor:
+    """(n,) float32 task reward of each response of the rollouts (rows in order): 1.0 when its last \\boxed{} equals
+    the reference answer (grade_answer), 0.0 when not, NaN for a row without a reference answer."""
+    texts = [t for r in rollouts for t in processor.tokenizer.batch_decode(r.response_ids, skip_special_tokens=True)]
+    return torch.tensor([float("nan") if a is None else float(grade_answer(t, a)) for t, a in zip(texts, answers)])
+
+
 def is_well_formed(response: str, require_think: bool = False) -> bool:
     """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
     if require_think:
@@ -1668,6 +1764,16 @@ def check_args(args: Args, num_processes: int) -> int:
         problems.append(f"--advantage_mode {args.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
     if args.loss_type not in LOSS_TYPES:
         problems.append(f"--loss_type {args.loss_type!r} is not one of {LOSS_TYPES}")
+    if args.score_type not in SCORE_TYPES:
+        problems.append(f"--score_type {args.score_type!r} is not one of {SCORE_TYPES}")
+    if args.optimizer not in ("adamw", "sgd"):
+        problems.append(f"--optimizer {args.optimizer!r} is not one of ('adamw', 'sgd')")
+    for flag in ("power_alpha", "score_clip"):
+        if getattr(args, flag) <= 0:
+            problems.append(f"--{flag} must be > 0, got {getattr(args, flag)}")
+    for flag in ("reward_weight", "score_std_floor"):
+        if getattr(args, flag) < 0:
+            problems.append(f"--{flag} must be >= 0 (0 = off), got {getattr(args, flag)}")
     if args.advantage_mode == "group" and args.num_generations < 2:
         problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs "
                         "--num_generations >= 2")
@@ -1758,19 +1864,25 @@ def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
     eval_rows = load_eval_rows(args, processor, split_log)
     log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
     step_prompt_indices(0, len(train_keep), args.prompts_per_step, args.seed)  # fails now if rows < prompts_per_step
+    if args.reward_weight and all(train_ds[i][args.answer_column] is None for i in train_keep[:64]):
+        raise ValueError(f"--reward_weight {args.reward_weight} grades answers, but the training rows have none: set "
+                         f"--answer_column (or the chat's assistant turn) or leave --reward_weight at 0")
     return train_ds, train_keep, train_skipped, eval_rows
 
 
 def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
-    """(prepared student, prepared AdamW, LR scheduler) for the LoRA parameters.
+    """(prepared student, prepared optimizer (AdamW, or SGD), LR scheduler) for the LoRA parameters.
 
     The scheduler is stepped by hand once per optimizer update and only registered for checkpointing: through
     prepare() Accelerate would step it once per process at every update, N times too fast on N processes.
     """
     from accelerate.utils import DistributedType
 
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
+    params = [p for p in student.parameters() if p.requires_grad]
+    if args.optimizer == "sgd":  # plain SGD: the update is the gradient itself, scale included
+        optimizer = torch.optim.SGD(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     # DeepSpeed reads its micro-batch size from a DataLoader: there is none here
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -1807,6 +1919,28 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     return Models(student, policy, teacher, processor, sample_config, ignore_ids, sharing, teacher_logps, synced_gpus)
 
 
+def _local_values(p: torch.Tensor) -> torch.Tensor:
+    """The values of a trainable parameter this process holds: its DeepSpeed ZeRO-3 partition, its FSDP2 shard, or
+    the whole tensor."""
+    p = getattr(p, "ds_tensor", p)
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def trainable_values(model) -> list[torch.Tensor]:
+    """A copy of the trainable parameters' values on this process (see _local_values)."""
+    return [_local_values(p).detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def distance(model, start: list[torch.Tensor], accelerator) -> float:
+    """||theta - start|| over the trainable parameters, all shards counted when the weights are sharded."""
+    now = [_local_values(p).detach() for p in model.parameters() if p.requires_grad]
+    squares = torch.stack([((a.float() - b.float()) ** 2).sum() for a, b in zip(now, start)]).sum() if now else \
+        torch.zeros(())
+    if weights_are_sharded(accelerator):
+        squares = accelerator.reduce(squares.to(accelerator.device), reduction="sum")
+    return math.sqrt(float(squares))
+
+
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
     """Sums, minima and maxima over processes, in one gather."""
     keys = list(sums) + list(lows) + list(highs)
@@ -1817,6 +1951,17 @@ def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], 
     out = (every[:, :n_sum].sum(0).tolist() + every[:, n_sum:n_sum + n_low].min(0).values.tolist()
            + every[:, n_sum + n_low:].max(0).values.tolist())
     return dict(zip(keys, out))
+
+
+def reward_sums(batch: ScoredBatch) -> dict:
+    """This process's sums behind the reward metrics: the rewards and the responses that have one, the prompts
+    (groups) and those whose reward advantages are not all 0 (rewards that differ within the group: something to
+    learn from), the responses without a reference answer. A prompt's G samples are on one process."""
+    has = torch.isfinite(batch.rewards)
+    _, inv = torch.unique(batch.group_ids.cpu(), return_inverse=True)  # (n,) in 0..groups-1
+    moving = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, (batch.reward_advantages.cpu() != 0).float()) > 0
+    return {"reward_sum": float(batch.rewards[has].sum()), "rewarded": float(has.sum()), "groups": float(len(moving)),
+            "groups_moving": float(moving.sum()), "no_answer": float((~has).sum())}
 
 
 def format_metrics(metrics: dict) -> str:
@@ -2248,7 +2393,10 @@ class PrefixSharing:
         shared prompts and their check failed: the step must sample them again with generate()."""
         resample = False
         if self.decided["rollout"] is None:
-            self.decided["rollout"] = self.check("rollout", models.policy, rollout, models.ignore_ids, args.temperature)
+            config = models.sample_config  # end tokens held back (min_new_tokens) were not in the sampled distribution
+            held_back = (torch.tensor(config.eos_token_id), config.min_new_tokens) if config.min_new_tokens else None
+            self.decided["rollout"] = self.check("rollout", models.policy, rollout, models.ignore_ids, args.temperature,
+                                                 held_back)
             resample = not self.decided["rollout"]
         if self.decided["teacher"] is None and models.teacher_logps is None:
             self.decided["teacher"] = self.check("teacher", models.teacher, rollout, models.ignore_ids)
@@ -2273,13 +2421,14 @@ class PrefixSharing:
         """Each role's decision, for summary.json."""
         return {role: self.decided[role] for role in ("teacher", "student", "rollout")}
 
-    def check(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None,
-              temperature: float = 1.0) -> bool:
+    def check(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
+              held_back: tuple | None = None) -> bool:
         """Shared against plain on `rollout`, agreed on by every process; logs the decision and, on a fallback,
         which comparison failed. rollout: the log-probs recorded while sampling against the plain forward in eval
-        mode. teacher / student: both forwards' log-probs, and for a trainable model the gradient of every
-        trainable parameter for a loss that weights each response token differently (a cache updated in place, as
-        hybrid linear-attention layers do, cannot be differentiated through: the check then fails on an error).
+        mode (held_back: (end ids, positions) the sampler kept the end tokens out of, so the plain forward does too).
+        teacher / student: both forwards' log-probs, and for a trainable model the gradient of every trainable
+        parameter for a loss that weights each response token differently (a cache updated in place, as hybrid
+        linear-attention layers do, gives the right values and a wrong gradient through the prompt).
         The check calls the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
         while hasattr(model, "module"):
             model = model.module
@@ -2291,6 +2440,10 @@ class PrefixSharing:
             if role == "rollout":
                 with torch.no_grad(), evaluating(model):
                     plain = response_logps(model, rollout, ignore_ids, temperature)
+                    if held_back is not None:
+                        ends, positions = held_back
+                        without = ends if ignore_ids is None else torch.cat([ignore_ids, ends.to(ignore_ids.device)])
+                        plain[:, :positions] = response_logps(model, rollout, without, temperature)[:, :positions]
                 ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
             else:
                 ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)

@@ -11,7 +11,10 @@ discusses them is docs/opd_vs_gndpo_study.md.
     python studies/compare_opd_gndpo.py --world trace --modes none global --lrs 3e-3 1e-2 --seeds 0 ...
 
 --modes picks the advantage modes (default: none center scale global), --lrs the learning rates (default:
-the script's own, 1e-3, and run folders without an lr in their name). --world trace adds the flags that
+the script's own, 1e-3, and run folders without an lr in their name). --settings adds a dimension of named flag
+sets, each run with every mode, e.g. `--settings "adamw=" "power=--score_type power" "sgd=--optimizer sgd
+--learning_rate 0.3"`: runs go to <setting>_<mode>..., and the tables and plots get one block per setting.
+--world trace adds the flags that
 point every run at assets/trace (models, data, --max_new_tokens 38, --require_think).
 --skip_existing runs only the jobs without a summary.json (a finished run), so that a larger grid can reuse
 the runs of a smaller one in the same --runs_dir.
@@ -40,16 +43,17 @@ WORLDS = {"tiny": [],  # the script's defaults: assets/tiny
                     "--max_new_tokens", "38", "--require_think"]}
 
 
-def run_all(jobs: list[tuple[str, float | None, int, str]], extra: list[str], parallel: int) -> None:
-    """Runs gndpo_minimal.py once per (mode, lr, seed, output_dir), `parallel` at a time. Parallel runs get one
-    thread each: on a small CPU, threads of concurrent runs fighting over cores cost more than they give."""
+def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
+    """Runs gndpo_minimal.py once per (mode, lr, seed, output_dir, the setting's flags), `parallel` at a time.
+    Parallel runs get one thread each: on a small CPU, threads of concurrent runs fighting over cores cost more
+    than they give."""
     env = dict(os.environ, OMP_NUM_THREADS="1") if parallel > 1 else None
 
-    def run(job: tuple[str, float | None, int, str]) -> None:
-        mode, lr, seed, out = job
+    def run(job: tuple) -> None:
+        mode, lr, seed, out, flags = job
         cmd = [sys.executable, SCRIPT, "--advantage_mode", mode, "--seed", str(seed),
                "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0",
-               *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *extra]
+               *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *extra, *flags]
         print("$", " ".join(cmd), flush=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if parallel == 1:
@@ -90,6 +94,8 @@ def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
             "score_std_first": avg(first, "score_std"), "score_std_last": avg(last, "score_std"),
             "adv_std_first": avg(first, "adv_std"), "adv_std_last": avg(last, "adv_std"),
             "adv_min_first": avg(first, "adv_min"), "adv_min_last": avg(last, "adv_min"),
+            "update_median": statistics.median(s.get("update_norm", nan) for s in steps),
+            "update_max": max(s.get("update_norm", nan) for s in steps),
             "wall": summary.get("wall_seconds", nan)}
 
 
@@ -99,7 +105,8 @@ def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     return (f"| {name} | {lr} | {seed} | {r['acc_before']:.3f} -> {acc}{teacher} | {r['format_after']:.3f} | "
             f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
             f"{r['spikes']:g} | "
-            f"{r['clipped']:.2f} | {r['len_first']:.1f} -> {r['len_last']:.1f} | "
+            f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | "
+            f"{r['len_first']:.1f} -> {r['len_last']:.1f} | "
             f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {r['wall']:.0f} |")
 
 
@@ -124,6 +131,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "center", "scale", "global"], choices=list(NAMES))
     parser.add_argument("--lrs", type=float, nargs="+", default=None,
                         help="learning rates (default: the script's own; run folders then carry no lr)")
+    parser.add_argument("--settings", nargs="+", default=None, metavar="NAME=FLAGS",
+                        help="named flag sets, each run with every mode and lr (default: one, with no flags)")
     parser.add_argument("--world", choices=list(WORLDS), default="tiny", help="trace: the runs use assets/trace")
     parser.add_argument("--max_grad_norm", type=float, default=1.0,
                         help="the runs' --max_grad_norm, for the share of steps cut by the clip "
@@ -138,22 +147,29 @@ def main() -> None:
     parser.add_argument("--out_dir", default=OUT_DIR, help="folder of the table and plot (default: docs/studies)")
     args, extra = parser.parse_known_args()
     extra = WORLDS[args.world] + [a for a in extra if a != "--"]
-    lrs = args.lrs or [None]
-    folder = lambda mode, lr, seed: os.path.join(  # noqa: E731
-        args.runs_dir, f"{mode}_seed{seed}" if lr is None else f"{mode}_lr{lr:g}_seed{seed}")
+    settings = dict(s.split("=", 1) for s in args.settings) if args.settings else {"": ""}
+    # a block of the tables and a row of plots per (setting, lr)
+    lrs = [(name, lr) for name in settings for lr in (args.lrs or [None])]
+
+    def folder(mode: str, lr: tuple, seed: int) -> str:
+        name = f"{mode}_seed{seed}" if lr[1] is None else f"{mode}_lr{lr[1]:g}_seed{seed}"
+        return os.path.join(args.runs_dir, f"{lr[0]}_{name}" if lr[0] else name)
+
     jobs = [(mode, lr, seed, folder(mode, lr, seed)) for lr in lrs for mode in args.modes for seed in args.seeds]
     if not args.no_run:
-        todo = [j for j in jobs if not (args.skip_existing and os.path.exists(os.path.join(j[3], "summary.json")))]
+        todo = [(mode, lr[1], seed, out, settings[lr[0]].split()) for mode, lr, seed, out in jobs
+                if not (args.skip_existing and os.path.exists(os.path.join(out, "summary.json")))]
         run_all(todo, extra, args.jobs)
     results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
 
     lines = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
              "reverse KL first -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
-             "response length first 10 -> last 10 | tokens at the clamp first 10 -> last 10 | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "update size median / max | response length first 10 -> last 10 | tokens at the clamp first 10 -> "
+             "last 10 | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     means, scales = [], []
     for lr in lrs:
-        lr_text = "default" if lr is None else f"{lr:g}"
+        lr_text = ("default" if lr[1] is None else f"{lr[1]:g}") + (f" ({lr[0]})" if lr[0] else "")
         for mode in args.modes:
             rows = [row_stats(*results[mode, lr, seed], args.max_grad_norm) for seed in args.seeds]
             for seed, r in zip(args.seeds, rows):
@@ -195,7 +211,7 @@ def main() -> None:
         if has_eval:
             ax[3].plot(*accuracy_curve(steps, summary), marker="o", ms=2, **kw)
     for lr, ax in zip(lrs, axes):
-        at = "" if lr is None else f" (lr {lr:g})"
+        at = ("" if lr[1] is None else f" (lr {lr[1]:g})") + (f" [{lr[0]}]" if lr[0] else "")
         ax[0].axhline(args.max_grad_norm, color="black", ls="--", lw=0.8)
         ax[0].set(title="pre-clip gradient norm" + at, ylabel="grad norm (log scale; dashed: the clip)", yscale="log")
         ax[1].set(title="reverse KL on sampled tokens" + at, ylabel="nats per token")

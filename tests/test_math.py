@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from gndpo_minimal import distill_scores, head_logps, normalize_scores, policy_loss, token_logps
+from gndpo_minimal import (distill_scores, group_reward_advantages, head_logps, normalize_scores, policy_loss,
+                           power_scores, score_std, token_logps)
 
 
 def random_mask(B, T, gen, min_len=1):
@@ -329,3 +330,48 @@ def test_head_logps_equals_token_logps_on_the_logits_in_value_and_gradient(tempe
                                    atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="freeze it"):
         head_logps(torch.randn(B, T, H), weight.requires_grad_(), ids)
+
+
+# --- power_scores, score_std, group_reward_advantages -------------------------------------------
+
+def test_power_scores_are_the_difference_of_powered_probabilities_and_bounded():
+    """s = p_T^alpha - p_S^alpha of the sampled token, computed here from the probabilities themselves."""
+    gen = torch.Generator().manual_seed(20)
+    t_logits, s_logits = torch.randn(4, 6, 30, generator=gen) * 3, torch.randn(4, 6, 30, generator=gen) * 3
+    ids, mask = torch.randint(0, 30, (4, 6), generator=gen), random_mask(4, 6, gen)
+    p_t = torch.softmax(t_logits.double(), -1).gather(-1, ids[..., None]).squeeze(-1)
+    p_s = torch.softmax(s_logits.double(), -1).gather(-1, ids[..., None]).squeeze(-1)
+    t_lp = torch.log_softmax(t_logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+    s_lp = torch.log_softmax(s_logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+    for alpha in (1.0, 5.0):
+        got = power_scores(t_lp, s_lp, mask, alpha)
+        torch.testing.assert_close(got, ((p_t ** alpha - p_s ** alpha) * mask).float(), atol=1e-6, rtol=1e-5)
+        assert got.abs().max() <= 1.0 and torch.all(got[~mask.bool()] == 0)
+    # a confident teacher and an unsure student: bounded where the log-ratio is not
+    extreme = power_scores(torch.tensor([[0.0, -80.0]]), torch.tensor([[-80.0, 0.0]]), torch.ones(1, 2))
+    torch.testing.assert_close(extreme, torch.tensor([[1.0, -1.0]]))
+    assert power_scores(torch.tensor([[-float("inf")]]), torch.tensor([[0.0]]), torch.zeros(1, 1)).item() == 0.0
+
+
+def test_score_std_is_the_unbiased_std_over_valid_tokens():
+    gen = torch.Generator().manual_seed(21)
+    scores, mask = torch.randn(5, 7, generator=gen) * 2 + 1, random_mask(5, 7, gen)
+    expected = scores[mask.bool()].double().std().item()  # unbiased, as global whitening divides by
+    assert score_std(scores, mask) == pytest.approx(expected, rel=1e-9)
+    assert score_std(scores, torch.zeros(5, 7)) == 0.0
+
+
+def test_group_reward_advantages_match_per_group_statistics():
+    """(r - group mean) / (group std + eps) per group, computed group by group; a row without a reward (NaN) gets
+    0 and does not count in its group; a group of equal rewards gives 0."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, float("nan"), 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    groups = torch.tensor([3, 3, 3, 3, 8, 8, 8, 5, 5, 5])  # any ids, groups of unequal size
+    got = group_reward_advantages(rewards, groups)
+    expected = torch.zeros(10, dtype=torch.float64)
+    for gid in groups.unique():
+        rows = [i for i in range(10) if groups[i] == gid and not torch.isnan(rewards[i])]
+        values = rewards[rows].double()
+        expected[rows] = (values - values.mean()) / (values.std() + 1e-4)
+    torch.testing.assert_close(got, expected.float())
+    assert got[3] == 0 and torch.all(got[4:7] == 0)  # no reward; all equal
+    assert abs(got[:3].sum()) < 1e-5 and got[0] > 0 > got[1]

@@ -1,0 +1,174 @@
+"""Beyond GNDPO alone: the task reward mixed into the advantages (--reward_weight), PowerOPD's bounded score
+(--score_type power), the self-distillation floor (--score_std_floor) and plain SGD (--optimizer sgd).
+
+The pure functions behind them (group_reward_advantages, power_scores, score_std) are checked against slow
+transcriptions in test_math.py; here they run inside the step and main().
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+
+import gndpo_minimal as g
+import tiny_world
+
+pytestmark = pytest.mark.slow  # every test here loads models and runs the step
+
+
+def read_metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def default_world(out: str, **changes) -> g.Args:
+    """The default run's arguments (the shipped tiny models and data), 3 steps, no evaluation."""
+    return g.Args(**{**dict(max_steps=3, num_eval_samples=0, save_steps=0, output_dir=out), **changes})
+
+
+def step_on(args: g.Args, answers=None) -> tuple:
+    """(accelerator, ScoredBatch) of step 0 on the arguments' models and data; answers(rows' answers) replaces
+    the rows' reference answers."""
+    accelerator, _ = g.make_accelerator(args)
+    set_seed(0)
+    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
+    models = g.make_models(args, accelerator, processor, student, teacher, lambda msg: None)
+    student.train()
+    prompts = g.step_prompts(train_ds, keep, args, step=0)
+    if answers is not None:
+        prompts = dataclasses.replace(prompts, answers=answers(prompts.answers))
+    return accelerator, g.generate_and_score(models, prompts, args)
+
+
+def test_the_task_reward_is_added_after_the_distillation_advantages_are_normalized(tmp_path):
+    """advantages = normalize_scores(scores) + w * group_reward_advantages(rewards) on every valid token, the
+    rewards being the graded answers (1 right, 0 wrong); rows without a reference answer get no reward term and
+    are counted."""
+    args = default_world(str(tmp_path), prompts_per_step=8, micro_batch_size=32, reward_weight=0.5)
+    without_answer = {0, 1, 2, 3}  # the first prompt's G = 4 samples
+
+    def some_missing(answers):
+        return [None if i in without_answer else a for i, a in enumerate(answers)]
+
+    accelerator, batch = step_on(args, answers=some_missing)
+    mask = batch.response_mask
+    assert torch.isnan(batch.rewards[:4]).all() and set(batch.rewards[4:].tolist()) <= {0.0, 1.0}
+    assert 0 < batch.rewards[4:].sum() < 28  # the tiny student answers some right and some wrong
+    distillation = g.normalize_scores(batch.scores, mask, "global")
+    reward_advantages = g.group_reward_advantages(batch.rewards, batch.group_ids)
+    torch.testing.assert_close(batch.advantages, distillation + 0.5 * reward_advantages[:, None] * mask)
+    assert torch.all(reward_advantages[:4] == 0)
+    no_update = {"loss": 0.0, "tokens": 1.0, "clip_frac": 0.0, "ratio_mean": 1.0, "mismatch_tokens": 1.0,
+                 "logp_mismatch": 0.0, "grad_norm": 0.0, "grad_norm_max": 0.0, "lr": 0.0, "update_norm": 0.0,
+                 "time_update": 0.0}
+    metrics = g.step_metrics(accelerator, batch, no_update, args.score_clip, 1.0)
+    assert metrics["reward_no_answer"] == 4
+    assert metrics["reward_mean"] == pytest.approx(batch.rewards[4:].mean().item())
+    groups = batch.group_ids.unique()
+    moving = sum(bool((reward_advantages[batch.group_ids == gid] != 0).any()) for gid in groups)
+    assert metrics["reward_groups_nonzero"] == pytest.approx(moving / len(groups))
+
+
+def test_reward_weight_runs_three_steps_and_zero_adds_nothing(tmp_path):
+    with_reward = str(tmp_path / "reward")
+    summary = g.main(default_world(with_reward, reward_weight=0.5))
+    metrics = read_metrics(with_reward)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and summary["skipped_steps"] == 0
+    for m in metrics:
+        assert 0.0 <= m["reward_mean"] <= 1.0 and 0.0 <= m["reward_groups_nonzero"] <= 1.0
+        assert m["reward_no_answer"] == 0
+    # without it the metrics have no reward key and the advantages are GNDPO's alone (mean 0, std ~1)
+    plain = str(tmp_path / "plain")
+    g.main(default_world(plain, max_steps=1))
+    (m,) = read_metrics(plain)
+    assert not [k for k in m if k.startswith("reward")]
+    assert abs(m["adv_mean"]) < 1e-5 and m["adv_std"] == pytest.approx(1.0, abs=1e-2)
+
+
+def test_power_score_runs_three_steps_with_every_score_in_minus_one_one(tmp_path):
+    """--score_type power with --advantage_mode none: the advantages are the scores themselves, so their extremes
+    over each step's tokens bound every score."""
+    out = str(tmp_path / "power")
+    g.main(default_world(out, score_type="power", advantage_mode="none"))
+    metrics = read_metrics(out)
+    assert len(metrics) == 3
+    for m in metrics:
+        assert -1.0 <= m["adv_min"] <= m["adv_max"] <= 1.0
+        assert m["adv_mean"] == pytest.approx(m["score_mean"], abs=1e-6) and m["grad_norm"] > 0
+
+
+def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_models, tmp_path):
+    """A teacher that is the student itself, but for a slightly moved adapter (self-distillation a step or two
+    in): the scores are small noise around 0. GNDPO scales that noise up to unit spread; with --score_std_floor
+    above the noise, the step only centers it, so the advantages keep the scores' own small spread, and the step
+    says it was floored."""
+    args = g.Args(student_model=os.path.join(untrained_models, "student"),
+                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4, num_generations=2,
+                  micro_batch_size=8, max_new_tokens=6, max_train_samples=16, num_eval_samples=0,
+                  output_dir=str(tmp_path))
+    results = {}
+    for floor in (0.0, 0.1):
+        holder = {}
+
+        def base_of_the_student(teacher, rollout, ignore_ids):  # the student without its adapter scores
+            policy = holder["models"].policy
+            with g.evaluating(policy), policy.disable_adapter():
+                return g.response_logps(policy, rollout, ignore_ids)
+
+        run_args = dataclasses.replace(args, score_std_floor=floor)
+        accelerator, _ = g.make_accelerator(run_args)
+        set_seed(0)
+        processor, student, teacher = g.load_models(run_args, accelerator, log=lambda msg: None)
+        moved = torch.Generator().manual_seed(1)
+        for name, p in sorted(student.named_parameters()):
+            if "lora_B" in name:  # B starts at 0: a small step away from the base
+                p.data = torch.randn(p.shape, generator=moved) * 2e-3
+        train_ds, keep, _, _ = g.load_data(run_args, processor, True, log=lambda msg: None)
+        holder["models"] = g.make_models(run_args, accelerator, processor, student, teacher, lambda m: None,
+                                         base_of_the_student)
+        batch = g.generate_and_score(holder["models"], g.step_prompts(train_ds, keep, run_args, 0), run_args)
+        valid = batch.response_mask.bool()
+        results[floor] = (g.score_std(batch.scores, batch.response_mask),
+                          batch.advantages[valid].double().std().item(), batch.std_floored)
+    noise, spread, flag = results[0.0]
+    assert 1e-4 < noise < 0.05  # the scores are small noise
+    assert spread == pytest.approx(1.0, abs=1e-2) and flag is None  # GNDPO: the noise at unit spread
+    noise, spread, flag = results[0.1]
+    assert flag is True and spread == pytest.approx(noise, rel=1e-5)  # centered only: the noise's own scale
+
+
+def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
+    """--optimizer sgd (no weight decay, no clip): the update's size is the learning rate times the gradient's
+    norm, which update_norm measures on the parameters themselves."""
+    args = g.Args(student_model=os.path.join(untrained_models, "student"),
+                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4, num_generations=2,
+                  micro_batch_size=8, max_new_tokens=6, max_train_samples=16, num_eval_samples=0,
+                  optimizer="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=1e9, output_dir=str(tmp_path))
+    accelerator, accum = g.make_accelerator(args)
+    set_seed(0)
+    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
+    student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
+    assert isinstance(optimizer.optimizer, torch.optim.SGD)
+    models = g.make_models(args, accelerator, processor, student, teacher, lambda msg: None)
+    student.train()
+    batch = g.generate_and_score(models, g.step_prompts(train_ds, keep, args, 0), args)
+    update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda msg: None)
+    assert update["grad_norm"] > 0
+    assert update["update_norm"] == pytest.approx(0.5 * update["grad_norm"], rel=1e-4)
+
+
+def test_reward_weight_without_answers_stops_at_start_up(untrained_models, tmp_path):
+    path = str(tmp_path / "no_answers.parquet")
+    tiny_world.make_dataset(8, seed=1).remove_columns(["answer"]).to_parquet(path)
+    args = g.Args(student_model=os.path.join(untrained_models, "student"), dataset_name=path, prompts_per_step=4,
+                  reward_weight=0.5, num_eval_samples=0)
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(args.student_model)
+    with pytest.raises(ValueError, match="--reward_weight 0.5 grades answers, but the training rows have none"):
+        g.load_data(args, processor, True, log=lambda msg: None)
