@@ -711,6 +711,7 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
     summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
                    advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
+                   eval_rows=len(eval_rows),
                    skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"],
                    **{k: v for k, v in counters.items() if k == "std_floored_steps"},
                    share_prompt_prefix=models.sharing.summary())
@@ -1366,13 +1367,13 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
     return columns
 
 
-def normalize_rows(batch: dict, columns: dict, args: Args, roots: list[str]) -> dict:
-    """Raw rows (a batch, as `with_transform` gives) in one form, under args' column names: the prompt (text or
+def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
+    """Raw rows (a dict of columns, as `with_transform` gives) in one form, under args' column names: the prompt (text or
     split_chat's messages), the images (a list, relative paths resolved) and the answer (None when absent)."""
-    prompts = batch[columns["question_column"]]
-    answers = batch[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
+    prompts = examples[columns["question_column"]]
+    answers = examples[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
     out = {args.question_column: [], args.image_column: [], args.answer_column: []}
-    for cell, images, answer in zip(prompts, batch[columns["image_column"]], answers):
+    for cell, images, answer in zip(prompts, examples[columns["image_column"]], answers):
         prompt, chat_answer = split_chat(cell)
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         out[args.question_column].append(prompt)
@@ -1404,7 +1405,7 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
     elif isinstance(getattr(feature, "feature", None), datasets.Image):
         ds = ds.cast_column(columns["image_column"], datasets.List(datasets.Image(decode=False)))
     roots, where = image_roots(args, split, flag_prefix)
-    raw, ds = ds, ds.with_transform(lambda batch: normalize_rows(batch, columns, args, roots))
+    raw, ds = ds, ds.with_transform(lambda examples: normalize_rows(examples, columns, args, roots))
     chat = isinstance(ds[0][args.question_column], list)
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
         answers = (f"answers from {columns['answer_column']!r}" if columns["answer_column"] else

@@ -45,6 +45,7 @@ def run(families: list[str] | None = None, steps: int = 3, json_path: str | None
                 metrics = [json.loads(line) for line in f]
             seconds = [m["time_generate"] + m["time_score"] + m["time_update"] for m in metrics]
             out[family] = {"pair": tiny_families.FAMILIES[family].pair, "step_seconds": median(seconds),
+                           "steps_seconds": seconds,
                            "logp_mismatch": max(m["logp_mismatch"] for m in metrics),
                            "response_length": median([m["response_length"] for m in metrics])}
     rows = [[f, r["pair"], r["step_seconds"], f"{r['logp_mismatch']:.1e}"] for f, r in out.items()]

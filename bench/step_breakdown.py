@@ -178,6 +178,8 @@ def summarize(measured: list[dict]) -> dict:
     n = len(measured)
     return {"parts": {p: sum(m["parts"][p] for m in measured) / n for p in PARTS},
             "step": sum(m["total"] for m in measured) / n,
+            # every measured step's own numbers: the raw values the means come from
+            "per_step": [{"step": m["total"], **m["parts"]} for m in measured],
             "tokens_per_step": sum(m["tokens"] for m in measured) / n,
             "responses_per_step": sum(m["responses"] for m in measured) / n,
             "skipped_updates": sum(m["skipped_updates"] for m in measured), "steps": n}

@@ -101,8 +101,8 @@ def run(quick: bool = False, batch: int | None = None, tokens: int | None = None
                 if grad:
                     grads[side] = logits.grad
         del logits
-        r = {side: {"seconds": median(seconds[side]), "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])}
-             for side in SIDES}
+        r = {side: {"seconds": median(seconds[side]), "runs_seconds": seconds[side],
+                    "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])} for side in SIDES}
         r["shape"] = shapes[mode]
         r["logits_bytes"] = shapes[mode][0] * shapes[mode][1] * shapes[mode][2] * 2  # bf16
         r["memory_ratio"] = r["naive"]["extra_bytes"] / max(r["token_logps"]["extra_bytes"], 1)

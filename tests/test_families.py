@@ -140,7 +140,8 @@ def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
     checkpointing, on responses of 24 tokens (longer than the Gemma 3 stand-in's sliding window of 8): the
     family's positions (M-RoPE), left padding, token types, sliding windows and hybrid-attention caches all go
     through it. The Qwen3.5 student's check refuses, with its reason: its linear-attention layers update the
-    cache's state in place, so the gradient through the shared prompt is wrong while the values are right."""
+    cache's state in place, so its backward fails, or, under gradient checkpointing, runs and gives a wrong
+    gradient while the values are right: only the gradient comparison sees that."""
     family = next(f for f, path in BUILT.items() if path == models)
     args, _, student, rollout, ignore_ids = family_rollout(models, family_data, min_tokens=24)
     assert rollout.response_mask.sum(1).min() >= 24
@@ -158,8 +159,9 @@ def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
         logs = []
         sharing = g.PrefixSharing(log=logs.append)
         ok = sharing.check("student", student, rollout, ignore_ids, 0.7)
-        if family == "qwen3_5":  # its values agree: only the gradient comparison sees what is wrong
-            assert not ok and "values equal" in logs[0] and "gradients differ" in logs[0], logs
+        if family == "qwen3_5":  # its backward fails, or, checkpointed, runs and gives a wrong gradient
+            assert not ok and ("values equal" in logs[0] and "gradients differ" in logs[0] if checkpointing
+                               else "error: RuntimeError" in logs[0]), logs
             continue
         assert ok, logs
         assert sharing.difference["student"]["values"] < 1e-4 and sharing.difference["student"]["gradient"] < 1e-4

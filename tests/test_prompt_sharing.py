@@ -259,7 +259,7 @@ def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
     """The first step samples on the shared prompts, and the log-probs it recorded are compared with the plain
     forward over the same tokens. A policy whose forward on a cache is off fails that check: the step is sampled
     again with generate(), with one log line, and every later step uses generate() too."""
-    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)])
+    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)], [None] * 12)
     student = pair["student"]
 
     def off_on_a_cache(module, args, kwargs, output):
@@ -293,7 +293,7 @@ def test_rollouts_share_under_gradient_checkpointing_and_their_check_passes(pair
     student.train()
     logs = []
     sharing = g.PrefixSharing.for_run(args, Accelerator(cpu=True), logs.append)
-    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)])
+    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)], [None] * 12)
     torch.manual_seed(0)
     rollouts = g.sample_rollouts(sampling_models(pair, sharing, student), prompts, args)
     assert sharing.decided == {"rollout": True, "teacher": True, "student": True}, logs
