@@ -139,7 +139,10 @@ def rounds_of(name: str, result: dict) -> object:
 
 
 def reproduce(name: str) -> dict:
-    commit, clean = git("rev-parse", "HEAD"), git("status", "--porcelain") == ""
+    # clean: no change to the code; the result files and the pages this script writes do not count
+    commit = git("rev-parse", "HEAD")
+    clean = git("status", "--porcelain", "--", ".", ":!docs/bench_results", ":!README.md",
+                ":!docs/benchmarks.md") == ""
     before = machine()
     with tempfile.TemporaryDirectory(prefix=f"reproduce-{name}-") as tmp:
         command, seconds, result = RESULTS[name](tmp)
