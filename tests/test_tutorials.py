@@ -80,7 +80,8 @@ def test_notebook_imports_the_math_instead_of_redefining_it(path):
     nb = read(path)
     defined = set()
     for cell in code_cells(nb):
-        tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        code = [line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))]  # no magics
+        tree = ast.parse("\n".join(code))
         defined |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not defined & script_functions(), f"redefines {sorted(defined & script_functions())} of gndpo_minimal.py"
     assert "from gndpo_minimal import" in "".join(c.source for c in code_cells(nb))

@@ -147,30 +147,30 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 # `generate_and_score(models, prompts, args)`. Its two inputs are small dataclasses: `Models`, which `make_models`
 # builds once per run (the student, its unwrapped `policy` that samples, the teacher, the processor, the sampling
 # config, the ids never sampled), and `StepPrompts`, which `step_prompts` makes every step (the prompts, each
-# repeated G times, which prompt each row answers, and the step's seed). It seeds the sampling, runs `rollout`,
-# cuts the rollouts into micro-batches of `micro_batch_size` rows, has the teacher score every micro-batch,
-# drops tokens whose log-probs are not finite (a broken teacher), clamps the scores, and turns them into
-# advantages (the next notebook). It returns a `ScoredBatch`: the micro-batches' `Rollout`s and (n, R) tensors
-# over all rows. Given the same prompts and seed, it returns the very numbers computed above, although it
+# repeated G times, which prompt each row answers, their reference answers, and the step's seed). It seeds the
+# sampling, runs `rollout`, cuts the rollouts into micro-batches of `micro_batch_size` rows, has the teacher score
+# every micro-batch, drops tokens whose log-probs are not finite (a broken teacher), clamps the scores, and turns
+# them into advantages (the next notebook). It returns a `ScoredBatch`: the micro-batches' `Rollout`s and (n, R)
+# tensors over all rows. Given the same prompts and seed, it returns the very numbers computed above, although it
 # computes them another way:
 #
-# with `--share_prompt_prefix` (the default) the step's forwards can read each distinct prompt once for its G
-# samples (`SharedPrefix`, notebook 2). `make_models` sets up the checks that decide it
-# (`models.sharing`, a `PrefixSharing`): on the first step, before anything is scored, `generate_and_score` samples
-# on the shared prompts and compares, on the first two prompts' rows, each role's read-once path with the plain
-# one: the log-probs recorded while sampling (`rollout`), the teacher's forward (`teacher`) and the student's
-# forward and gradient (`student`). A role whose check fails falls back to the plain path for the whole run. The
-# checks print their verdicts below.
+# with `--share_prompt_prefix` (the default) the step's forwards can read each distinct prompt once for its G samples
+# (`SharedPrefix`, notebook 2). `make_models` sets up the checks that decide it (`models.sharing`, a
+# `PrefixSharing`): on the first step, before anything is scored, `generate_and_score` samples on the shared prompts
+# and compares, on the first two prompts' rows, each role's read-once path with the plain one: the log-probs recorded
+# while sampling (`rollout`), the teacher's forward (`teacher`) and the student's forward and gradient (`student`). A
+# role whose check fails falls back to the plain path for the whole run. The checks print their verdicts below.
 
 # %%
 accelerator, _ = make_accelerator(args)  # as main(): one process, on the CPU here
 models = make_models(args, accelerator, processor, student, teacher)
 group_ids = [i for i in range(len(rows)) for _ in range(G)]  # which prompt each response answers
-step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids)
+step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids,
+                      answers=references)
 step_batch = generate_and_score(models, step_in, args)
 print(f"{len(step_batch.rollouts)} micro-batch(es) of {[len(r.response_ids) for r in step_batch.rollouts]} rows; "
       "(n, R) tensors:", [f.name for f in dataclasses.fields(step_batch)
-                          if torch.is_tensor(getattr(step_batch, f.name))])
+                          if torch.is_tensor(getattr(step_batch, f.name)) and getattr(step_batch, f.name).dim() == 2])
 print("forwards that read each prompt once:", models.sharing.decided)
 for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("teacher_logps", teacher_logps),
                    ("scores", scores)):
