@@ -250,6 +250,105 @@ print(f"{scheduler.last_epoch} AdamW steps at lr {scheduler.get_last_lr()[0]:g}:
 assert not moved, moved
 
 # %% [markdown]
+# ## Self-distillation: when the scores are noise
+#
+# In self-distillation the student is its own teacher (or a teacher it has caught up with): `teacher_lp -
+# student_lp` carries no signal, the scores are noise around 0. Global whitening divides by the batch's spread
+# whatever it is, so it scales that noise up to unit spread, and the step's gradient is as large as on a real
+# distillation batch (or larger), driven by noise. `--score_std_floor f` (`Args(score_std_floor=f)`) guards
+# against that: when the batch's score std (`score_std(scores, mask)`, what global whitening divides by) is below
+# f, `generate_and_score` only centers the scores (the `center` mode, no scaling) and sets
+# `ScoredBatch.std_floored` (True; False above the floor; None when no floor is set).
+#
+# To see both behaviours, the student becomes its own teacher, a step or two into self-distillation: its LoRA
+# adapter is moved a small random step away from the base (every `lora_B`, which starts at 0, set to
+# `randn * 3e-2`), and `make_models(..., teacher_logps=...)` scores each rollout with the student's own base
+# (adapter off) instead of the teacher. The same `prompts` are then scored twice, without and with a floor of 0.1.
+
+# %%
+from gndpo_minimal import evaluating, response_logps, score_std
+
+step_away = torch.Generator().manual_seed(1)
+for name, p in sorted(student.named_parameters()):
+    # B starts at 0 (the adapter adds nothing): a small step away from the base. Much smaller steps give scores so
+    # small (std ~1e-4) that whitening's 1e-8 in the denominator starts to cap the gain.
+    if "lora_B" in name:
+        p.data = torch.randn(p.shape, generator=step_away) * 3e-2
+
+
+def base_of_the_student(teacher, rollout, ignore_ids):
+    """The self-distillation 'teacher': the student's own base model (its adapter disabled), in eval mode."""
+    with evaluating(models.policy), models.policy.disable_adapter():
+        return response_logps(models.policy, rollout, ignore_ids)
+
+
+models = make_models(args, accelerator, processor, student, teacher, log=lambda m: None,
+                     teacher_logps=base_of_the_student)
+floors = (0.0, 0.1)
+self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args, score_std_floor=f)) for f in floors}
+
+# %% [markdown]
+# The two batches sampled the same responses (same prompts, same step seed), so their scores are identical; only
+# the advantages differ. Each also goes through one `update_student` at learning rate 0, as above, for the
+# pre-clip gradient norm, next to GNDPO's on the teacher's batch measured again at these (moved) weights:
+
+# %%
+self_norms = {f: update_student(models, optimizer, scheduler, accelerator, b, measure)["grad_norm"]
+              for f, b in self_batches.items()}
+distill_norm = update_student(models, optimizer, scheduler, accelerator, batch, measure)["grad_norm"]  # same weights
+
+
+def stats_of(b, adv, norm):
+    """The score and advantage statistics of a batch over its valid tokens, and its update's gradient norm."""
+    v = b.response_mask.bool()
+    return {"score std": score_std(b.scores, b.response_mask), "score mean": b.scores[v].mean().item(),
+            "advantage mean": adv[v].double().mean().item(), "advantage std": adv[v].double().std().item(),
+            "std_floored": repr(b.std_floored), "grad_norm": norm}
+
+
+summary = pd.DataFrame({
+    "distillation (the teacher batch above), GNDPO": stats_of(batch, batch.advantages, distill_norm),
+    **{f"self-distillation, score_std_floor={f:g}": stats_of(b, b.advantages, self_norms[f])
+       for f, b in self_batches.items()},
+})
+summary.T.map(lambda x: f"{x:.3g}" if isinstance(x, float) else x)
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+adv_of = {f: b.advantages[b.response_mask.bool()].numpy() for f, b in self_batches.items()}
+bins = np.linspace(min(a.min() for a in adv_of.values()), max(a.max() for a in adv_of.values()) + 1e-6, 41)
+for (f, a), color in zip(adv_of.items(), ("#c44e52", "#4c72b0")):
+    axes[0].hist(a, bins=bins, color=color, alpha=0.7,
+                 label=f"score_std_floor={f:g}: std {a.std(ddof=1):.3g}" + (" (floored)" if f else ""))
+axes[0].set_yscale("log")
+axes[0].set_xlabel("advantage")
+axes[0].set_ylabel("tokens (log scale)")
+axes[0].set_title("Self-distillation advantages, same scores")
+axes[0].legend(fontsize=8)
+bars = {"distillation,\nGNDPO": distill_norm, "self-distillation,\nGNDPO": self_norms[0.0],
+        "self-distillation,\nfloor 0.1": self_norms[0.1]}
+axes[1].bar(list(bars), list(bars.values()), color=["#8c8c8c", "#c44e52", "#4c72b0"])
+for i, norm in enumerate(bars.values()):
+    axes[1].annotate(f"{norm:.3g}", (i, norm), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+axes[1].set_yscale("log")
+axes[1].set_ylabel("pre-clip gradient norm (log scale)")
+axes[1].set_title("One update's gradient")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Without a floor, GNDPO turns self-distillation noise (a score std of a few thousandths) into advantages of unit
+# spread, and the gradient is as large as on the real distillation batch at the same weights, here even larger:
+# the student would take full-size steps in random directions. With the floor, the step only centers: the
+# advantages keep the noise's own small spread (their std is the score std), `std_floored` says so (`main()` logs
+# it as `score_std_floored`), and the gradient shrinks by the same factor, about 1 / score std. NeMo-RL's guide
+# warns that in self-distillation the advantages should have a near-zero mean and a small spread; the floor keeps
+# GNDPO from blowing that noise up. To use it, set f between the noise and a real teacher-student gap: here the
+# teacher batch's score std is over 300 times the noise's, so f = 0.1 leaves a real distillation step untouched.
+# (Under the default AdamW, which divides most of a gradient's scale out per parameter, the floor keeps the
+# advantages' and the gradient's scale; with `--optimizer sgd` that scale reaches the weights.)
+
+# %% [markdown]
 # **What just happened and why it matters.** On one batch, built by `step_prompts` and `generate_and_score` and
 # updated by `update_student` as in `main()`, OPD's gradient is as large as the raw scores make it: it grows and
 # shrinks with the teacher-student gap, and the few clamped tokens (under a tenth of the batch) hold most of its
