@@ -8,7 +8,8 @@ default world trains --steps steps from the same seed, and the table gives the a
 gradient norm, the update size and the reverse KL to the starting student (the drift the noise causes) at the
 first and last steps.
 
-    python studies/self_distillation.py                  # none, center, global, global with --score_std_floor
+    python studies/self_distillation.py                  # none, center, global, global with --score_std_floor;
+                                                         # AdamW, then none / global / floored with plain SGD
     python studies/self_distillation.py --noise 0.05 --steps 20
 
 Writes docs/studies/self_distillation.md (the table, the commit and the command) and prints it.
@@ -30,9 +31,12 @@ import torch  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
 
-SETTINGS = {"OPD (none)": dict(advantage_mode="none"), "center": dict(advantage_mode="center"),
-            "GNDPO (global)": dict(advantage_mode="global"),
-            "GNDPO, --score_std_floor 0.1": dict(advantage_mode="global", score_std_floor=0.1)}
+ADAMW = {"OPD (none)": dict(advantage_mode="none"), "center": dict(advantage_mode="center"),
+         "GNDPO (global)": dict(advantage_mode="global"),
+         "GNDPO, --score_std_floor 0.1": dict(advantage_mode="global", score_std_floor=0.1)}
+# plain SGD at the trace world's tuned rate, no clip: the advantages' scale reaches the weights unchanged
+SGD = dict(optimizer="sgd", learning_rate=1.0, max_grad_norm=1e9)
+SETTINGS = {**ADAMW, **{f"{name}, SGD": {**changes, **SGD} for name, changes in ADAMW.items() if name != "center"}}
 
 
 def noisy_teacher(noise: float, seed: int):
