@@ -243,13 +243,13 @@ def render_read_once() -> str:
         rows.append([label, f"`{r['command']}`",
                      f"{spread(round_ratios(res, 'ours', 'ours_plain'))} time, "
                      f"{spread(round_ratios(res, 'ours', 'ours_plain', 'peak_rss'))} peak RSS", trl,
-                     ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in (res.get("ours", {}).get(
-                         "share_prompt_prefix") or {}).items())])
+                     ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in
+                               res["runs"]["ours"][-1]["share_prompt_prefix"].items())])
     rows[0][4] = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in sb["result"]["share_prompt_prefix"].items())
     rows[1][4] = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in sb_gc["result"]["share_prompt_prefix"].items())
     return "\n".join([
         table(["workload", "command", "ours / every sample reading its prompt (flag off)", "ours / TRL",
-               "read once (rollout, teacher, student)"], rows),
+               "reads each prompt once"], rows),
         "",
         "Default step ratios are per step (6 measured steps, the sides alternating each step); paper-shape ratios are "
         "per round (each side in a fresh process, alternating), medians with the range over the values.",
