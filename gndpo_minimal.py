@@ -1368,8 +1368,8 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
 
 
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
-    """Raw rows (a dict of columns, as `with_transform` gives) in one form, under args' column names: the prompt (text or
-    split_chat's messages), the images (a list, relative paths resolved) and the answer (None when absent)."""
+    """Raw rows (a dict of columns, as `with_transform` gives) in one form, under args' column names: the prompt (text
+    or split_chat's messages), the images (a list, relative paths resolved) and the answer (None when absent)."""
     prompts = examples[columns["question_column"]]
     answers = examples[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
     out = {args.question_column: [], args.image_column: [], args.answer_column: []}
