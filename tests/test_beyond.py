@@ -44,11 +44,13 @@ def step_on(args: g.Args, answers=None) -> tuple:
     return accelerator, g.generate_and_score(models, prompts, args)
 
 
-def test_the_task_reward_is_added_after_the_distillation_advantages_are_normalized(tmp_path):
+@pytest.mark.parametrize("mode", ["global", "group"])
+def test_the_task_reward_is_added_after_the_distillation_advantages_are_normalized(tmp_path, mode):
     """advantages = normalize_scores(scores) + w * group_reward_advantages(rewards) on every valid token, the
     rewards being the graded answers (1 right, 0 wrong); rows without a reference answer get no reward term and
     are counted."""
-    args = default_world(str(tmp_path), prompts_per_step=8, micro_batch_size=32, reward_weight=0.5)
+    args = default_world(str(tmp_path), prompts_per_step=8, micro_batch_size=32, reward_weight=0.5,
+                         advantage_mode=mode)
     without_answer = {0, 1, 2, 3}  # the first prompt's G = 4 samples
 
     def some_missing(answers):
@@ -58,7 +60,7 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
     mask = batch.response_mask
     assert torch.isnan(batch.rewards[:4]).all() and set(batch.rewards[4:].tolist()) <= {0.0, 1.0}
     assert 0 < batch.rewards[4:].sum() < 28  # the tiny student answers some right and some wrong
-    distillation = g.normalize_scores(batch.scores, mask, "global")
+    distillation = g.normalize_scores(batch.scores, mask, mode, group_ids=batch.group_ids)
     reward_advantages = g.group_reward_advantages(batch.rewards, batch.group_ids)
     torch.testing.assert_close(batch.advantages, distillation + 0.5 * reward_advantages[:, None] * mask)
     assert torch.all(reward_advantages[:4] == 0)
@@ -172,3 +174,23 @@ def test_reward_weight_without_answers_stops_at_start_up(untrained_models, tmp_p
     processor = AutoProcessor.from_pretrained(args.student_model)
     with pytest.raises(ValueError, match="--reward_weight 0.5 grades answers, but the training rows have none"):
         g.load_data(args, processor, True, log=lambda msg: None)
+
+
+def test_reward_with_k_two_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path):
+    """--reward_weight with K = 2 mini-batches per step, under an advantage mode other than global: a run stopped
+    after step 2 and resumed from its checkpoint logs step 3 exactly as the uninterrupted run does (rewards come
+    from the step's own rollouts, so nothing about them has to survive in the checkpoint)."""
+    flags = dict(reward_weight=0.5, steps_per_generation=2, advantage_mode="none", save_steps=1, prompts_per_step=8,
+                 micro_batch_size=8)
+    full, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
+    g.main(default_world(full, **flags))
+    g.main(default_world(stopped, max_steps=2, **flags))
+    g.main(default_world(stopped, resume_from_checkpoint="latest", **flags))
+    a, b = read_metrics(full), read_metrics(stopped)
+    assert [m["step"] for m in a] == [1, 2, 3] and [m["step"] for m in b] == [1, 2, 3]
+    timings = {"time_generate", "time_score", "time_update", "tokens_per_second"}
+    for key in a[2].keys() - timings:
+        assert a[2][key] == b[2][key], (key, a[2][key], b[2][key])
+    assert all(0 < m["reward_groups_nonzero"] for m in a)  # the reward term moved some groups' advantages
+    # OPD's advantages are the scores plus the reward term, so their spread differs from the scores'
+    assert all(abs(m["adv_std"] - m["score_std"]) > 1e-3 for m in a)
