@@ -1959,10 +1959,10 @@ def reward_sums(batch: ScoredBatch) -> dict:
     (groups) and those whose reward advantages are not all 0 (rewards that differ within the group: something to
     learn from), the responses without a reference answer. A prompt's G samples are on one process."""
     has = torch.isfinite(batch.rewards)
-    _, inv = torch.unique(batch.group_ids.cpu(), return_inverse=True)  # (n,) in 0..groups-1
-    moving = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, (batch.reward_advantages.cpu() != 0).float()) > 0
-    return {"reward_sum": float(batch.rewards[has].sum()), "rewarded": float(has.sum()), "groups": float(len(moving)),
-            "groups_moving": float(moving.sum()), "no_answer": float((~has).sum())}
+    moving = batch.group_ids[batch.reward_advantages.to(batch.group_ids.device) != 0].unique()
+    return {"reward_sum": float(batch.rewards[has].sum()), "rewarded": float(has.sum()),
+            "groups": float(batch.group_ids.unique().numel()), "groups_moving": float(moving.numel()),
+            "no_answer": float((~has).sum())}
 
 
 def format_metrics(metrics: dict) -> str:

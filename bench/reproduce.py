@@ -2,7 +2,7 @@
 JSON per result under docs/bench_results/, and rewrites the tables between <!-- reproduce:NAME --> and
 <!-- /reproduce:NAME --> markers in README.md and docs/benchmarks.md from those JSONs, so no figure is typed by hand.
 
-    python bench/reproduce.py                      # everything (about an hour on 2 cores)
+    python bench/reproduce.py                      # everything (docs/benchmarks.md times each part)
     python bench/reproduce.py --only default_run   # one result (names: --list)
     python bench/reproduce.py --render             # only rewrite the tables from the JSONs already there
 
@@ -196,6 +196,11 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
+def yes_no(read_once: dict) -> str:
+    """summary.json's share_prompt_prefix (role -> read each prompt once) as "teacher yes, student yes, ..."."""
+    return ", ".join(f"{role} {'yes' if done else 'no'}" for role, done in read_once.items())
+
+
 def last10(metrics: list[dict], key: str) -> float:
     return statistics.mean(m[key] for m in metrics[-10:])
 
@@ -215,8 +220,7 @@ def render_default_run() -> str:
         f"on sampled tokens from {metrics[0]['reverse_kl']:.3f} at the first step to "
         f"{last10(metrics, 'reverse_kl'):.3f} (mean of the last 10 steps) nats per token, in {s['steps']} steps; "
         f"`main()` took {s['wall_seconds']:.0f} s from start to end, evaluations included, the whole command "
-        f"{r['seconds']:.0f} s. Each prompt read once: "
-        + ", ".join(f"{role} {'yes' if done else 'no'}" for role, done in s["share_prompt_prefix"].items()) + ".",
+        f"{r['seconds']:.0f} s. Each prompt read once: {yes_no(s['share_prompt_prefix'])}.",
         "",
         provenance(r),
     ])
@@ -239,7 +243,8 @@ def render_read_once() -> str:
     rows = []
     for label, r in (("default step, gradient checkpointing off", sb), ("default step, gradient checkpointing on",
                                                                         sb_gc)):
-        rows.append([label, f"`{r['command']}`", spread(step_ratios(r["result"])), "", ""])
+        rows.append([label, f"`{r['command']}`", spread(step_ratios(r["result"])), "",
+                     yes_no(r["result"]["share_prompt_prefix"])])
     for label, r in (("paper shape, gradient checkpointing off", ps), ("paper shape, gradient checkpointing on",
                                                                       ps_gc)):
         res = r["result"]
@@ -248,10 +253,7 @@ def render_read_once() -> str:
         rows.append([label, f"`{r['command']}`",
                      f"{spread(round_ratios(res, 'ours', 'ours_plain'))} time, "
                      f"{spread(round_ratios(res, 'ours', 'ours_plain', 'peak_rss'))} peak RSS", trl,
-                     ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in
-                               res["runs"]["ours"][-1]["share_prompt_prefix"].items())])
-    rows[0][4] = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in sb["result"]["share_prompt_prefix"].items())
-    rows[1][4] = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in sb_gc["result"]["share_prompt_prefix"].items())
+                     yes_no(res["runs"]["ours"][-1]["share_prompt_prefix"])])
     return "\n".join([
         table(["workload", "command", "ours / every sample reading its prompt (flag off)", "ours / TRL",
                "reads each prompt once"], rows),
@@ -355,8 +357,7 @@ def render_equivalence() -> str:
         "GNDPO's on-policy loss is the sequence mean of whitened advantages, 0 up to rounding: its relative "
         "difference can be large where its absolute one is at float32 rounding. OPD's loss is far from 0, so its "
         "rows show the loss's relative difference.", "",
-        "With gradient checkpointing on, the run read each prompt once in: "
-        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in shared.items()) + ".", "", provenance(r)])
+        f"With gradient checkpointing on, the run read each prompt once in: {yes_no(shared)}.", "", provenance(r)])
 
 
 def render_times() -> str:
