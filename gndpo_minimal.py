@@ -17,11 +17,13 @@ Real models (docs/recipes.md; docs/scaling.md and configs/ for several GPUs and 
     accelerate launch gndpo_minimal.py recipes/geometry3k_qwen2.5vl_3b.yaml
 Any argument can come from the command line or from one YAML/JSON file of them.
 
-The file has two parts. PART I is GNDPO: Args, the math (pure functions that copy out alone), the step's four
-functions (step_prompts -> generate_and_score -> update_student -> step_metrics, which main(), the tutorials,
-bench/ and the tests all call) and main(). PART II is machinery, in the order the step calls it: rollouts with
-generate(), the plain scoring forward, models, data, evaluation, checkpoints, set-up, and last the optional
-speed-ups (lean log-prob kernels, each prompt read once, the sampler), each checked against its plain path.
+The file has two parts. PART I is GNDPO: Args (the paper's flags first), the math (pure functions that copy out
+alone; what goes beyond the paper is marked), the step (step_prompts -> generate_and_score, which is
+sample_rollouts then score_rollouts -> update_student) and main(). score_rollouts takes rollouts from any source,
+so GNDPO lifts into another trainer (docs/code.md, "Copying GNDPO"). PART II is machinery, in the order the step
+calls it: rollouts with generate(), the plain scoring forward, models, data, evaluation, checkpoints, set-up and
+metrics, and last the optional speed-ups (lean log-prob kernels, each prompt read once, the sampler), each beside
+its plain path, selectable by a flag and checked against it.
 
 Simplifications, on purpose: by default one optimizer update per rollout batch (the importance ratio is 1 at
 the update, so no "old policy" forward pass is needed; --steps_per_generation / --num_iterations make the update
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import math
@@ -41,6 +44,8 @@ import re
 import shutil
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -62,14 +67,42 @@ def arg(default, help: str):
 
 @dataclass
 class Args:
-    # models
+    # --- GNDPO, as in the paper (arXiv 2606.09091) ---
+    advantage_mode: str = arg("global", "global (GNDPO: whitened over every valid token of the global batch) | none "
+                              "(plain OPD). Ablations beyond the paper: sequence, group, center, scale.")
+    score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
+    prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
+    num_generations: int = arg(4, "G: sampled responses per prompt.")
+    temperature: float = arg(1.0, "Sampling temperature (the student's log-probs use the same).")
+    loss_type: str = arg("gspo", "gspo (sequence-level ratio) | ppo (token-level ratio). They differ only off-policy "
+                         "(--steps_per_generation or --num_iterations > 1).")
+    clip_low: float = arg(0.2, "Lower ratio clip (1 - clip_low). Acts only off-policy.")
+    clip_high: float = arg(0.2, "Upper ratio clip (1 + clip_high). Acts only off-policy.")
+    learning_rate: float = arg(1e-3, "Learning rate of the optimizer (LoRA wants a larger one than full fine-tuning).")
+    weight_decay: float = arg(0.01, "Weight decay.")
+    max_grad_norm: float = arg(1.0, "Clip the gradient norm to this (the pre-clip norm is logged).")
+    max_steps: int = arg(90, "Optimizer steps.")
+    # --- beyond the paper: each off (or at the paper's choice) by default ---
+    score_type: str = arg("log_ratio", "log_ratio (clamp(teacher_lp - student_lp), GNDPO's) | power (p_T^alpha - "
+                          "p_S^alpha of the sampled token, in [-1, 1]: PowerOPD's bounded score, no clamp).")
+    power_alpha: float = arg(5.0, "alpha of the power score.")
+    score_std_floor: float = arg(0.0, "global mode: when the batch's score std is below this, center only (do not "
+                                 "scale noise up to unit spread, as in self-distillation); 0 = off.")
+    reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward (1 right, 0 wrong; rows without an "
+                               "answer get none) to the normalized distillation advantages; 0 = GNDPO alone.")
+    optimizer: str = arg("adamw", "adamw (the paper's) | sgd (plain SGD, no momentum: for studying how the "
+                         "advantages' scale acts).")
+    steps_per_generation: int = arg(1, "K: the step's rollout batch is cut into K mini-batches, one optimizer update "
+                                    "each. K > 1 costs one no-grad student forward over the K - 1 later ones.")
+    num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
+    # --- models ---
     student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student (policy) checkpoint: Hub id or path.")
     teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"),
                              "Teacher checkpoint: Hub id or path. Must share the student's tokenizer.")
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
     dtype: str = arg("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
     gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
-    # LoRA (on the language model only: the vision tower stays frozen)
+    # --- LoRA (on the language model only: the vision tower stays frozen) ---
     lora_r: int = arg(16, "LoRA rank.")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")
     lora_dropout: float = arg(0.0, "LoRA dropout.")
@@ -77,7 +110,7 @@ class Args:
     # not have are skipped
     lora_target_modules: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,"
                                    "out_proj", "Comma-separated names of the LANGUAGE model's linear layers to adapt.")
-    # data
+    # --- data ---
     dataset_name: str = arg(os.path.join(HERE, "assets/tiny/data"),
                             "Dataset: Hub id, local folder or data file (parquet/json/csv). Default: the tiny task.")
     dataset_config: str | None = arg(None, "Dataset configuration name.")
@@ -106,48 +139,32 @@ class Args:
     num_eval_samples: int = arg(200, "Evaluate on at most this many held-out rows (0 = skip). Without answers "
                                 "evaluation is skipped, unless this or --eval_dataset_name was set: then start-up "
                                 "stops.")
-    # rollout
-    prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
-    num_generations: int = arg(4, "G: sampled responses per prompt.")
+    # --- rollout ---
     max_prompt_length: int = arg(512, "Prompts longer than this (tokens, images included) are skipped and counted.")
     max_new_tokens: int = arg(8, "Maximum response length in tokens.")
-    temperature: float = arg(1.0, "Sampling temperature (the student's log-probs use the same).")
-    # GNDPO
-    advantage_mode: str = arg("global", "none (plain OPD) | global (GNDPO) | sequence | group | center, scale "
-                              "(global whitening's two halves alone, for ablations).")
-    loss_type: str = arg("gspo", "gspo (sequence-level ratio) | ppo (token-level ratio). They differ only off-policy "
-                         "(--steps_per_generation or --num_iterations > 1).")
-    score_type: str = arg("log_ratio", "log_ratio (clamp(teacher_lp - student_lp), GNDPO's) | power (p_T^alpha - "
-                          "p_S^alpha of the sampled token, in [-1, 1]: PowerOPD's bounded score, no clamp).")
-    score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip] (log_ratio).")
-    power_alpha: float = arg(5.0, "alpha of the power score.")
-    score_std_floor: float = arg(0.0, "global mode: when the batch's score std is below this, center only (do not "
-                                 "scale noise up to unit spread, as in self-distillation); 0 = off.")
-    reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward (1 right, 0 wrong; rows without an "
-                               "answer get none) to the normalized distillation advantages; 0 = GNDPO alone.")
-    clip_low: float = arg(0.2, "Lower ratio clip (1 - clip_low). Acts only off-policy.")
-    clip_high: float = arg(0.2, "Upper ratio clip (1 + clip_high). Acts only off-policy.")
-    steps_per_generation: int = arg(1, "K: the step's rollout batch is cut into K mini-batches, one optimizer update "
-                                    "each. K > 1 costs one no-grad student forward over the K - 1 later ones.")
-    num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
-    # optimization
-    optimizer: str = arg("adamw", "adamw | sgd (plain SGD, no momentum: for studying how the advantages' scale acts).")
-    learning_rate: float = arg(1e-3, "Learning rate (LoRA wants a larger one than full fine-tuning).")
-    weight_decay: float = arg(0.01, "Weight decay.")
+    min_new_tokens: int = arg(0, "Hold the end tokens back for the first N response tokens, so that every response "
+                              "has at least N (benchmarks fix the work per step this way; the recorded log-probs are "
+                              "those of the distribution sampled from, without the end tokens there). 0 = off.")
+    # --- optimization and batching ---
     warmup_steps: int = arg(0, "Linear warmup over this many optimizer updates (K * E per step), then constant.")
-    max_grad_norm: float = arg(1.0, "Clip the gradient norm to this (the pre-clip norm is logged).")
-    max_steps: int = arg(90, "Optimizer steps.")
     micro_batch_size: int = arg(32, "Sequences per training and scoring forward pass on each process.")
     generation_batch_size: int = arg(0, "Rows per generate() call, rollouts and evaluation, on each process; 0 = all "
                                      "of this process's rollouts of a step at once.")
-    share_prompt_prefix: bool = arg(True, "Read each prompt and its images once for its G samples, in rollouts, "
-                                    "teacher scoring and the student's update (each checked against the plain "
-                                    "forward at start-up; falls back if unequal).")
     gradient_accumulation_steps: int = arg(0, "Micro-batches per optimizer update; 0 = derived: "
                                            "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation).")
     max_consecutive_skips: int = arg(3, "Stop after this many non-finite steps in a row.")
     seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
-    # output
+    cpu_threads: int = arg(0, "Threads of each process on a CPU; 0 = the machine's cores shared among the processes "
+                           "it runs (accelerate launch would leave each one thread).")
+    # --- speed-ups (PART II), each beside its plain path and checked against it ---
+    share_prompt_prefix: bool = arg(True, "Read each prompt and its images once for its G samples, in rollouts, "
+                                    "teacher scoring and the student's update (each checked against the plain "
+                                    "forward at start-up; falls back if unequal). false: every row reads its prompt.")
+    lean_logps: bool = arg(True, "Log-probs without float32 (n, R, V) logits: the LM head and the log-softmax run "
+                           "chunk by chunk (head_logps, token_logps). false: log_softmax(logits).gather.")
+    fast_sampler: bool = arg(True, "Draw each token by an exact two-level inverse CDF (draw_tokens). false: "
+                             "torch.multinomial.")
+    # --- output ---
     output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the adapter and summary.json go.")
     overwrite_output_dir: bool = arg(False, "Start over in an output_dir that already holds a run.")
     save_steps: int = arg(50, "Checkpoint every N steps (0 = only at the end).")
@@ -162,13 +179,12 @@ class Args:
 # GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
 # ---------------------------------------------------------------------------------------------
 
-import math  # noqa: E402  (repeated so that the section stands alone)
+import math  # noqa: E402, F811  (repeated so that the section stands alone)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch  # noqa: E402, F811
+import torch.distributed as dist  # noqa: E402, F811
 
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale")
-SCORE_TYPES = ("log_ratio", "power")
 LOSS_TYPES = ("gspo", "ppo")
 
 
@@ -184,15 +200,6 @@ def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, res
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
 
 
-def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
-                 alpha: float = 5.0) -> torch.Tensor:
-    """PowerOPD's bounded per-token score s = p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), from
-    the two log-probs: exp(alpha * teacher_lp) - exp(alpha * student_lp). All (B, T); returns (B, T) float32 in
-    [-1, 1], 0 where the mask is 0. Bounded before anything else sees it, so it needs no clamp; tokens both
-    models find unlikely score about 0 whatever their log-ratio."""
-    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
-    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
-
 
 def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
     """(3,) float64 (count, sum, sum of squares) of the valid scores over the global batch: one all-reduce when
@@ -203,28 +210,6 @@ def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> 
         dist.all_reduce(stats)
     return stats
 
-
-def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
-    """The unbiased std of the scores over every valid token of the global batch (what global whitening divides
-    by). scores, response_mask: (B, T). 0.0 with fewer than 2 valid tokens."""
-    count, total, total_sq = _global_sums(scores, response_mask.to(torch.float64), all_reduce).tolist()
-    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
-
-
-def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's group-normalized task advantages: (r - mean) / (std + eps) over the responses that share a group id
-    (the G samples of a prompt), std unbiased. rewards: (B,) float with NaN for a response that has no reward (no
-    reference answer): it gets 0 and stays out of its group's statistics. group_ids: (B,) int. Returns (B,)
-    float32; a group whose rewards are all equal gives 0 (nothing to prefer)."""
-    has = torch.isfinite(rewards)
-    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
-    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
-            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
-    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
-    mean = total / count.clamp(min=1)
-    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
-    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
 
 
 def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
@@ -237,6 +222,7 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
     if scale:
         adv = adv / torch.sqrt(var + eps)
     return (adv * mask).to(scores.dtype)
+
 
 
 def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
@@ -284,6 +270,7 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
     raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
 
 
+
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2,
                 num_sequences: float | None = None) -> tuple[torch.Tensor, dict]:
@@ -325,59 +312,66 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     return loss, metrics
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
+# ---------------------------------------------------------------------------------------------
+
+SCORE_TYPES = ("log_ratio", "power")
+
+
+def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
+                 alpha: float = 5.0) -> torch.Tensor:
+    """PowerOPD's bounded per-token score s = p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), from
+    the two log-probs: exp(alpha * teacher_lp) - exp(alpha * student_lp). All (B, T); returns (B, T) float32 in
+    [-1, 1], 0 where the mask is 0. Bounded before anything else sees it, so it needs no clamp; tokens both
+    models find unlikely score about 0 whatever their log-ratio."""
+    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
+    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+
+def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
+    """The unbiased std of the scores over every valid token of the global batch (what global whitening divides
+    by). scores, response_mask: (B, T). 0.0 with fewer than 2 valid tokens."""
+    count, total, total_sq = _global_sums(scores, response_mask.to(torch.float64), all_reduce).tolist()
+    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
+
+
+
+def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's group-normalized task advantages: (r - mean) / (std + eps) over the responses that share a group id
+    (the G samples of a prompt), std unbiased. rewards: (B,) float with NaN for a response that has no reward (no
+    reference answer): it gets 0 and stays out of its group's statistics. group_ids: (B,) int. Returns (B,)
+    float32; a group whose rewards are all equal gives 0 (nothing to prefer)."""
+    has = torch.isfinite(rewards)
+    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
+    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
+            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
+    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
+    mean = total / count.clamp(min=1)
+    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
+    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
+
+
+
 # ---------------------------------------------------------------------------------------------
 # What travels between the step's functions
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class Models:
-    """The models a step runs and how it calls them (main() builds it; PART II's set-up makes each field)."""
-
-    student: torch.nn.Module  # the LoRA student as Accelerate prepared it: the update's forwards and backward
-    policy: torch.nn.Module  # the same student unwrapped: rollouts call its generate()
-    teacher: torch.nn.Module  # frozen, in 4-bit nf4 by default; never prepared
-    processor: object  # the student's processor: it encodes every prompt, for both models
-    sample_config: object  # the rollouts' GenerationConfig (generation_configs)
-    ignore_ids: torch.Tensor | None  # (K,) image special tokens: never sampled, -inf when scoring
-    sharing: PrefixSharing  # which forwards read each prompt once (--share_prompt_prefix), as its checks decided
-    teacher_logps: object = None  # (teacher, rollout, ignore_ids) -> (n, R): replaces the teacher's scoring call
-    synced_gpus: bool = False  # sharded weights: every process steps generate() until the last one is done
-
-    def score_teacher(self, rollout: Rollout) -> torch.Tensor:
-        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
-        if self.teacher_logps is not None:  # a remote teacher, a recording wrapper
-            return self.teacher_logps(self.teacher, rollout, self.ignore_ids)
-        return self.sharing.logps("teacher", self.teacher, rollout, self.ignore_ids)
-
-    def score_student(self, rollout: Rollout, temperature: float) -> torch.Tensor:
-        """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
-        return self.sharing.logps("student", self.student, rollout, self.ignore_ids, temperature)
-
-
-@dataclass
-class StepPrompts:
-    """This process's prompts of a step, each repeated G times, and the seed its sampling draws from."""
-
-    step: int  # 0-based
-    seed: int  # step_seed(args.seed, step, process): a resumed run samples what the interrupted one would have
-    prompts: list  # n = (this process's prompts) x G pairs (prompt, images); a prompt's G copies are one object
-    group_ids: list[int]  # (n,) each row's prompt id, unique over the run
-    answers: list  # (n,) each row's reference answer, None where the data has none
-
-
-@dataclass
 class Rollout:
-    """One micro-batch of sampled responses: n rows, each answering one of u distinct prompts."""
+    """One micro-batch of sampled responses: n rows, from any sampler (sample_rollouts, your own generate())."""
 
     response_ids: torch.Tensor  # (n, R) sampled token ids, padding after a row's end token
     response_mask: torch.Tensor  # (n, R) 1 up to and including the end token
     sampled_logps: torch.Tensor  # (n, R) float32 log pi(y_t) of the policy that sampled, recorded as it sampled
-    # the processor's batch of every row's prompt: input_ids, attention_mask (n, P), the image tensors and token
-    # types (pixels on the host), which the plain forward reads; None when no forward reads it
+    # the processor's batch of every row's prompt (input_ids, attention_mask (n, P), the image tensors and token
+    # types): what the plain forward reads; None when no forward reads it
     row_inputs: dict | None = None
-    # the processor's batch of the u distinct prompts (u rows) and each row's prompt in it (n,): what the
-    # forwards that read each prompt once read; None with --share_prompt_prefix false
+    # PART II, each prompt read once: the processor's batch of the u distinct prompts and (n,) each row's prompt in it
     prompt_inputs: dict | None = None
     prompt_index: torch.Tensor | None = None
 
@@ -386,20 +380,20 @@ class Rollout:
 class ScoredBatch:
     """A step's rollouts on this process, scored. (n, R) tensors, rows in the order of the rollouts' rows."""
 
-    step: int
     rollouts: list[Rollout]  # the micro-batches, in order
+    group_ids: torch.Tensor  # (n,) each row's prompt id: the G samples of a prompt share one
     response_mask: torch.Tensor  # (n, R) long; 0 also where a log-prob was not finite
     teacher_logps: torch.Tensor  # (n, R) float32
     student_logps: torch.Tensor  # (n, R) float32, the sampling policy's
     scores: torch.Tensor  # (n, R) distill_scores
     advantages: torch.Tensor  # (n, R) normalize_scores; NaN when too few tokens were left to normalize
     nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
-    time_generate: float
-    time_score: float
-    std_floored: bool | None = None  # --score_std_floor: the scores were centered, not scaled (None: no floor)
-    rewards: torch.Tensor | None = None  # (n,) --reward_weight: task reward, NaN without a reference answer
-    reward_advantages: torch.Tensor | None = None  # (n,) group_reward_advantages of the rewards
-    group_ids: torch.Tensor | None = None  # (n,) each row's prompt id
+    seconds: dict = field(default_factory=dict)  # time spent: generate, score
+    # beyond the paper, None when off: the scores were centered, not scaled (--score_std_floor); (n,) the task reward
+    # (NaN without a reference answer) and its group-normalized advantage (--reward_weight)
+    std_floored: bool | None = None
+    rewards: torch.Tensor | None = None
+    reward_advantages: torch.Tensor | None = None
 
     def micro_batches(self) -> list[tuple[Rollout, torch.Tensor, torch.Tensor]]:
         """(rollout, its advantages, its response mask) per micro-batch: its rows of the (n, R) tensors, cut to
@@ -412,8 +406,42 @@ class ScoredBatch:
         return out
 
 
+@dataclass
+class Models:
+    """The models a step runs, and how each gives its log-probs of a rollout's sampled tokens."""
+
+    student: torch.nn.Module  # trainable, as Accelerate prepared it: the update's forwards and backward
+    teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared
+    processor: object  # the student's processor: it encodes every prompt, for both models
+    ignore_ids: torch.Tensor | None = None  # (K,) ids never sampled (image special tokens): -inf when scoring
+    # (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32 log-probs of the rollout's response tokens;
+    # None: the plain forward (response_logps); make_models picks PART II's speed-ups where their flags are on
+    teacher_forward: Callable | None = None
+    student_forward: Callable | None = None
+    sampling: object = None  # PART II's Sampling: how sample_rollouts draws; only generate_and_score needs it
+
+    def teacher_logps_of(self, rollout: Rollout) -> torch.Tensor:
+        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
+        return (self.teacher_forward or response_logps)(self.teacher, rollout, self.ignore_ids)
+
+    def student_logps_of(self, rollout: Rollout, temperature: float) -> torch.Tensor:
+        """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
+        return (self.student_forward or response_logps)(self.student, rollout, self.ignore_ids, temperature)
+
+
+@dataclass
+class StepPrompts:
+    """This process's prompts of a step, each repeated G times, and the seed its sampling draws from."""
+
+    step: int  # 0-based
+    seed: int  # step_seed(args.seed, step, process): a resumed run samples what the interrupted one would have
+    prompts: list  # n = (this process's prompts) x G pairs (prompt, images), a prompt's G rows next to each other
+    group_ids: list[int]  # (n,) each row's prompt id, unique over the run
+    answers: list  # (n,) each row's reference answer, None where the data has none
+
+
 # ---------------------------------------------------------------------------------------------
-# The step: prompts -> rollouts, scores and advantages -> student update -> metrics
+# The step: prompts -> rollouts -> scores and advantages -> student update
 # ---------------------------------------------------------------------------------------------
 
 
@@ -431,195 +459,126 @@ def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_pro
 
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
-    """Rollouts of this process's prompts, scored by the teacher, their advantages normalized over the global batch
-    (the all-reduce inside normalize_scores), once, before any update. Tokens whose log-prob is not finite (a
-    broken teacher) are dropped and counted; when too few are left to normalize, the advantages are NaN and every
-    process then skips the step's updates."""
+    """The step's rollouts (sample_rollouts, seeded by prompts.seed through a generator of its own), scored by
+    score_rollouts, then the options beyond the paper, each off by default."""
     t0 = time.time()
-    torch.manual_seed(prompts.seed)  # the only seeding of the step: sampling draws from it
     rollouts = sample_rollouts(models, prompts, args)  # micro-batches of args.micro_batch_size rows
-    t_generate, t0 = time.time() - t0, time.time()
+    t_generate = time.time() - t0
+    batch = score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args, log)
+    t0 = time.time()
+    # BEYOND THE PAPER: PowerOPD's bounded score (--score_type power), then whitening that only centers scores
+    # spread less than a floor (--score_std_floor: noise, as when the student is its own teacher)
+    mask = batch.response_mask
+    if args.score_type == "power":
+        batch.scores = power_scores(batch.teacher_logps, batch.student_logps, mask, args.power_alpha)
+    if args.score_std_floor > 0 and args.advantage_mode == "global":
+        batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
+    if args.score_type == "power" or batch.std_floored:
+        mode = "center" if batch.std_floored else args.advantage_mode
+        batch.advantages = whiten_or_skip(batch.scores, mask, mode, batch.group_ids, batch.nonfinite_tokens, log)
+    # BEYOND THE PAPER (--reward_weight w): the graded answer's task reward, normalized over the G samples of its
+    # prompt, added to every token's advantage after the distillation advantages were normalized
+    if args.reward_weight:
+        batch.rewards = task_rewards(models.processor, rollouts, prompts.answers)  # (n,) 1, 0, or NaN: no answer
+        batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
+        batch.advantages = batch.advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
+    batch.seconds.update(generate=t_generate, score=batch.seconds["score"] + time.time() - t0)
+    return batch
 
+
+def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Tensor, args: Args,
+                   log=print) -> ScoredBatch:
+    """The paper's steps 2-4 on rollouts from any source: the teacher's log-prob of every sampled token, the clamped
+    scores (args.score_clip) and the advantages normalized over the global batch (args.advantage_mode; the
+    all-reduce is inside normalize_scores), once, before any update.
+
+    rollouts: micro-batches whose sampled_logps are the sampling policy's; group_ids: (n,) each row's prompt id.
+    Tokens whose log-prob is not finite (a broken teacher) are dropped and counted; when too few are left to
+    normalize, the advantages are NaN and every process then skips the step's updates."""
+    t0 = time.time()
     # ALGO: score every sampled token with the teacher, on the same ids and images the student saw
     with torch.no_grad():
-        teacher_logps = pad_cat([models.score_teacher(r) for r in rollouts])  # (n, R)
+        teacher_logps = pad_cat([models.teacher_logps_of(r) for r in rollouts])  # (n, R)
     student_logps = pad_cat([r.sampled_logps for r in rollouts])  # (n, R) recorded while sampling: no forward
     mask = pad_cat([r.response_mask for r in rollouts])  # (n, R)
     # ALGO: drop the tokens whose log-prob is not finite, and count them
     finite = torch.isfinite(teacher_logps) & torch.isfinite(student_logps)
     nonfinite = int(((~finite) & mask.bool()).sum())
     mask = mask * finite
-    # ALGO: the per-token score: GNDPO's clamped log-ratio (or PowerOPD's bounded one, --score_type power)
-    if args.score_type == "power":
-        scores = power_scores(teacher_logps, student_logps, mask, args.power_alpha)
-    else:
-        scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
-    # ALGO: advantages whitened over every valid token of the global batch (GNDPO); with --score_std_floor,
-    # scores spread less than the floor (noise, as when the student is its own teacher) are centered, not scaled up
-    group_ids = torch.tensor(prompts.group_ids, device=mask.device)
-    floor = args.score_std_floor > 0 and args.advantage_mode == "global"
-    floored = floor and score_std(scores, mask) < args.score_std_floor
+    # ALGO: the clamped log-ratio, whitened over every valid token of the global batch (GNDPO)
+    scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
+    group_ids = torch.as_tensor(group_ids, device=mask.device)
+    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log)
+    return ScoredBatch(rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
+                       {"score": time.time() - t0})
+
+
+def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_ids: torch.Tensor, nonfinite: int,
+                   log=print) -> torch.Tensor:
+    """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
+    loss and, through the gradient all-reduce, every process's gradient non-finite, so all processes skip together."""
     try:
-        advantages = normalize_scores(scores, mask, "center" if floored else args.advantage_mode, group_ids)
-    except ValueError as e:  # too few valid tokens (e.g. a teacher that returned NaN everywhere)
-        log(f"step {prompts.step + 1}: {e} ({nonfinite} non-finite teacher/student log-probs on this process)")
-        # NaN advantages make the loss and, through the gradient all-reduce, every process's gradient
-        # non-finite: all processes then skip this step's updates together
-        advantages = torch.full_like(scores, float("nan"))
-    batch = ScoredBatch(prompts.step, rollouts, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
-                        t_generate, 0.0, floored if floor else None, group_ids=group_ids)
-    # ALGO, optional (--reward_weight w): the graded answer's task reward, normalized over the G samples of its
-    # prompt, added to every token's advantage after the distillation advantages were normalized
-    if args.reward_weight:
-        batch.rewards = task_rewards(models.processor, rollouts, prompts.answers)  # (n,) 1, 0, or NaN: no answer
-        batch.reward_advantages = group_reward_advantages(batch.rewards, group_ids.cpu()).to(mask.device)  # (n,)
-        batch.advantages = advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
-    batch.time_score = time.time() - t0
-    return batch
+        return normalize_scores(scores, mask, mode, group_ids)
+    except ValueError as e:
+        log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
+        return torch.full_like(scores, float("nan"))
 
 
 def update_student(models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args,
                    loss_fn=policy_loss, log=print) -> dict:
-    """The step's optimizer updates on its scored rollouts.
-
-    The micro-batches are cut into K = steps_per_generation mini-batches, one update each, and the K updates run
-    E = num_iterations times. The first mini-batch's first forward runs before any update, so its detached
-    log-probs are the old policy's (with K = E = 1 that is all: ratio 1, no extra forward); the other K - 1
-    mini-batches get theirs from one no-grad forward (in eval mode, as the policy sampled) before the first update,
-    so later updates see ratios away from 1 and the clip acts. Each update's loss is the mean over the valid
-    sequences of its whole mini-batch, all processes together, whatever the micro-batch size. An update whose loss
-    or gradient is not finite (on any process) is dropped, not applied: one NaN would poison the adapter for good.
-    loss_fn has policy_loss's signature.
-    Returns loss (this process's share of each update's loss, averaged over the updates), clip_frac and ratio_mean
-    (over the updates' tokens),
-    logp_mismatch (|old log-probs - sampling log-probs| per token: ~0 when the scoring inputs are right),
-    grad_norm (mean pre-clip norm over the updates), grad_norm_max, lr (the last update's), updates,
-    skipped_updates, the token counts behind the means, update_norm (||delta theta|| over the step's updates, the
-    trainable parameters), time_update.
-    """
+    """The step's optimizer updates: K = steps_per_generation mini-batches of micro-batches, one update each, E =
+    num_iterations passes (K = E = 1, the paper's: one update, ratio 1). The first mini-batch's first forward runs
+    before any update, so its detached log-probs are the old policy's; the others' come from old_policy_logps. Each
+    loss is a mean over the valid sequences of the whole mini-batch, all processes together (sequence_counts). An
+    update whose loss or gradient is not finite on any process is skipped on all. loss_fn has policy_loss's
+    signature. Returns UpdateStats.result()."""
     t0 = time.time()
     parts, K, E = batch.micro_batches(), args.steps_per_generation, args.num_iterations
     per_update = len(parts) // K  # check_args made it divide
-    old_logps = {}  # micro-batch index -> log-probs of the policy that sampled, as the training forward sees them
-    with torch.no_grad(), evaluating(models.student):  # now, before the policy moves: the later mini-batches'
-        for i in range(per_update, len(parts)):
-            old_logps[i] = models.score_student(parts[i][0], args.temperature)
-    # valid sequences per mini-batch, all processes together: the sequence mean of GSPO's loss is taken over them
-    counts = [sum(float((parts[i][2].sum(1) > 0).sum()) for i in range(k * per_update, (k + 1) * per_update))
-              for k in range(K)]
-    sequences = accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
+    old_logps = old_policy_logps(models, parts, per_update, args.temperature)  # {micro-batch: (n, R)}
+    sequences = sequence_counts(accelerator, parts, K)  # (K,)
     # accumulate() divides a micro-batch's loss by the micro-batches per update, and the gradient all-reduce
     # averages over processes: scaled back, an update's gradient is that of its mini-batch's sequence mean
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    sums = {"loss": 0.0, "clipped_tokens": 0.0, "ratio": 0.0, "tokens": 0.0, "mismatch": 0.0,
-            "mismatch_tokens": 0.0}
-    grad_norms, lr, skipped = [], float("nan"), 0
-    start = trainable_values(models.student)  # for the update's size
+    stats = UpdateStats()
     for epoch in range(E):
         for k in range(K):
-            loss_sum = 0.0
+            # ALGO: one GSPO update: forward, loss and backward per micro-batch, then clip and step
             for i in range(k * per_update, (k + 1) * per_update):
                 rollout, advantages, mask = parts[i]
                 with accelerator.accumulate(models.student):
-                    logps = models.score_student(rollout, args.temperature)  # (n, R) with the gradient
+                    logps = models.student_logps_of(rollout, args.temperature)  # (n, R) with the gradient
                     old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
                     loss, m = loss_fn(logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high,
                                       sequences[k])
                     accelerator.backward(loss * scale)
-                n_tok = mask.sum().item()
-                loss_sum += loss.item()
-                sums["clipped_tokens"] += m["clip_frac"] * n_tok
-                sums["ratio"] += m["ratio_mean"] * n_tok
-                sums["tokens"] += n_tok
-                if epoch == 0:  # sampling vs training log-probs of the policy that sampled
-                    sums["mismatch"] += ((old - rollout.sampled_logps).abs() * mask).sum().item()
-                    sums["mismatch_tokens"] += n_tok
-            sums["loss"] += loss_sum
-            # Under DeepSpeed the engine already clipped and stepped inside the last accelerator.backward and this
-            # returns the norm it saw: a non-finite update is counted but can no longer be dropped.
+                stats.micro_batch(loss, m, mask, old, rollout.sampled_logps if epoch == 0 else None)
             grad_norm = accelerator.clip_grad_norm_(models.student.parameters(), args.max_grad_norm)
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            grad_norms.append(grad_norm)
             lr = scheduler.get_last_lr()[0]  # the rate this update uses
-            # every process must take the same decision, or the replicas drift apart
-            bad = accelerator.reduce(torch.tensor(float(not math.isfinite(loss_sum)), device=accelerator.device),
-                                     reduction="sum")
-            if math.isfinite(grad_norm) and bad.item() == 0:
+            if update_is_finite(accelerator, stats.update_loss, grad_norm):  # every process decides alike
                 optimizer.step()
                 scheduler.step()
+                stats.update(grad_norm, lr, optimizer, accelerator)
             else:
-                skipped += 1
-                log(f"step {batch.step + 1}: non-finite loss or gradient (loss {loss_sum}, grad norm {grad_norm}); "
-                    f"update {epoch * K + k + 1} of {K * E} skipped")
+                stats.update(grad_norm, lr)
+                log(f"non-finite loss or gradient (loss {stats.update_loss}, grad norm {grad_norm}); update "
+                    f"{epoch * K + k + 1} of {K * E} skipped")
             optimizer.zero_grad(set_to_none=True)
-    n = max(sums["tokens"], 1.0)
-    return {"loss": sums["loss"] / (K * E), "clip_frac": sums["clipped_tokens"] / n,
-            "ratio_mean": sums["ratio"] / n, "logp_mismatch": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
-            "grad_norm": sum(grad_norms) / len(grad_norms), "grad_norm_max": max(grad_norms), "lr": lr,
-            "updates": K * E, "skipped_updates": skipped, "tokens": sums["tokens"],
-            "mismatch_tokens": sums["mismatch_tokens"], "update_norm": distance(models.student, start, accelerator),
-            "time_update": time.time() - t0}
-
-
-def step_metrics(accelerator, batch: ScoredBatch, update: dict, score_clip: float, step_time: float) -> dict:
-    """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
-
-    Every statistic weighs the valid tokens of the global batch equally, except loss (the updates' mean loss over
-    the global mini-batches: the sum of every process's share) and grad_norm / lr (identical on every process).
-    """
-    mask = batch.response_mask.bool()
-    student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
-    scores, advantages = batch.scores[mask], batch.advantages[mask]
-    r = reduce_metrics(
-        accelerator,
-        sums={"tokens": float(mask.sum()), "responses": float(mask.shape[0]),
-              "kl": (student_lp - teacher_lp).sum().item(), "score_sum": scores.sum().item(),
-              "score_sq_sum": (scores.double() ** 2).sum().item(),
-              "clamped": float(((teacher_lp - student_lp).abs() >= score_clip).sum()),
-              "adv_sum": advantages.sum().item(), "adv_sq_sum": (advantages.double() ** 2).sum().item(),
-              "nonfinite": float(batch.nonfinite_tokens), "loss": update["loss"],
-              "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
-              "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
-              "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
-              **(reward_sums(batch) if batch.rewards is not None else {})},
-        lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
-        highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
-               "time_generate": batch.time_generate, "time_score": batch.time_score,
-               "time_update": update["time_update"]})
-    N, U = max(r["tokens"], 1.0), max(r["update_tokens"], 1.0)
-    metrics = {
-        "step": batch.step + 1, "loss": r["loss"], "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
-        "score_std": math.sqrt(max(r["score_sq_sum"] / N - (r["score_sum"] / N) ** 2, 0.0)),
-        "score_clamped_frac": r["clamped"] / N, "adv_mean": r["adv_sum"] / N,
-        "adv_std": math.sqrt(max(r["adv_sq_sum"] / N - (r["adv_sum"] / N) ** 2, 0.0)),
-        "adv_min": r["adv_min"], "adv_max": r["adv_max"], "clip_frac": r["clipped_tokens"] / U,
-        "ratio_mean": r["ratio_sum"] / U, "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
-        "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"], "lr": update["lr"],
-        "update_norm": update["update_norm"],
-        "response_length": r["tokens"] / max(r["responses"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
-        "time_generate": r["time_generate"], "time_score": r["time_score"], "time_update": r["time_update"],
-        "tokens_per_second": r["tokens"] / step_time,
-    }
-    if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
-        metrics["score_std_floored"] = int(batch.std_floored)
-    if batch.rewards is not None:  # --reward_weight
-        metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
-                       reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
-                       reward_no_answer=int(r["no_answer"]))
-    return metrics
+            # ALGO END
+    return stats.result(time.time() - t0)
 
 
 # ---------------------------------------------------------------------------------------------
-# main(): set-up, then the loop over the step's four functions
+# main(): set-up, then the loop over the step's functions
 # ---------------------------------------------------------------------------------------------
 
 
-def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> dict:
+def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) -> dict:
     """Trains the student; returns the run's summary (also written to output_dir/summary.json).
 
-    on_step(step) is called with the 1-based step before it runs. teacher_logps(teacher, rollout, ignore_ids)
-    replaces the teacher's scoring call and loss_fn the policy loss (to record what a step used, or to feed
-    broken numbers).
+    on_step(step) is called with the 1-based step before it runs. teacher_forward(teacher, rollout, ignore_ids)
+    replaces the teacher's scoring forward (Models.teacher_forward) and loss_fn the policy loss (to record what a
+    step used, or to feed broken numbers).
     """
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -629,15 +588,16 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
     accelerator.wait_for_everyone()
-    set_seed(args.seed)  # the adapter's initial weights; each step's sampling is seeded by step_prompts
+    set_seed(args.seed)  # the adapter's initial weights; each step's sampling has a generator of its own
     processor, student, teacher = load_models(args, accelerator, log)
     train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
     student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
-    models = make_models(args, accelerator, processor, student, teacher, log, teacher_logps)
-    greedy_config = generation_configs(processor.tokenizer, models.policy, args)[1]
-    mismatch = MismatchWatch(logps_tolerance(models.policy), log=log)
-    evaluate_policy = lambda: evaluate(models.policy, models.processor, eval_rows, args, accelerator,  # noqa: E731
-                                       greedy_config, synced_gpus=models.synced_gpus)
+    models = make_models(args, accelerator, processor, student, teacher, log, teacher_forward)
+    policy = unwrap(models.student)
+    greedy_config = generation_configs(processor.tokenizer, policy, args)[1]
+    mismatch = MismatchWatch(logps_tolerance(policy), log=log)
+    evaluate_policy = lambda: evaluate(policy, processor, eval_rows, args, accelerator, greedy_config,  # noqa: E731
+                                       synced_gpus=models.sampling.synced_gpus)
 
     start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
@@ -655,14 +615,14 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
         accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
                                                    if isinstance(v, (int, float, str, bool))})
     if eval_rows and "student_accuracy_before" not in summary:
-        t = evaluate(models.teacher, models.processor, eval_rows, args, accelerator, greedy_config)
+        t = evaluate(models.teacher, processor, eval_rows, args, accelerator, greedy_config)
         s = evaluate_policy()
         summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
                        student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"])
         log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
             f"(format {s['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
 
-    # --- the loop: the step's four functions ---
+    # --- the loop: prompts, rollouts and their advantages, the update, the metrics ---
     models.student.train()
     # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
     progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
@@ -672,12 +632,14 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
         t_step = time.time()
         if on_step:
             on_step(step + 1)
+        step_log = lambda msg: log(f"step {step + 1}: {msg}")  # noqa: E731, B023 (called within the step)
         prompts = step_prompts(train_ds, train_keep, args, step, accelerator.num_processes, accelerator.process_index)
-        batch = generate_and_score(models, prompts, args, log)
-        update = update_student(models, optimizer, scheduler, accelerator, batch, args, loss_fn, log)
+        batch = generate_and_score(models, prompts, args, step_log)
+        update = update_student(models, optimizer, scheduler, accelerator, batch, args, loss_fn, step_log)
         counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
         counters["skipped_steps"] += bool(update["skipped_updates"])
-        metrics = step_metrics(accelerator, batch, update, args.score_clip, time.time() - t_step)
+        metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step,
+                               args.score_clip if args.score_type == "log_ratio" else None)
         metrics["skipped_steps"] = counters["skipped_steps"]
         if batch.std_floored is not None:
             counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
@@ -700,12 +662,12 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
                                f"{last[-1][1] if last else 'none (no checkpoint saved yet)'}; lower --learning_rate "
                                f"or check the teacher's outputs, then resume from it.")
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
-            save_checkpoint(accelerator, models.student, models.processor, args.output_dir, step + 1,
+            save_checkpoint(accelerator, models.student, processor, args.output_dir, step + 1,
                             {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
 
     # --- the end: final adapter, evaluation, summary ---
     accelerator.wait_for_everyone()
-    save_adapter(accelerator, models.student, models.processor, os.path.join(args.output_dir, "adapter"))
+    save_adapter(accelerator, models.student, processor, os.path.join(args.output_dir, "adapter"))
     if eval_rows:
         e = evaluate_policy()
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
@@ -714,7 +676,7 @@ def main(args: Args, on_step=None, teacher_logps=None, loss_fn=policy_loss) -> d
                    eval_rows=len(eval_rows),
                    skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"],
                    **{k: v for k, v in counters.items() if k == "std_floored_steps"},
-                   share_prompt_prefix=models.sharing.summary())
+                   share_prompt_prefix=models.sampling.sharing_summary())
     finish_run(accelerator, summary, summary_path, eval_rows, log)
     return summary
 
@@ -737,27 +699,66 @@ def step_seed(seed: int, step: int, process_index: int) -> int:
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
 
 
+def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(n, V) probabilities -> (n, 1) ids, one sample per row: torch.multinomial, the plain path of draw_tokens."""
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+@dataclass
+class Sampling:
+    """How sample_rollouts draws (make_models builds it): generate()'s config, the token sampler, the device of the
+    step's generator, whether every process must step generate() until the last is done (sharded weights), and the
+    checks that decide which forwards read each prompt once (None: none does, --share_prompt_prefix false)."""
+
+    config: object  # the rollouts' GenerationConfig (generation_configs)
+    draw: Callable = multinomial  # (probs (n, V), generator) -> (n, 1) ids: multinomial, or draw_tokens
+    device: torch.device | str = "cpu"
+    synced_gpus: bool = False
+    sharing: PrefixSharing | None = None
+
+    def sharing_summary(self) -> dict:
+        """Which forwards read each prompt once, for summary.json."""
+        return self.sharing.summary() if self.sharing else dict.fromkeys(("teacher", "student", "rollout"), False)
+
+
 def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
     """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size rows:
     generate() calls of args.generation_batch_size rows (0: all at once), or the sampling loop that reads each
-    prompt once (SharedPrefix.sample) where its check allows. On the first step, the checks that decide which
-    forwards read each prompt once run here, before anything is scored (PrefixSharing.run_checks)."""
-    sharing = models.sharing
-    generated = generate_rollouts(models, prompts.prompts, args, sharing.decided["rollout"] is not False)
-    if sharing.pending(models):
-        if not sharing.run_checks(models, check_rollout(models.processor, prompts.prompts, generated, args), args):
-            torch.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
-            generated = generate_rollouts(models, prompts.prompts, args, False)
+    prompt once (SharedPrefix.sample) where its check allows. Every draw comes from one torch.Generator seeded with
+    prompts.seed (the global generator is left alone). On the first step, the checks that decide which forwards
+    read each prompt once run here, before anything is scored (PrefixSharing.run_checks)."""
+    sampling = models.sampling
+    if sampling is None:
+        raise ValueError("Models.sampling is None: make_models sets it; with rollouts of your own, call "
+                         "score_rollouts instead of generate_and_score")
+    sharing = sampling.sharing
+    generator = torch.Generator(sampling.device).manual_seed(prompts.seed)
+    shared = sharing is not None and sharing.decided["rollout"] is not False
+    generated = generate_rollouts(models, prompts, args, generator, shared)
+    if sharing is not None and sharing.pending():
+        check = check_rollout(models.processor, prompts, generated, args)
+        if not sharing.run_checks(models, check, args):
+            generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
+            generated = generate_rollouts(models, prompts, args, generator, False)
     # every row's prompt is encoded only while some forward may still read it whole
-    row_prompts = models.teacher_logps is not None or not sharing.all_shared()
-    return cut_rollouts(models.processor, prompts.prompts, generated, args.micro_batch_size, args, row_prompts)
+    row_prompts = sharing is None or not sharing.all_shared()
+    return cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
 
 
-def generate_rollouts(models: Models, prompts: list, args: Args, shared_prefix: bool) -> list[Rollout]:
+def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator,
+                      shared_prefix: bool) -> list[Rollout]:
     """One rollout per generation batch (args.generation_batch_size rows; 0: all of them)."""
-    size = args.generation_batch_size or len(prompts)
-    return [rollout(models.policy, models.processor, prompts[i:i + size], models.sample_config, args,
-                    models.synced_gpus, shared_prefix) for i in range(0, len(prompts), size)]
+    size = args.generation_batch_size or len(prompts.prompts)
+    return [rollout(unwrap(models.student), models.processor, prompts.prompts[i:i + size],
+                    prompts.group_ids[i:i + size], models.sampling, args, generator, shared_prefix)
+            for i in range(0, len(prompts.prompts), size)]
+
+
+def unwrap(model):
+    """The model inside DDP / DeepSpeed wrappers (FSDP2 shards in place and wraps nothing): the one with generate()."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 @contextlib.contextmanager
@@ -772,36 +773,36 @@ def evaluating(model):
 
 
 @torch.no_grad()
-def rollout(model, processor, prompts: list[tuple], sample_config, args: Args, synced_gpus: bool = False,
-            shared_prefix: bool = False) -> Rollout:
-    """One sampled response per prompt (prompts are already repeated G times), its sampling log-probs recorded,
-    the model in eval mode.
+def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampling: Sampling, args: Args,
+            generator: torch.Generator | None = None, shared_prefix: bool = False) -> Rollout:
+    """One sampled response per prompt (prompts are already repeated G times; group_ids: (n,) each row's prompt),
+    its sampling log-probs recorded, the model in eval mode.
 
     With generate(), the rollout holds every row's prompt (row_inputs); with shared_prefix, the sampling loop
     reads each distinct prompt once (SharedPrefix.sample) and the rollout holds those only (cut_rollouts adds
     every row's prompt where a plain forward needs it). With --share_prompt_prefix the distinct prompts are
-    encoded in both cases. synced_gpus: keep running forwards until every process is done (sharded weights).
+    encoded in both cases.
     """
     device = next(model.parameters()).device
     out = Rollout(None, None, None)
-    model_was_training = model.training
-    model.eval()  # sample from the policy itself: dropout off
-    if args.share_prompt_prefix:
-        out.prompt_inputs, out.prompt_index = encode_distinct(processor, prompts, args.instruction, device)
-    capture = SampledTokenLogps(args.temperature, sample_config.suppress_tokens)
-    if shared_prefix:
-        response_ids = SharedPrefix(model, out.prompt_inputs, out.prompt_index).sample(capture, sample_config)
-    else:
-        out.row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
-        config = copy.copy(sample_config)  # the suppression moves into capture
-        config.suppress_tokens = None
-        sequences = model.generate(**out.row_inputs, generation_config=config, logits_processor=[capture],
-                                   synced_gpus=synced_gpus)
-        response_ids = sequences[:, out.row_inputs["input_ids"].shape[1]:]  # (n, R)
-        out.row_inputs = pixels_on_host(out.row_inputs, device)
-    model.train(model_was_training)
-    out.response_mask = response_mask_from_ids(response_ids, sample_config.eos_token_id)
-    out.response_ids = response_ids.masked_fill(out.response_mask == 0, sample_config.pad_token_id)
+    config = sampling.config
+    with evaluating(model):  # sample from the policy itself: dropout off
+        if args.share_prompt_prefix:
+            out.prompt_inputs, out.prompt_index = encode_distinct(processor, prompts, group_ids, args.instruction,
+                                                                  device)
+        capture = SampledTokenLogps(args.temperature, config.suppress_tokens, sampling.draw, generator)
+        if shared_prefix:
+            response_ids = SharedPrefix(model, out.prompt_inputs, out.prompt_index).sample(capture, config)
+        else:
+            out.row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
+            config = copy.copy(config)  # the suppression moves into capture
+            config.suppress_tokens = None
+            sequences = model.generate(**out.row_inputs, generation_config=config, logits_processor=[capture],
+                                       synced_gpus=sampling.synced_gpus)
+            response_ids = sequences[:, out.row_inputs["input_ids"].shape[1]:]  # (n, R)
+            out.row_inputs = pixels_on_host(out.row_inputs, device)
+    out.response_mask = response_mask_from_ids(response_ids, config.eos_token_id)
+    out.response_ids = response_ids.masked_fill(out.response_mask == 0, config.pad_token_id)
     out.sampled_logps = capture.finish()
     return out
 
@@ -813,12 +814,13 @@ class SampledTokenLogps:
     These are the student_lp of the distillation scores: no extra student forward pass is needed. It returns
     scores that are -inf everywhere but at the drawn id, so generate(), decoding greedily (the sampling config
     has do_sample=False), emits exactly that id. Suppression happens here, in place, rather than in a
-    processor of generate()'s own, which would copy the (n, V) scores once more per step. Tokens are drawn by
-    draw_tokens (the sampler, at the end of the file).
+    processor of generate()'s own, which would copy the (n, V) scores once more per step. draw(probs, generator)
+    picks the ids: multinomial, or draw_tokens (the sampler, at the end of the file).
     """
 
-    def __init__(self, temperature: float, suppress_ids: list[int] | None = None):
-        self.temperature, self.logps = temperature, []
+    def __init__(self, temperature: float, suppress_ids: list[int] | None = None, draw: Callable = multinomial,
+                 generator: torch.Generator | None = None):
+        self.temperature, self.logps, self.draw, self.generator = temperature, [], draw, generator
         self.suppress = torch.tensor(suppress_ids) if suppress_ids else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -826,7 +828,7 @@ class SampledTokenLogps:
             scores.index_fill_(1, self.suppress.to(scores.device), float("-inf"))  # generate() gave us a copy
         z = scores.float() / self.temperature  # (n, V)
         lse = z.logsumexp(-1, keepdim=True)  # (n, 1)
-        token = draw_tokens((z - lse).exp_())  # (n, 1)
+        token = self.draw((z - lse).exp_(), self.generator)  # (n, 1)
         self.logps.append((z.gather(1, token) - lse)[:, 0])
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
@@ -842,7 +844,8 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
     low top_p): rollout() adds SampledTokenLogps, which perturbs the scores so that generate()'s argmax is an
     exact sample at the temperature, so the sampling config decodes greedily with no top-k, top-p or repetition
     penalty of its own. Both suppress the vision special tokens and stop at any of the tokenizer's or the
-    model's end tokens (eos_token_id: a sorted list).
+    model's end tokens (eos_token_id: a sorted list); the sampling config holds them back for the first
+    args.min_new_tokens tokens.
     """
     from transformers import GenerationConfig
 
@@ -850,7 +853,8 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
     eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
     common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
                   eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    sample = GenerationConfig(do_sample=False, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0, **common)
+    sample = GenerationConfig(do_sample=False, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0,
+                              **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}), **common)
     return sample, GenerationConfig(do_sample=False, **common)
 
 
@@ -861,21 +865,22 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
     return (~after_end).long()
 
 
-def distinct_prompts(prompts: list) -> tuple[list, list[int]]:
-    """Rows -> (distinct prompts, (n,) index of each row's prompt). A prompt repeated G times by step_prompts is
-    one object, so identity tells the G samples of a prompt apart from another draw of the same row."""
+def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[int]]:
+    """Rows -> (distinct prompts, (n,) index of each row's prompt among them), by the rows' group ids (the G samples
+    of a prompt share one)."""
     position, unique, index = {}, [], []
-    for p in prompts:
-        if id(p) not in position:
-            position[id(p)] = len(unique)
+    for p, g in zip(prompts, group_ids):
+        if g not in position:
+            position[g] = len(unique)
             unique.append(p)
-        index.append(position[id(p)])
+        index.append(position[g])
     return unique, index
 
 
-def encode_distinct(processor, prompts: list, instruction: str, device) -> tuple[dict, torch.Tensor]:
+def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str,
+                    device) -> tuple[dict, torch.Tensor]:
     """(the processor's batch of the rows' u distinct prompts, pixels on the host; (n,) each row's prompt in it)."""
-    unique, index = distinct_prompts(prompts)
+    unique, index = distinct_prompts(prompts, group_ids)
     inputs = pixels_on_host(encode_prompts(processor, unique, instruction), device)
     return inputs, torch.tensor(index, device=device)
 
@@ -891,7 +896,7 @@ def pixels_on_host(inputs: dict, device) -> dict:
             for k, v in inputs.items()}
 
 
-def cut_rollouts(processor, prompts: list, rollouts: list[Rollout], size: int, args: Args,
+def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args,
                  row_prompts: bool = True) -> list[Rollout]:
     """The rollouts of generate() batches re-cut into micro-batches of `size` rows for scoring and the update.
 
@@ -909,29 +914,30 @@ def cut_rollouts(processor, prompts: list, rollouts: list[Rollout], size: int, a
     ids = pad_cat([r.response_ids for r in rollouts]).masked_fill(mask == 0, pad)
     sampled = pad_cat([r.sampled_logps for r in rollouts])
     out = []
-    for i in range(0, len(prompts), size):
+    for i in range(0, len(prompts.prompts), size):
+        rows, groups = prompts.prompts[i:i + size], prompts.group_ids[i:i + size]
         R = max(1, int(mask[i:i + size].sum(1).max()))
         part = Rollout(ids[i:i + size, :R], mask[i:i + size, :R], sampled[i:i + size, :R])
         if row_prompts:
-            part.row_inputs = pixels_on_host(encode_prompts(processor, prompts[i:i + size], args.instruction), device)
+            part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
         if args.share_prompt_prefix:
-            part.prompt_inputs, part.prompt_index = encode_distinct(processor, prompts[i:i + size], args.instruction,
-                                                                    device)
+            part.prompt_inputs, part.prompt_index = encode_distinct(processor, rows, groups, args.instruction, device)
         out.append(part)
     return out
 
 
-def check_rollout(processor, prompts: list, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
+def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
                   max_tokens: int = 256) -> Rollout:
     """What the start-up checks compare the shared and the plain forwards on: the rows of the first n_prompts
     distinct prompts, all G samples of each (step_prompts keeps a prompt's rows together), so that rows of
     different prompts meet in one forward whatever the micro-batch size; every row's prompt and the distinct
     prompts encoded; responses cut to their first max_tokens, which bounds the check's memory."""
-    _, index = distinct_prompts(prompts)
+    _, index = distinct_prompts(prompts.prompts, prompts.group_ids)
     rows = sum(1 for j in index if j < n_prompts)
     if max(index[:rows]) >= n_prompts:
         raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
-    (first,) = cut_rollouts(processor, prompts[:rows], rollouts, rows, args)[:1]
+    first_rows = replace(prompts, prompts=prompts.prompts[:rows], group_ids=prompts.group_ids[:rows])
+    (first,) = cut_rollouts(processor, first_rows, rollouts, rows, args)[:1]
     return replace(first, response_ids=first.response_ids[:, :max_tokens],
                    response_mask=first.response_mask[:, :max_tokens], sampled_logps=first.sampled_logps[:, :max_tokens])
 
@@ -960,19 +966,26 @@ def sequence_inputs(rollout: Rollout) -> dict:
         if torch.is_tensor(value) and value.shape == prompt_shape:
             extra = {"input_ids": response, "attention_mask": mask}.get(key, torch.zeros_like(response))
             inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
-    return inputs
+    return {k: v.to(response.device) if torch.is_tensor(v) else v for k, v in inputs.items()}  # pixels: from host
 
 
-def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """(n, R) float32 log-probs of the response tokens: one forward of each row's prompt + response. Only the
-    R + 1 last positions go through the LM head (logits_to_keep), and logps_from (the lean log-probs below)
-    never makes an (n, R, V) float32 tensor."""
+def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs of the ids under softmax(logits / temperature), the
+    ignored ids (K,) at -inf (sampling never drew them)."""
+    logits = logits.float() / temperature
+    if ignore_ids is not None:
+        logits = logits.index_fill(-1, ignore_ids, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, token_ids[..., None]).squeeze(-1)
+
+
+def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+    """(n, R) float32 log-probs of the response tokens: one forward of each row's prompt + response, of which only
+    the R + 1 last positions go through the LM head (logits_to_keep); position t's logits predict token t + 1."""
     R = rollout.response_ids.shape[1]
-    device = rollout.response_ids.device
-    inputs = {k: v.to(device) for k, v in sequence_inputs(rollout).items()}  # pixels: from the host
-    return logps_from(model, {**inputs, "use_cache": False}, rollout.response_ids, ignore_ids, temperature, R + 1,
-                      True)
+    logits = model(**sequence_inputs(rollout), use_cache=False, logits_to_keep=R + 1).logits  # (n, R + 1, V)
+    return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)
+
 
 # ---------------------------------------------------------------------------------------------
 # Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
@@ -1011,9 +1024,11 @@ def load_student(args: Args, dtype: torch.dtype):
     model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
     lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                       target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, lora)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
     return model
@@ -1675,7 +1690,8 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
+    with _quiet_shared_tensor_notice():
+        accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
     save_adapter(accelerator, student, processor, os.path.join(tmp, "adapter"))
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -1686,6 +1702,24 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+@contextlib.contextmanager
+def _quiet_shared_tensor_notice():
+    """Within it Accelerate does not log that safetensors stores a tied LM head once ("Removed shared tensor ..."):
+    from_pretrained ties it again on load, so the notice asks nothing of the user."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record):
+            return "Removed shared tensor" not in record.getMessage()
+
+    logger, drop = logging.getLogger("accelerate.utils.other"), _Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def clear_run(output_dir: str) -> None:
@@ -1756,6 +1790,11 @@ def check_args(args: Args, num_processes: int) -> int:
     for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
         if getattr(args, flag) < 1:
             problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("cpu_threads", "min_new_tokens"):
+        if getattr(args, flag) < 0:
+            problems.append(f"--{flag} must be >= 0 (0 = off / automatic), got {getattr(args, flag)}")
+    if args.min_new_tokens > args.max_new_tokens:
+        problems.append(f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}")
     if args.generation_batch_size < 0:
         problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), "
                         f"got {args.generation_batch_size}")
@@ -1816,6 +1855,10 @@ def make_accelerator(args: Args):
         raise RuntimeError(f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
                            f"{state.num_processes} ({state.distributed_type}): check the launch command")
     accum = check_args(args, state.num_processes)
+    if state.device.type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(args.cpu_threads or max(1, cores // local))
     report_to = None if args.report_to == "none" else args.report_to.split(",")
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, log_with=report_to,
                               project_dir=args.output_dir)
@@ -1900,12 +1943,13 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     return student, optimizer, scheduler
 
 
-def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_logps=None) -> Models:
-    """The step's Models: the prepared student and its unwrapped policy, the teacher, the sampling config, the ids
-    sampling suppresses, and the checks that decide which forwards read each prompt once."""
+def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
+    """The step's Models: the prepared student, the teacher, the ids sampling suppresses, each model's scoring
+    forward (the plain one, or the speed-ups their flags select: --lean_logps, --share_prompt_prefix) and how
+    rollouts are drawn (Sampling). teacher_forward replaces the teacher's scoring forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    policy = accelerator.unwrap_model(student)  # for generate(): the wrapped module has no generate
+    policy = unwrap(student)  # for generate(): the wrapped module has no generate
     # generate() calls the model's inner modules, never the FSDP2 root's forward, so the root's own parameters
     # (embeddings, vision merger, ...) would stay sharded: run the root's unshard hooks around generate too (a
     # no-op unless FSDP2). Inner wrapped layers gather themselves in their own forward.
@@ -1916,30 +1960,178 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     # With sharded weights each forward gathers parameters from every process, so all of them must keep
     # stepping generate() until the last one is done.
     synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
-    sharing = PrefixSharing.for_run(args, accelerator, log)
-    return Models(student, policy, teacher, processor, sample_config, ignore_ids, sharing, teacher_logps, synced_gpus)
+    plain = lean_response_logps if args.lean_logps else response_logps
+    sharing = (PrefixSharing.for_run(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
+               if args.share_prompt_prefix else None)
+    sampling = Sampling(sample_config, draw_tokens if args.fast_sampler else multinomial, accelerator.device,
+                        synced_gpus, sharing)
+    return Models(student, teacher, processor, ignore_ids,
+                  teacher_forward or (sharing.forward("teacher") if sharing else plain),
+                  sharing.forward("student") if sharing else plain, sampling)
 
 
 def _local_values(p: torch.Tensor) -> torch.Tensor:
-    """The values of a trainable parameter this process holds: its DeepSpeed ZeRO-3 partition, its FSDP2 shard, or
-    the whole tensor."""
+    """The values this process holds of a parameter or of its optimizer state: its DeepSpeed ZeRO-3 partition, its
+    FSDP2 shard, or the whole tensor."""
     p = getattr(p, "ds_tensor", p)
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def trainable_values(model) -> list[torch.Tensor]:
-    """A copy of the trainable parameters' values on this process (see _local_values)."""
-    return [_local_values(p).detach().clone() for p in model.parameters() if p.requires_grad]
+# ---------------------------------------------------------------------------------------------
+# The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
+# ---------------------------------------------------------------------------------------------
 
 
-def distance(model, start: list[torch.Tensor], accelerator) -> float:
-    """||theta - start|| over the trainable parameters, all shards counted when the weights are sharded."""
-    now = [_local_values(p).detach() for p in model.parameters() if p.requires_grad]
-    squares = torch.stack([((a.float() - b.float()) ** 2).sum() for a, b in zip(now, start)]).sum() if now else \
-        torch.zeros(())
+def old_policy_logps(models: Models, parts: list[tuple], start: int, temperature: float) -> dict[int, torch.Tensor]:
+    """{micro-batch index: (n, R) log-probs of the policy that sampled} for the micro-batches from `start` on (the
+    later mini-batches of steps_per_generation > 1): one no-grad forward each, in eval mode as the policy sampled,
+    before the first update moves the policy. Empty with one mini-batch."""
+    with torch.no_grad(), evaluating(models.student):
+        return {i: models.student_logps_of(parts[i][0], temperature) for i in range(start, len(parts))}
+
+
+def sequence_counts(accelerator, parts: list[tuple], K: int) -> list[float]:
+    """(K,) valid sequences (a valid token left) of each of the K mini-batches, all processes together: GSPO's mean
+    over sequences is taken over them, so the loss does not depend on how the mini-batch is cut."""
+    per = len(parts) // K
+    counts = [sum(float((mask.sum(1) > 0).sum()) for _, _, mask in parts[k * per:(k + 1) * per]) for k in range(K)]
+    return accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
+
+
+def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
+    """True when the update's loss and pre-clip gradient norm are finite on every process. One NaN would poison the
+    weights for good, and every process must take the same decision, or the replicas drift apart. Under DeepSpeed
+    the engine already clipped and stepped inside the last backward (grad_norm is what it saw): a non-finite update
+    is counted but can no longer be dropped."""
+    ok = math.isfinite(loss) and grad_norm is not None and math.isfinite(float(grad_norm))
+    return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
+
+
+def update_size(optimizer, accelerator) -> float:
+    """||theta_after - theta_before|| of the optimizer step just taken, from the optimizer's own state, with no copy
+    of the parameters: torch's AdamW makes theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps), plain SGD theta
+    (1 - lr wd) - lr g, and both are inverted for theta_before, one parameter at a time. NaN for other optimizers
+    (DeepSpeed's, AMSGrad, momentum)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
+    squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for group in opt.param_groups:
+        lr, wd = group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            if type(opt) is torch.optim.AdamW and not group["amsgrad"] and "exp_avg" in state:
+                step, (beta1, beta2) = float(state["step"]), group["betas"]
+                denom = _local_values(state["exp_avg_sq"]).double().sqrt() / math.sqrt(1 - beta2**step) + group["eps"]
+                move = lr / (1 - beta1**step) * _local_values(state["exp_avg"]).double() / denom
+            elif type(opt) is torch.optim.SGD and not group["momentum"]:
+                move = lr * _local_values(p.grad).double()
+            else:
+                return float("nan")
+            after = _local_values(p.detach()).double()
+            squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
     if weights_are_sharded(accelerator):
-        squares = accelerator.reduce(squares.to(accelerator.device), reduction="sum")
+        squares = accelerator.reduce(squares, reduction="sum")
     return math.sqrt(float(squares))
+
+
+class UpdateStats:
+    """What update_student reports, summed over its micro-batches and updates."""
+
+    def __init__(self):
+        self.sums = dict.fromkeys(("loss", "clipped_tokens", "ratio", "tokens", "mismatch", "mismatch_tokens"), 0.0)
+        self.update_loss, self.grad_norms, self.lr, self.skipped, self.size_squares = 0.0, [], float("nan"), 0, 0.0
+
+    def micro_batch(self, loss, m: dict, mask, old_logps, sampled_logps=None) -> None:
+        """A micro-batch's loss and policy_loss metrics; with sampled_logps (the first pass), the mismatch between
+        the log-probs recorded while sampling and the training forward's for the policy that sampled."""
+        n_tok, s = mask.sum().item(), self.sums
+        self.update_loss += loss.item()
+        s["clipped_tokens"] += m["clip_frac"] * n_tok
+        s["ratio"] += m["ratio_mean"] * n_tok
+        s["tokens"] += n_tok
+        if sampled_logps is not None:
+            s["mismatch"] += ((old_logps - sampled_logps).abs() * mask).sum().item()
+            s["mismatch_tokens"] += n_tok
+
+    def update(self, grad_norm, lr: float, optimizer=None, accelerator=None) -> None:
+        """An update's end: applied (the optimizer given: its size is measured) or skipped."""
+        self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        self.sums["loss"] += self.update_loss
+        self.update_loss, self.lr = 0.0, lr
+        if optimizer is None:
+            self.skipped += 1
+        else:
+            self.size_squares += update_size(optimizer, accelerator) ** 2
+
+    def result(self, seconds: float) -> dict:
+        """loss (this process's share of each update's loss, averaged over the updates), clip_frac and ratio_mean
+        (over the updates' tokens), logp_mismatch (per token: ~0 when the scoring inputs are right), grad_norm (mean
+        pre-clip norm) and grad_norm_max, lr (the last update's), updates, skipped_updates, the token counts behind
+        the means, update_norm (the root of the applied updates' summed squared sizes: ||theta_end - theta_start||
+        with one update per step), time_update."""
+        s, n, updates = self.sums, max(self.sums["tokens"], 1.0), len(self.grad_norms)
+        return {"loss": s["loss"] / updates, "clip_frac": s["clipped_tokens"] / n, "ratio_mean": s["ratio"] / n,
+                "logp_mismatch": s["mismatch"] / max(s["mismatch_tokens"], 1.0),
+                "grad_norm": sum(self.grad_norms) / updates, "grad_norm_max": max(self.grad_norms), "lr": self.lr,
+                "updates": updates, "skipped_updates": self.skipped, "tokens": s["tokens"],
+                "mismatch_tokens": s["mismatch_tokens"], "update_norm": math.sqrt(self.size_squares),
+                "time_update": seconds}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: one line per step, reduced over processes
+# ---------------------------------------------------------------------------------------------
+
+
+def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float,
+                 score_clip: float | None = 5.0) -> dict:
+    """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
+
+    Every statistic weighs the valid tokens of the global batch equally, except loss (the updates' mean loss over
+    the global mini-batches: the sum of every process's share) and grad_norm / lr (identical on every process).
+    score_clamped_frac counts the tokens at the clamp score_clip (None: the score has none, and the key is left out).
+    """
+    mask = batch.response_mask.bool()
+    student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
+    scores, advantages = batch.scores[mask], batch.advantages[mask]
+    clamped = float(((teacher_lp - student_lp).abs() >= score_clip).sum()) if score_clip is not None else 0.0
+    r = reduce_metrics(
+        accelerator,
+        sums={"tokens": float(mask.sum()), "responses": float(mask.shape[0]),
+              "kl": (student_lp - teacher_lp).sum().item(), "score_sum": scores.sum().item(),
+              "score_sq_sum": (scores.double() ** 2).sum().item(), "clamped": clamped,
+              "adv_sum": advantages.sum().item(), "adv_sq_sum": (advantages.double() ** 2).sum().item(),
+              "nonfinite": float(batch.nonfinite_tokens), "loss": update["loss"],
+              "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
+              "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
+              "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
+              **(reward_sums(batch) if batch.rewards is not None else {})},
+        lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
+        highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
+               "time_generate": batch.seconds.get("generate", 0.0), "time_score": batch.seconds.get("score", 0.0),
+               "time_update": update["time_update"]})
+    N, U = max(r["tokens"], 1.0), max(r["update_tokens"], 1.0)
+    metrics = {
+        "step": step, "loss": r["loss"], "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
+        "score_std": math.sqrt(max(r["score_sq_sum"] / N - (r["score_sum"] / N) ** 2, 0.0)),
+        **({"score_clamped_frac": r["clamped"] / N} if score_clip is not None else {}),
+        "adv_mean": r["adv_sum"] / N, "adv_std": math.sqrt(max(r["adv_sq_sum"] / N - (r["adv_sum"] / N) ** 2, 0.0)),
+        "adv_min": r["adv_min"], "adv_max": r["adv_max"], "clip_frac": r["clipped_tokens"] / U,
+        "ratio_mean": r["ratio_sum"] / U, "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
+        "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"], "lr": update["lr"],
+        "update_norm": update["update_norm"],
+        "response_length": r["tokens"] / max(r["responses"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
+        "time_generate": r["time_generate"], "time_score": r["time_score"], "time_update": r["time_update"],
+        "tokens_per_second": r["tokens"] / step_time,
+    }
+    if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
+        metrics["score_std_floored"] = int(batch.std_floored)
+    if batch.rewards is not None:  # --reward_weight
+        metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
+                       reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
+                       reward_no_answer=int(r["no_answer"]))
+    return metrics
 
 
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
@@ -1999,7 +2191,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return parser.parse_args_into_dataclasses(argv)[0]
 
 # ---------------------------------------------------------------------------------------------
-# Speed-up 1, lean log-probs. Replaces log_softmax(logits).gather over float32 (n, R, V) logits:
+# Speed-up 1, lean log-probs (--lean_logps). Replaces gather_logps, log_softmax over float32 (n, R, V) logits:
 # token_logps works through chunks of logits and head_logps runs the LM head chunk by chunk, both with a
 # backward of their own. Checked against log_softmax in value and gradient (tests/test_math.py).
 # ---------------------------------------------------------------------------------------------
@@ -2173,16 +2365,27 @@ def without_lm_head(model):
 
 
 def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-               keep: int, drop_last: bool) -> torch.Tensor:
+               keep: int, drop_last: bool, lean: bool = True) -> torch.Tensor:
     """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
-    log-probs of token_ids there: through head_logps (no (n, T, V) logits) where without_lm_head allows, else
-    through the logits and token_logps."""
-    with without_lm_head(model) as weight:
+    log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where without_lm_head allows, else
+    through the logits and token_logps; not lean: the plain gather_logps over the logits."""
+    with without_lm_head(model) if lean else contextlib.nullcontext() as weight:
         out = model(**inputs, logits_to_keep=keep).logits  # (n, keep, H or V)
     out = out[:, :-1] if drop_last else out
+    if not lean:
+        return gather_logps(out, token_ids, ignore_ids, temperature)
     if weight is None:
         return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
     return head_logps(out, weight, token_ids, ignore_ids, temperature)
+
+
+def lean_response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """response_logps through logps_from: the same (n, R) float32 log-probs, with no (n, R, V) float32 logits
+    (--lean_logps, the default)."""
+    R = rollout.response_ids.shape[1]
+    return logps_from(model, {**sequence_inputs(rollout), "use_cache": False}, rollout.response_ids, ignore_ids,
+                      temperature, R + 1, True)
 
 # ---------------------------------------------------------------------------------------------
 # Speed-up 2, each prompt read once (--share_prompt_prefix). Replaces one forward per sample of every row's prompt:
@@ -2291,17 +2494,21 @@ class SharedPrefix:
         return self.model(**self.inputs(ids, mask)).logits
 
     @staticmethod
-    def logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+    def logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
+              lean: bool = True) -> torch.Tensor:
         """response_logps, reading each distinct prompt (and its images) once: (n, R) float32. Gradients flow
-        through the cache into the prompt's forward, so the student's update can use it too."""
+        through the cache into the prompt's forward, so the student's update can use it too. lean: the response's
+        log-probs through logps_from's lean path (--lean_logps), else the plain gather."""
         ids, mask = rollout.response_ids, rollout.response_mask
         shared = SharedPrefix(model, rollout.prompt_inputs, rollout.prompt_index.to(ids.device))
-        first = token_logps(shared.first[:, None], ids[:, :1], ignore_ids, temperature)  # (n, 1)
+        first = (token_logps if lean else gather_logps)(shared.first[:, None], ids[:, :1], ignore_ids,
+                                                        temperature)  # (n, 1)
         if ids.shape[1] == 1:
             return first
         inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
         with _checkpointing_with_cache(model):
-            rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False)  # (n, R-1)
+            rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False,
+                              lean)  # (n, R - 1)
         return torch.cat([first, rest], 1)
 
     def sample(self, capture: SampledTokenLogps, sample_config) -> torch.Tensor:
@@ -2364,42 +2571,47 @@ class PrefixSharing:
 
     ROLES = ("rollout", "teacher", "student")
 
-    def __init__(self, enabled: bool = True, log=print, agree=lambda ok: ok, reasons: dict | None = None):
+    def __init__(self, log=print, agree=lambda ok: ok, reasons: dict | None = None, plain: Callable | None = None,
+                 lean: bool = True):
         self.log, self.agree = log, agree
-        self.decided = {role: None if enabled else False for role in self.ROLES}
-        self.difference = {}  # role -> what the check measured: max |shared - plain| (and the gradients' relative)
+        self.plain = plain or response_logps  # the forward a role falls back to, and the one checks compare with
+        self.lean = lean  # SharedPrefix.logps's own log-probs through the lean kernels (--lean_logps)
+        self.decided = dict.fromkeys(self.ROLES)
         for role, reason in (reasons or {}).items():
-            if enabled and reason:
+            if reason:
                 self.decided[role] = False
                 log(f"{role}: each sample reads its prompt itself ({reason})")
 
     @classmethod
-    def for_run(cls, args: Args, accelerator, log=print) -> PrefixSharing:
+    def for_run(cls, args: Args, accelerator, log=print, plain: Callable | None = None,
+                teacher_replaced: bool = False) -> PrefixSharing:
         """The run's checks, agreed on by every process. With sharded weights every forward gathers them from
         every process, so all must run the same forwards: rollouts keep generate() (synced_gpus) and the update
-        one forward per sample."""
+        one forward per sample. A replaced teacher forward (main's teacher_forward) is not ours to share."""
         n = accelerator.num_processes
         agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
                                               reduction="sum").item() == n
         reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
-        return cls(args.share_prompt_prefix, log, agree, {"student": reason, "rollout": reason})
+        sharing = cls(log, agree, {"student": reason, "rollout": reason}, plain, args.lean_logps)
+        if teacher_replaced:
+            sharing.decided["teacher"] = False
+        return sharing
 
-    def pending(self, models: Models) -> bool:
-        """True while a role the step uses has not been checked (a replaced teacher scoring call uses none)."""
-        return any(self.decided[role] is None for role in self.ROLES
-                   if not (role == "teacher" and models.teacher_logps is not None))
+    def pending(self) -> bool:
+        """True while a role has not been checked."""
+        return any(decision is None for decision in self.decided.values())
 
     def run_checks(self, models: Models, rollout: Rollout, args: Args) -> bool:
         """The pending checks on `rollout` (check_rollout). Returns False when the rollouts were sampled on the
         shared prompts and their check failed: the step must sample them again with generate()."""
         resample = False
         if self.decided["rollout"] is None:
-            config = models.sample_config  # end tokens held back (min_new_tokens) were not in the sampled distribution
+            config = models.sampling.config  # end tokens held back (min_new_tokens) were not in the sampled one
             held_back = (torch.tensor(config.eos_token_id), config.min_new_tokens) if config.min_new_tokens else None
-            self.decided["rollout"] = self.check("rollout", models.policy, rollout, models.ignore_ids, args.temperature,
-                                                 held_back)
+            self.decided["rollout"] = self.check("rollout", unwrap(models.student), rollout, models.ignore_ids,
+                                                 args.temperature, held_back)
             resample = not self.decided["rollout"]
-        if self.decided["teacher"] is None and models.teacher_logps is None:
+        if self.decided["teacher"] is None:
             self.decided["teacher"] = self.check("teacher", models.teacher, rollout, models.ignore_ids)
         if self.decided["student"] is None:
             self.decided["student"] = self.check("student", models.student, rollout, models.ignore_ids,
@@ -2412,7 +2624,13 @@ class PrefixSharing:
         role not checked yet is checked on this rollout first)."""
         if self.decided[role] is None:
             self.decided[role] = self.check(role, model, rollout, ignore_ids, temperature)
-        return (SharedPrefix.logps if self.decided[role] else response_logps)(model, rollout, ignore_ids, temperature)
+        if self.decided[role]:
+            return SharedPrefix.logps(model, rollout, ignore_ids, temperature, self.lean)
+        return self.plain(model, rollout, ignore_ids, temperature)
+
+    def forward(self, role: str) -> Callable:
+        """`role`'s scoring forward, (model, rollout, ignore_ids, temperature=1.0) -> (n, R), for Models."""
+        return functools.partial(self.logps, role)
 
     def all_shared(self) -> bool:
         """True once no forward reads every row's prompt: rollouts then need not encode it."""
@@ -2440,11 +2658,11 @@ class PrefixSharing:
                 raise ValueError("the rollouts carry no distinct prompts (--share_prompt_prefix off when made)")
             if role == "rollout":
                 with torch.no_grad(), evaluating(model):
-                    plain = response_logps(model, rollout, ignore_ids, temperature)
+                    plain = self.plain(model, rollout, ignore_ids, temperature)
                     if held_back is not None:
                         ends, positions = held_back
                         without = ends if ignore_ids is None else torch.cat([ignore_ids, ends.to(ignore_ids.device)])
-                        plain[:, :positions] = response_logps(model, rollout, without, temperature)[:, :positions]
+                        plain[:, :positions] = self.plain(model, rollout, without, temperature)[:, :positions]
                 ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
             else:
                 ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
@@ -2460,7 +2678,6 @@ class PrefixSharing:
 
     def _compare_values(self, role: str, plain, shared, valid, tolerance: float, what: str = "values") -> tuple:
         difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
-        self.difference[role] = {"values": difference}
         ok = math.isfinite(difference) and difference <= tolerance
         return ok, f"{what} {'equal' if ok else 'differ'}: max |difference| {difference:.2e}, tolerance {tolerance:.0e}"
 
@@ -2471,7 +2688,7 @@ class PrefixSharing:
         weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)).to(valid.device) * valid
         logps, grads = {}, {}
         with torch.enable_grad() if trainable else torch.no_grad(), _dropout_off(model):
-            for path, fn in (("plain", response_logps), ("shared", SharedPrefix.logps)):
+            for path, fn in (("plain", self.plain), ("shared", functools.partial(SharedPrefix.logps, lean=self.lean))):
                 out = fn(model, rollout, ignore_ids, temperature)
                 if trainable:
                     found = torch.autograd.grad((out * weights).sum(), trainable, allow_unused=True)
@@ -2481,7 +2698,6 @@ class PrefixSharing:
         ok, why = self._compare_values(role, logps["plain"], logps["shared"], valid, tolerance)
         if ok and trainable:
             relative = ((grads["shared"] - grads["plain"]).norm() / grads["plain"].norm().clamp(min=1e-30)).item()
-            self.difference[role]["gradient"] = relative
             ok = math.isfinite(relative) and relative <= tolerance
             why += (f"; gradients {'equal' if ok else 'differ'}: relative difference {relative:.2e}, "
                     f"tolerance {tolerance:.0e}")
@@ -2507,12 +2723,12 @@ class MismatchWatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# Speed-up 3, the sampler. Replaces torch.multinomial (slow at a 150k vocabulary) with an exact
+# Speed-up 3, the sampler (--fast_sampler). Replaces multinomial (slow at a 150k vocabulary) with an exact
 # inverse CDF in two levels. Checked by sampling frequencies (tests/test_prompt_sharing.py).
 # ---------------------------------------------------------------------------------------------
 
 
-def draw_tokens(probs: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None = None, block: int = 1024) -> torch.Tensor:
     """(n, V) probabilities (rows summing to ~1, zeros allowed) -> (n, 1) ids, one exact sample per row.
 
     Inverse CDF at one uniform number per row, in two levels: first the block of `block` ids (float32 block
@@ -2526,7 +2742,7 @@ def draw_tokens(probs: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if full < V:
         sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
     cum = sums.double().cumsum(-1)  # (n, blocks)
-    u = (1.0 - torch.rand(n, 1, dtype=torch.float64, device=probs.device)) * cum[:, -1:]
+    u = (1.0 - torch.rand(n, 1, dtype=torch.float64, device=probs.device, generator=generator)) * cum[:, -1:]
     k = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # (n, 1) the block
     before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), 0.0)
     ids = k * block + torch.arange(block, device=probs.device)  # (n, block); the last block may run past V
