@@ -1,7 +1,7 @@
 """OPD vs GNDPO (and whitening's two halves): runs gndpo_minimal.py (the repository root's) for each advantage
 mode, learning rate and seed, then writes a table (docs/studies/<tag>.md) and plots per step of grad norm,
 reverse KL, response length and, with --eval_steps, greedy accuracy (docs/studies/<tag>.png). The page that
-discusses them is docs/opd_vs_gndpo_study.md.
+discusses them is docs/studies/README.md.
 
     python studies/compare_opd_gndpo.py --seeds 0 1 2            # runs, then tabulates and plots
     python studies/compare_opd_gndpo.py --seeds 0 1 2 --jobs 2   # two runs at a time, one thread each

@@ -172,7 +172,7 @@ pd.DataFrame({
 # less than 2x; the grad norms differ in level (GNDPO's advantages have unit variance in every batch), and neither
 # run needed clipping here. GNDPO's point is that the size of an update no longer follows the raw scores: when a
 # batch holds many clamped outlier tokens, OPD's gradient grows with them and `max_grad_norm` has to cut it back,
-# while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/opd_vs_gndpo_study.md) measures that with a
+# while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/studies/README.md) measures that with a
 # student that is confidently wrong (OPD's median grad norm twice GNDPO's, OPD clipped on 16% of its steps, GNDPO on
 # 1%), and compares the two modes over three seeds with the default settings (`python studies/compare_opd_gndpo.py`
 # reruns it).

@@ -33,7 +33,7 @@
 # * the per-token scores of one trace drawn over its text, so the outlier states are visible where they sit.
 #
 # The settings are small (30 steps of 16 prompts) so that the notebook runs in about two minutes on 2 CPU cores;
-# [the study](../docs/opd_vs_gndpo_study.md) runs 4 modes x 3 seeds for longer.
+# [the study](../docs/studies/README.md) runs 4 modes x 3 seeds for longer.
 
 # %%
 import contextlib
@@ -331,4 +331,4 @@ print("step-1 response:",
 #   training the few remaining disagreements and the sampling noise of agreed-on tokens get the same spread that
 #   the outliers had at the start.
 # * Whether that matters for accuracy or stability is what the study measures over 4 modes x 3 seeds:
-#   [docs/opd_vs_gndpo_study.md](../docs/opd_vs_gndpo_study.md).
+#   [docs/studies/README.md](../docs/studies/README.md).
