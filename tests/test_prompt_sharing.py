@@ -8,6 +8,7 @@ positions, left padding) carries the mechanics.
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -31,17 +32,26 @@ def pair(untrained_models):
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=16, log=None)
-    prompts = g.step_prompts(ds, keep, args, step=0).prompts
+    step = g.step_prompts(ds, keep, args, step=0)
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, sample_config, args)
+    rollout = g.rollout(student, processor, step.prompts, step.group_ids, g.Sampling(sample_config, g.draw_tokens),
+                        args)
     return {"args": args, "processor": processor, "student": student, "teacher": teacher, "rollout": rollout,
-            "prompts": prompts, "ignore_ids": torch.tensor(sample_config.suppress_tokens), "config": sample_config}
+            "prompts": step.prompts, "step": step, "ignore_ids": torch.tensor(sample_config.suppress_tokens),
+            "config": sample_config}
 
 
-def test_distinct_prompts_follow_object_identity():
-    a, b = ("q", []), ("q", [])  # equal, but two draws of the same row: two prompts
-    assert g.distinct_prompts([a, a, b, b]) == ([a, b], [0, 0, 1, 1])
-    assert g.distinct_prompts([a, b, a, b]) == ([a, b], [0, 1, 0, 1])
+def measured(log: str, what: str) -> float:
+    """The number a check's log line gives after `what` ("max |difference|", "relative difference")."""
+    return float(re.search(re.escape(what) + r" ([-+0-9.e]+)", log).group(1))
+
+
+def test_distinct_prompts_follow_the_group_ids():
+    a, b = ("q", []), ("r", [])
+    assert g.distinct_prompts([a, a, b, b], [7, 7, 9, 9]) == ([a, b], [0, 0, 1, 1])
+    assert g.distinct_prompts([a, b, a, b], [7, 9, 7, 9]) == ([a, b], [0, 1, 0, 1])
+    # the same row drawn twice in a step is two prompts when its group ids say so, whatever the objects
+    assert g.distinct_prompts([a, a, a, a], [1, 1, 2, 2]) == ([a, a], [0, 0, 1, 1])
 
 
 def test_rollout_carries_each_distinct_prompt_once(pair):
@@ -94,7 +104,7 @@ def test_the_check_falls_back_when_the_shared_forward_differs(pair):
             plain = g.response_logps(teacher, rollout, ignore)
     finally:
         hook.remove()
-    assert sharing.decided["teacher"] is False and sharing.difference["teacher"]["values"] > 1e-2
+    assert sharing.decided["teacher"] is False and measured(logs[0], "max |difference|") > 1e-2
     assert len(logs) == 1 and "falling back" in logs[0] and "max |difference|" in logs[0]
     assert torch.equal(first, plain) and torch.equal(again, plain)
 
@@ -124,32 +134,41 @@ def test_the_check_passes_and_another_process_can_veto_it(pair):
         ok.logps("teacher", pair["teacher"], pair["rollout"], pair["ignore_ids"])
         vetoed = g.PrefixSharing(log=logs.append, agree=lambda mine: False)
         vetoed.logps("teacher", pair["teacher"], pair["rollout"], pair["ignore_ids"])
-    assert ok.decided["teacher"] is True and ok.difference["teacher"]["values"] < 1e-4 and "read once" in logs[0]
+    assert ok.decided["teacher"] is True and measured(logs[0], "max |difference|") < 1e-4 and "read once" in logs[0]
     assert vetoed.decided["teacher"] is False and "another process" in logs[1]
 
 
 def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
     args = dataclasses.replace(pair["args"], share_prompt_prefix=False)
     torch.manual_seed(0)
-    rollout = g.rollout(pair["student"], pair["processor"], pair["prompts"], pair["config"], args)
+    step = pair["step"]
+    rollout = g.rollout(pair["student"], pair["processor"], step.prompts, step.group_ids,
+                        g.Sampling(pair["config"], g.draw_tokens), args)
     assert rollout.prompt_inputs is None and rollout.prompt_index is None
     assert torch.equal(rollout.response_ids, pair["rollout"].response_ids)  # sampling does not depend on the flag
-    sharing = g.PrefixSharing.for_run(args, Accelerator(cpu=True))
-    assert sharing.decided == {"teacher": False, "student": False, "rollout": False}
+    plain = dataclasses.replace(args, lean_logps=False, fast_sampler=False)
+    for flags, forward, draw in ((args, g.lean_response_logps, g.draw_tokens),
+                                 (plain, g.response_logps, g.multinomial)):
+        models = g.make_models(flags, Accelerator(cpu=True), pair["processor"], pair["student"], pair["teacher"])
+        assert models.sampling.sharing is None and models.sampling.draw is draw
+        assert models.teacher_forward is forward and models.student_forward is forward
+    assert models.sampling.sharing_summary() == {"teacher": False, "student": False, "rollout": False}
     # gradient checkpointing leaves every decision to its check
     sharing = g.PrefixSharing.for_run(dataclasses.replace(pair["args"], gradient_checkpointing=True),
                                       Accelerator(cpu=True))
     assert sharing.decided == {"rollout": None, "teacher": None, "student": None}
 
 
-def test_the_sampler_draws_from_the_tempered_distribution():
-    """SampledTokenLogps draws by inverse CDF: frequencies follow softmax(scores / T), suppressed ids never come
-    out, and the log-prob it records is the drawn token's under that distribution."""
+@pytest.mark.parametrize("draw", [g.draw_tokens, g.multinomial], ids=["draw_tokens", "multinomial"])
+def test_the_sampler_draws_from_the_tempered_distribution(draw):
+    """SampledTokenLogps draws by inverse CDF (the fast sampler) or torch.multinomial (its plain path): frequencies
+    follow softmax(scores / T), suppressed ids never come out, and the log-prob it records is the drawn token's
+    under that distribution."""
     V, n, T = 6, 40_000, 0.7
     scores = torch.tensor([[1.0, 0.0, -1.0, 5.0, 2.0, 0.5]]).repeat(n, 1)
     expected = (scores[0].index_fill(0, torch.tensor([3]), float("-inf")) / T).softmax(-1).double()
-    torch.manual_seed(0)
-    sampler = g.SampledTokenLogps(T, suppress_ids=[3])  # id 3 would take most of the mass
+    # id 3 would take most of the mass; the step's own generator, not the global one
+    sampler = g.SampledTokenLogps(T, [3], draw, torch.Generator().manual_seed(0))
     out = sampler(torch.zeros(n, 1, dtype=torch.long), scores.clone())
     drawn = out.argmax(-1)  # what generate()'s greedy decoding takes
     assert torch.isinf(out).sum() == n * (V - 1)
@@ -159,6 +178,24 @@ def test_the_sampler_draws_from_the_tempered_distribution():
     torch.testing.assert_close(sampler.finish()[:, 0], expected.log().float()[drawn])
 
 
+def test_the_lean_forward_equals_the_plain_one_in_values_and_gradients(pair):
+    """--lean_logps: lean_response_logps (head_logps, no (n, R, V) logits) against response_logps
+    (log_softmax(logits).gather), on the student's rollout, at a temperature: values and every LoRA gradient."""
+    student, rollout, ignore = pair["student"], pair["rollout"], pair["ignore_ids"]
+    weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    out = {}
+    for fn in (g.response_logps, g.lean_response_logps):
+        logps = fn(student, rollout, ignore, 0.7)
+        out[fn] = (logps.detach(), torch.autograd.grad((logps * weights * rollout.response_mask).sum(), trainable))
+    valid = rollout.response_mask.bool()
+    plain, lean = out[g.response_logps], out[g.lean_response_logps]
+    torch.testing.assert_close(lean[0][valid], plain[0][valid], atol=1e-5, rtol=0)
+    assert sum(grad.abs().sum() for grad in plain[1]) > 0  # LoRA's A has none yet (B starts at 0), B has
+    for a, b in zip(lean[1], plain[1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
 def test_draw_tokens_is_exact_across_blocks():
     """The two-level inverse CDF (block, then id in the block) over a vocabulary that does not fill its last
     block: mass in several blocks, zeros between, never an id of probability 0 or beyond the vocabulary."""
@@ -166,7 +203,7 @@ def test_draw_tokens_is_exact_across_blocks():
     probs = torch.zeros(V)
     probs[[0, 1023, 1024, 2047, 2499]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
     torch.manual_seed(0)
-    drawn = g.draw_tokens(probs.repeat(n, 1), block=1024)[:, 0]
+    drawn = g.draw_tokens(probs.repeat(n, 1), torch.Generator().manual_seed(0), block=1024)[:, 0]
     freq = torch.bincount(drawn, minlength=V).double() / n
     assert drawn.max() < V and (freq[probs == 0] == 0).all()
     assert (freq - probs.double()).abs().max() < 4 * (0.25 / n) ** 0.5
@@ -174,8 +211,9 @@ def test_draw_tokens_is_exact_across_blocks():
 
 @pytest.mark.slow
 def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, tmp_path):
-    """Same seed, flag on and off: every metric of 2 steps equal up to float32 rounding; the run records which
-    forwards read the prompt once."""
+    """Same seed, the speed-ups of the forwards on (each prompt read once, lean log-probs) and off (the plain
+    forward): every metric of 2 steps equal up to float32 rounding; the run records which forwards read the prompt
+    once."""
     runs = {}
     for share in (True, False):
         out = str(tmp_path / str(share))
@@ -183,7 +221,7 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
                                 teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
                                 num_generations=3, micro_batch_size=6, max_new_tokens=6, max_train_samples=16,
                                 num_eval_samples=0, max_steps=2, save_steps=0, output_dir=out,
-                                share_prompt_prefix=share))
+                                share_prompt_prefix=share, lean_logps=share))
         with open(os.path.join(out, "metrics.jsonl")) as f:
             runs[share] = ([json.loads(line) for line in f], summary)
     assert runs[True][1]["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
@@ -232,8 +270,8 @@ def test_the_check_falls_back_when_values_agree_but_the_gradient_does_not(pair):
         assert not sharing.check("student", student, rollout, ignore, 1.0)
     finally:
         hook.remove()
-    assert sharing.difference["student"]["values"] < 1e-5  # the values were right
-    assert sharing.difference["student"]["gradient"] > 0.1
+    assert measured(logs[0], "max |difference|") < 1e-5  # the values were right
+    assert measured(logs[0], "relative difference") > 0.1
     assert "values equal" in logs[0] and "gradients differ" in logs[0] and "falling back" in logs[0]
 
 
@@ -241,25 +279,26 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
     """check_rollout takes the rows of the first two distinct prompts, all G samples of each, even when the
     micro-batches hold one row each: rows of different prompts meet in the check's forwards."""
     args = dataclasses.replace(pair["args"], micro_batch_size=1)
-    check = g.check_rollout(pair["processor"], pair["prompts"], [pair["rollout"]], args)
+    check = g.check_rollout(pair["processor"], pair["step"], [pair["rollout"]], args)
     assert check.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
     assert check.prompt_inputs["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
     torch.testing.assert_close(check.sampled_logps, pair["rollout"].sampled_logps[:6, :check.sampled_logps.shape[1]])
-    cut = g.check_rollout(pair["processor"], pair["prompts"], [pair["rollout"]], args, max_tokens=2)
+    cut = g.check_rollout(pair["processor"], pair["step"], [pair["rollout"]], args, max_tokens=2)
     assert cut.response_ids.shape == (6, 2)
 
 
 def sampling_models(pair, sharing, student=None) -> g.Models:
     """Models for sample_rollouts on the pair: the fp32 teacher, the student (or another), the given checks."""
     student = student if student is not None else pair["student"]
-    return g.Models(student, student, pair["teacher"], pair["processor"], pair["config"], pair["ignore_ids"], sharing)
+    return g.Models(student, pair["teacher"], pair["processor"], pair["ignore_ids"],
+                    sampling=g.Sampling(pair["config"], g.draw_tokens, sharing=sharing))
 
 
 def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
     """The first step samples on the shared prompts, and the log-probs it recorded are compared with the plain
     forward over the same tokens. A policy whose forward on a cache is off fails that check: the step is sampled
     again with generate(), with one log line, and every later step uses generate() too."""
-    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)], [None] * 12)
+    prompts = pair["step"]
     student = pair["student"]
 
     def off_on_a_cache(module, args, kwargs, output):
@@ -272,7 +311,6 @@ def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
         logs = []
         sharing = g.PrefixSharing(log=logs.append)
         sharing.decided.update(teacher=True, student=True)  # only the rollout's check is pending
-        torch.manual_seed(0)
         rollouts = g.sample_rollouts(sampling_models(pair, sharing), prompts, pair["args"])
     finally:
         hook.remove()
@@ -293,8 +331,7 @@ def test_rollouts_share_under_gradient_checkpointing_and_their_check_passes(pair
     student.train()
     logs = []
     sharing = g.PrefixSharing.for_run(args, Accelerator(cpu=True), logs.append)
-    prompts = g.StepPrompts(0, 0, pair["prompts"], [i // 3 for i in range(12)], [None] * 12)
-    torch.manual_seed(0)
+    prompts = pair["step"]
     rollouts = g.sample_rollouts(sampling_models(pair, sharing, student), prompts, args)
     assert sharing.decided == {"rollout": True, "teacher": True, "student": True}, logs
     assert "gradients equal" in logs[2]
@@ -315,7 +352,7 @@ def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equal
         student.train()
         layer = next(m for m in student.modules() if type(m).__name__.endswith("DecoderLayer"))
         calls = []
-        layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        layer.mlp.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         logps = fn(student, rollout, ignore)
         forward_calls = len(calls)
         (logps * weights * rollout.response_mask).sum().backward()
@@ -341,7 +378,8 @@ def test_rollouts_sample_from_the_policy_without_dropout(pair):
         p.data = torch.randn(p.shape, generator=gen) * 0.3  # an adapter large enough for dropout to show
     student.train()
     torch.manual_seed(0)
-    rollout = g.rollout(student, pair["processor"], pair["prompts"], pair["config"], args)
+    rollout = g.rollout(student, pair["processor"], pair["prompts"], pair["step"].group_ids, g.Sampling(pair["config"]),
+                        args)
     assert student.training  # put back as it was
     valid = rollout.response_mask.bool()
     with torch.no_grad():
