@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-import tiny_world  # noqa: E402
+from worlds import tiny_world  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,5 +24,5 @@ def trained_models() -> str:
     """The shipped assets/tiny folder (trained teacher/ and student/)."""
     path = os.path.join(ROOT, "assets", "tiny")
     if not os.path.isdir(os.path.join(path, "teacher")):
-        pytest.fail("assets/tiny is missing: regenerate it with `python tiny_world.py --out assets/tiny`")
+        pytest.fail("assets/tiny is missing: regenerate it with `python -m worlds.tiny_world --out assets/tiny`")
     return path

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gndpo_minimal as g  # noqa: E402
-import tiny_world  # noqa: E402
+from worlds import tiny_world  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import set_seed
 
 import gndpo_minimal as g
-import tiny_world
+from worlds import tiny_world
 
 pytestmark = pytest.mark.slow  # every test here loads models and runs the step
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import gndpo_minimal as g
-import tiny_world
+from worlds import tiny_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")

@@ -1,4 +1,4 @@
-"""Every model family gndpo_minimal.py claims to train, proven on a tiny random stand-in (tiny_families.py).
+"""Every model family gndpo_minimal.py claims to train, proven on a tiny random stand-in (worlds/tiny_families.py).
 
 Per family: one GNDPO step through main() (LoRA student, 4-bit teacher of the same family); sampling log-probs
 equal to the training forward's (positions, image tokens and token types passed right); the teacher's scoring
@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 import gndpo_minimal as g
-import tiny_families
 from estimate_memory import lora_layers, meta_model, nf4_weights
+from worlds import tiny_families
 
 pytestmark = pytest.mark.slow  # each family trains one step through main()
 
@@ -30,7 +30,7 @@ RUNS: dict[str, dict] = {}
 @pytest.fixture(scope="session")
 def family_data(tmp_path_factory) -> str:
     """8 rows of the shapes task as one parquet file (it serves every split)."""
-    import tiny_world
+    from worlds import tiny_world
 
     path = str(tmp_path_factory.mktemp("family_data") / "shapes.parquet")
     tiny_world.make_dataset(8, seed=5).to_parquet(path)
@@ -297,7 +297,7 @@ def test_the_end_of_an_assistant_turn_is_an_end_token(models):
 @family_params()
 def test_a_prompt_starts_with_the_templates_bos_once(models):
     """A template that writes <bos> itself (Gemma 3's) must not get a second one from the tokenizer."""
-    import tiny_world
+    from worlds import tiny_world
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(os.path.join(models, "student"))
@@ -320,7 +320,7 @@ def test_left_padding_changes_no_logprob(models):
     a chunked delta rule's float32 rounding (its chunks start elsewhere in a padded row) grows to ~1e-3."""
     import dataclasses
 
-    import tiny_world
+    from worlds import tiny_world
     from transformers import AutoProcessor
 
     args = family_args(models, "", "/nonexistent", max_new_tokens=6)

@@ -197,7 +197,7 @@ def test_estimate_memory_script_takes_the_runs_flags_and_local_config_folders(tm
 
 def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
     """Prompts of the tiny task and one rollout of the untrained student, as main() makes them."""
-    import tiny_world
+    from worlds import tiny_world
     from transformers import AutoProcessor
 
     args = g.Args(student_model=os.path.join(untrained_models, "student"),
@@ -256,9 +256,9 @@ def test_activation_bound_matches_what_autograd_saves(untrained_models):
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
-    """Stand-ins of other decoder layouts (tiny_families.py), built once: Qwen3-VL (q/k norms, head_dim
+    """Stand-ins of other decoder layouts (worlds/tiny_families.py), built once: Qwen3-VL (q/k norms, head_dim
     set apart from hidden / heads) and Qwen3.5 (gated attention between gated delta net layers)."""
-    import tiny_families
+    from worlds import tiny_families
 
     built = {}
 
@@ -473,8 +473,8 @@ RECIPE_FAMILY = {"qwen2.5vl": "qwen2_5_vl", "internvl3.5": "internvl", "gemma3":
 def test_every_recipe_runs_one_step_on_its_familys_stand_in(recipe, geometry3k_dir, tmp_path):
     """Each recipe's settings (LoRA with gradient checkpointing, its micro-batch and generation batch, the
     think/boxed instruction, 4-bit teacher, Geometry3K columns) run one step through main() on a tiny random
-    stand-in of the recipe's model family (tiny_families.py): no recipe is untested code."""
-    import tiny_families
+    stand-in of the recipe's model family (worlds/tiny_families.py): no recipe is untested code."""
+    from worlds import tiny_families
 
     family = next(f for key, f in RECIPE_FAMILY.items() if key in os.path.basename(recipe))
     models = tiny_families.build(family, str(tmp_path / "models"))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import tiny_world as w
+from worlds import tiny_world as w
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ def test_sft_batch_labels_cover_the_trace(trace_tok):
 
 
 def test_shipped_trace_world_meets_its_targets():
-    """assets/trace as built by `python tiny_world.py --variant trace --out assets/trace` (see its build.log)."""
+    """assets/trace as built by `python -m worlds.tiny_world --variant trace --out assets/trace` (see its build.log)."""
     path = os.path.join(ROOT, "assets", "trace")
     report = json.load(open(os.path.join(path, "world.json")))
     assert report["variant"] == "trace"

@@ -25,13 +25,10 @@
 
 # %%
 import os
-import sys
-import warnings
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
-sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+from tutorials.notebook_setup import ROOT, quiet_outputs
+
+quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
 import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
@@ -41,8 +38,8 @@ from gndpo_minimal import Args, build_messages, encode_prompts, load_split, prep
 
 args = Args()  # the script's defaults: the shapes task's dataset and the tiny models, all in assets/tiny
 processor = AutoProcessor.from_pretrained(args.student_model)
-print("dataset:", os.path.relpath(args.dataset_name), "| student:", os.path.relpath(args.student_model),
-      "| teacher:", os.path.relpath(args.teacher_model))
+print("dataset:", os.path.relpath(args.dataset_name, ROOT), "| student:", os.path.relpath(args.student_model, ROOT),
+      "| teacher:", os.path.relpath(args.teacher_model, ROOT))
 print("columns: image =", repr(args.image_column), " question =", repr(args.question_column),
       " answer =", repr(args.answer_column), " instruction =", repr(args.instruction))
 
@@ -50,7 +47,7 @@ print("columns: image =", repr(args.image_column), " question =", repr(args.ques
 # ## The training split
 #
 # The default `--dataset_name` is `assets/tiny/data`: a folder holding `train.parquet` and `test.parquet`, with
-# the images stored as PNG bytes (`tiny_world.py` wrote it once). `load_split` reads a split of it with
+# the images stored as PNG bytes (`worlds/tiny_world.py` wrote it once). `load_split` reads a split of it with
 # `datasets.load_dataset`, the same call that reads a Hub dataset or a user's own files, so the tiny task takes
 # exactly the path real data takes. Each row has 1-4 shapes of one kind and one color on a 112x112 canvas, one
 # of three questions, and a one-word answer; the `kind` column is not used for training. The rows are fixed:

@@ -24,29 +24,30 @@
 
 # %%
 import dataclasses
-import logging
-import os
-import sys
-import warnings
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
-# On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
-# uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+from tutorials.notebook_setup import quiet_outputs
+
+quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import torch
 from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, SharedPrefix, generation_configs, grade_answer, load_split, load_student,
-                           prepare_split, response_logps, rollout, row_images, step_seed)
-from plotting import token_grid  # tutorials/plotting.py: display helpers
+from gndpo_minimal import (
+    Args,
+    SharedPrefix,
+    generation_configs,
+    grade_answer,
+    load_split,
+    load_student,
+    prepare_split,
+    response_logps,
+    rollout,
+    row_images,
+    step_seed,
+)
+from tutorials.plotting import token_grid  # display helpers
 
 args = Args()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
 device, dtype = torch.device("cpu"), torch.float32

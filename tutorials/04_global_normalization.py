@@ -30,19 +30,10 @@
 
 # %%
 import dataclasses
-import logging
-import os
-import sys
-import warnings
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
-# On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
-# uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+from tutorials.notebook_setup import quiet_outputs
+
+quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -51,9 +42,21 @@ import torch
 from matplotlib.ticker import NullLocator
 from transformers import AutoProcessor
 
-from gndpo_minimal import (Args, generate_and_score, load_split, load_student, load_teacher, make_accelerator,
-                           make_models, make_optimizer, normalize_scores, pad_cat, prepare_split, step_prompts,
-                           update_student)
+from gndpo_minimal import (
+    Args,
+    generate_and_score,
+    load_split,
+    load_student,
+    load_teacher,
+    make_accelerator,
+    make_models,
+    make_optimizer,
+    normalize_scores,
+    pad_cat,
+    prepare_split,
+    step_prompts,
+    update_student,
+)
 
 args = Args(prompts_per_step=8, max_train_samples=64)  # B = 8 prompts (the default run: 32) from the first 64 rows
 accelerator, accum = make_accelerator(args)  # as main(): checks the arguments; accum = micro-batches per update

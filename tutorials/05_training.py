@@ -32,26 +32,16 @@ import contextlib
 import io
 import json
 import os
-import sys
-import warnings
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
-sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+from tutorials.notebook_setup import ROOT, quiet_outputs
+
+quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
 import matplotlib.pyplot as plt
 import pandas as pd
-import tqdm.auto
-import tqdm.std
 from matplotlib.ticker import MaxNLocator
 
 from gndpo_minimal import Args, main
-
-# main() draws its progress bar with tqdm.auto, which in a notebook is the widget bar, and the widget bar ignores
-# TQDM_DISABLE: hand it the plain bar, which honours it, so no frozen "0%" bar is saved with the outputs.
-tqdm.auto.tqdm = tqdm.std.tqdm
 
 settings = dict(
     max_steps=20,            # optimizer steps
@@ -64,14 +54,15 @@ settings = dict(
     save_steps=0,            # only the final checkpoint
 )
 defaults = Args()  # everything not in `settings` keeps the script's default
-print(f"student {os.path.relpath(defaults.student_model)}, teacher {os.path.relpath(defaults.teacher_model)} "
-      f"(4-bit: {defaults.teacher_4bit}), LoRA r={defaults.lora_r}, learning rate {defaults.learning_rate:g}, "
+print(f"student {os.path.relpath(defaults.student_model, ROOT)}, "
+      f"teacher {os.path.relpath(defaults.teacher_model, ROOT)} (4-bit: {defaults.teacher_4bit}), "
+      f"LoRA r={defaults.lora_r}, learning rate {defaults.learning_rate:g}, "
       f"max_grad_norm {defaults.max_grad_norm:g}, loss {defaults.loss_type}")
 
 
 def train(mode):
     """Runs gndpo_minimal.main() with the given advantage mode; returns (summary, per-step metrics)."""
-    out = os.path.join("runs", "tutorial", mode)  # runs/ is git-ignored
+    out = os.path.join(ROOT, "runs", "tutorial", mode)  # runs/ is git-ignored
     log, progress = io.StringIO(), io.StringIO()  # main()'s metrics lines (every logging_steps): kept out of the page
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
@@ -79,8 +70,8 @@ def train(mode):
     except Exception:
         print(log.getvalue()[-4000:], progress.getvalue()[-4000:], sep="\n")
         raise
-    root = os.path.dirname(os.getcwd()) + os.sep
-    print("\n".join(line.replace(root, "") for line in log.getvalue().splitlines() if not line.startswith("step=")))
+    lines = [line.replace(ROOT + os.sep, "") for line in log.getvalue().splitlines() if not line.startswith("step=")]
+    print("\n".join(lines))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return summary, pd.DataFrame([json.loads(line) for line in f])
 

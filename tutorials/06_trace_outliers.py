@@ -39,40 +39,28 @@
 import contextlib
 import io
 import json
-import logging
 import os
-import sys
-import warnings
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the saved outputs
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
-# On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
-# uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-sys.path.insert(0, os.path.abspath(".."))  # the repository root, where gndpo_minimal.py lives
+from tutorials.notebook_setup import ROOT, quiet_outputs
+
+quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-import tqdm.auto
-import tqdm.std
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 from transformers import AutoTokenizer
 
 from gndpo_minimal import Args, distill_scores, main, pad_cat, policy_loss, response_logps
-from plotting import token_label  # tutorials/plotting.py: display helpers
+from tutorials.plotting import token_label  # display helpers
 
-tqdm.auto.tqdm = tqdm.std.tqdm  # the plain bar honours TQDM_DISABLE (notebook 5 explains why)
-
-TRACE = os.path.join("..", "assets", "trace")
+TRACE = os.path.join(ROOT, "assets", "trace")
 settings = dict(
-    student_model=os.path.abspath(os.path.join(TRACE, "student")),
-    teacher_model=os.path.abspath(os.path.join(TRACE, "teacher")),
-    dataset_name=os.path.abspath(os.path.join(TRACE, "data")),
+    student_model=os.path.join(TRACE, "student"),
+    teacher_model=os.path.join(TRACE, "teacher"),
+    dataset_name=os.path.join(TRACE, "data"),
     max_new_tokens=38,       # the traces' longest (assets/trace/world.json)
     require_think=True,      # well-formed = <think>...</think> then \boxed{}
     max_steps=30,            # optimizer steps
@@ -127,7 +115,7 @@ def train(mode):
             raw[now["step"]]["advantages"].append(advantages.detach().cpu())
         return policy_loss(logps, old_logps, advantages, mask, *rest)
 
-    out = os.path.join("runs", "tutorial_trace", mode)  # runs/ is git-ignored
+    out = os.path.join(ROOT, "runs", "tutorial_trace", mode)  # runs/ is git-ignored
     log, progress = io.StringIO(), io.StringIO()  # main()'s metrics lines and warnings: kept out of the page
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
@@ -142,7 +130,7 @@ def train(mode):
           f"{settings['num_eval_samples']} held-out rows, {summary['wall_seconds']:.0f} s")
     captures = {}
     for step, r in raw.items():
-        cat = lambda key: pad_cat([c[key] for c in r["micro_batches"]])  # noqa: E731  (micro-batches -> (n, R))
+        cat = lambda key, r=r: pad_cat([c[key] for c in r["micro_batches"]])  # micro-batches -> (n, R)
         mask = cat("response_mask")
         captures[step] = {"ids": cat("response_ids"), "mask": mask.bool(), "advantages": pad_cat(r["advantages"]),
                           "scores": distill_scores(cat("teacher"), cat("sampled_logps"), mask, defaults.score_clip)}

@@ -10,10 +10,10 @@ It builds, from a seed and with no network:
     written with `save_pretrained` and later loaded back with `from_pretrained`, exactly
     the path a real checkpoint takes.
 
-The shipped weights and dataset in `assets/tiny/` are regenerated with:
+The shipped weights and dataset in `assets/tiny/` are regenerated, from the repository root, with:
 
-    python tiny_world.py --out assets/tiny --seed 0       # models (about 40 min on 2 cores) and data
-    python tiny_world.py --out assets/tiny --data_only    # the dataset alone (assets/tiny/data, seconds)
+    python -m worlds.tiny_world --out assets/tiny --seed 0       # models (about 40 min on 2 cores) and data
+    python -m worlds.tiny_world --out assets/tiny --data_only    # the dataset alone (assets/tiny/data, seconds)
 
 A second variant of the same world, "trace", answers with a short reasoning trace that names what the
 image shows before the boxed word (37 tokens on average instead of 6), e.g.
@@ -23,7 +23,7 @@ image shows before the boxed word (37 tokens on average instead of 6), e.g.
 
 so the student's misconception is a few wrong words inside a long response that is otherwise agreed on:
 
-    python tiny_world.py --variant trace --out assets/trace   # models (SFT only, reusing assets/tiny's vision towers) and data
+    python -m worlds.tiny_world --variant trace --out assets/trace   # models (SFT only, assets/tiny's vision towers)
 
 The task is written as a dataset on disk (`assets/tiny/data/{train,test}.parquet`) that the default run
 loads through `--dataset_name`, the same path a user's data takes.
@@ -50,6 +50,10 @@ import time
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
+
+from worlds.tokenizer import train_bpe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above worlds/
 
 # ---------------------------------------------------------------------------------------------
 # The task
@@ -110,7 +114,8 @@ def response_text(row: dict, variant: str = "answer", swap: dict | None = None) 
     if variant == "answer":
         return format_answer(swap.get(row["answer"], row["answer"]))
     n, c, s = row["attributes"]
-    return format_trace(COUNTS[n], swap.get(list(COLORS)[c], list(COLORS)[c]), swap.get(SHAPES[s], SHAPES[s]), row["kind"])
+    color, shape = list(COLORS)[c], SHAPES[s]
+    return format_trace(COUNTS[n], swap.get(color, color), swap.get(shape, shape), row["kind"])
 
 
 def draw_shapes(rng: random.Random, shape: str, color: str, count: int) -> Image.Image:
@@ -146,7 +151,8 @@ def make_rows(n: int, seed: int, variant: str = "answer") -> list[dict]:
         kind = rng.choice(list(QUESTIONS))
         answer = {"count": COUNTS[count - 1], "color": color, "shape": shape}[kind]
         rows.append({"image": draw_shapes(rng, shape, color, count), "question": QUESTIONS[kind] + suffix,
-                     "answer": answer, "kind": kind, "attributes": (count - 1, list(COLORS).index(color), SHAPES.index(shape))})
+                     "answer": answer, "kind": kind,
+                     "attributes": (count - 1, list(COLORS).index(color), SHAPES.index(shape))})
     return rows
 
 
@@ -219,27 +225,15 @@ EXTRA_CORPUS = [
 
 
 def build_tokenizer(vocab_size: int = 512, variant: str = "answer"):
-    """A byte-level BPE tokenizer trained on the task's text, wrapped as a transformers fast tokenizer.
+    """The world's byte-level BPE tokenizer, trained on the task's text, as a transformers fast tokenizer.
     The trace variant's tokenizer is also trained on every trace and on the trace instruction, so that a
     word of a trace is one token (the answer variant's corpus is left as it was: assets/tiny depends on it)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     corpus = list(QUESTIONS.values()) + [format_answer(w) for w in (*COLORS, *SHAPES, *COUNTS)]
     corpus += ["system", "user", "assistant", SYSTEM_FREE_INSTRUCTION] + EXTRA_CORPUS
     if variant == "trace":
         corpus += [q + " " + TRACE_INSTRUCTION for q in QUESTIONS.values()] + all_traces()
-    corpus = corpus * 20
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL_TOKENS[1:], padding_side="left")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return train_bpe(corpus, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab_size=vocab_size, eos_token="<|im_end|>",
+                     pad_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS[1:])
 
 
 def build_processor(tokenizer):
@@ -273,7 +267,8 @@ def build_model(tokenizer, size: str, seed: int):
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
                          max_position_embeddings=1024, tie_word_embeddings=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [head_dim // 2 - 2 * (3 * third // 2), 3 * third // 2, 3 * third // 2]},
+                                          "mrope_section": [head_dim // 2 - 2 * (3 * third // 2), 3 * third // 2,
+                                                            3 * third // 2]},
                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                          pad_token_id=ids["<|endoftext|>"]),
         vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
@@ -356,12 +351,13 @@ def trace_report(model, processor, rows: list[dict], swap: dict | None = None) -
     wrong_words = 0
     for t, r in zip(texts, rows):
         n, c, s = r["attributes"]
-        wrong_words += t in forms and not (f" {list(COLORS)[c]} {SHAPES[s]}" in t)
+        wrong_words += t in forms and f" {list(COLORS)[c]} {SHAPES[s]}" not in t
     return {"accuracy": sum(extract_boxed(t) == r["answer"] for t, r in zip(texts, rows)) / len(rows),
             "well_formed": sum(t in forms for t in texts) / len(rows),
             "exact_trace": sum(t == response_text(r, "trace", swap) for t, r in zip(texts, rows)) / len(rows),
             "wrong_words_in_trace": wrong_words / len(rows),
-            "mean_response_tokens": sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts) / len(rows),
+            "mean_response_tokens": sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1
+                                        for t in texts) / len(rows),
             "examples": texts[:3]}
 
 
@@ -409,11 +405,13 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
     swap = swap or {}
     rng = random.Random(seed)
     # one rng draw per row, even at p=1 (the evaluations): the shipped build was made so, and changing it would
-    # change every later batch, so `python tiny_world.py --seed 0` would no longer rebuild assets/tiny
+    # change every later batch, so `python -m worlds.tiny_world --seed 0` would no longer rebuild assets/tiny
     renamed = lambda rs, p: [rng.random() < p for _ in rs]  # noqa: E731
-    rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if x else r["answer"] for r, x in zip(rs, renamed(rs, p))]  # noqa: E731
+    rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if x else r["answer"]  # noqa: E731
+                            for r, x in zip(rs, renamed(rs, p))]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    warmup_cosine = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
     acc, t0 = 0.0, time.time()
     for step in range(steps):
         model.train()
@@ -431,7 +429,8 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
         sched.step()
         if (step + 1) % log_every == 0 or step == steps - 1:
             acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows, 1.0), variant=variant)
-            print(f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)", flush=True)
+            print(f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)",
+                  flush=True)
             if acc >= target:
                 break
     return acc
@@ -487,7 +486,8 @@ def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_step
         t0 = time.time()
         model = build_model(tokenizer, name, seed)
         if vision_from:
-            model.model.visual.load_state_dict(reloaded_model(os.path.join(vision_from, name)).model.visual.state_dict())
+            tower = reloaded_model(os.path.join(vision_from, name)).model.visual
+            model.model.visual.load_state_dict(tower.state_dict())
             model.model.visual.requires_grad_(False)  # AdamW skips parameters without gradients
             print(f"  vision tower and merger from {os.path.join(vision_from, name)} (frozen)", flush=True)
         else:
@@ -497,19 +497,22 @@ def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_step
                 variant=variant)
         else:
             sft(model, processor, eval_rows, swap=STUDENT_SWAP, swap_prob=student_swap_prob, steps=student_steps,
-                lr=2e-3, label_smoothing=student_label_smoothing, seed=seed, target=0.95, log_every=100, variant=variant)
+                lr=2e-3, label_smoothing=student_label_smoothing, seed=seed, target=0.95, log_every=100,
+                variant=variant)
         path = os.path.join(out, name)
         model.save_pretrained(path)
         processor.save_pretrained(path)
         if variant == "trace":
-            trace = trace_report(reloaded_model(path), processor, eval_rows, STUDENT_SWAP if name == "student" else None)
+            swap = STUDENT_SWAP if name == "student" else None
+            trace = trace_report(reloaded_model(path), processor, eval_rows, swap)
             report[f"{name}_accuracy"] = trace.pop("accuracy")
             report.update({f"{name}_{k}": v for k, v in trace.items()})
         else:
             report[f"{name}_accuracy"] = reloaded_accuracy(path, processor, eval_rows)
         report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
         report[f"{name}_build_seconds"] = round(time.time() - t0)
-        print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
+        print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, "
+              f"accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
     os.makedirs(out, exist_ok=True)
     if os.path.exists(report_path):  # merged again at write time: the models may be built by separate processes
         report = {**json.load(open(report_path)), **report}
@@ -531,16 +534,18 @@ if __name__ == "__main__":
     parser.add_argument("--student_label_smoothing", type=float, default=0.0)
     parser.add_argument("--data_only", action="store_true", help="only (re)write the dataset in <out>/data")
     parser.add_argument("--variant", choices=VARIANTS, default="answer",
-                        help="answer: one boxed word (assets/tiny); trace: a reasoning trace, then the boxed word (assets/trace)")
+                        help="answer: one boxed word (assets/tiny); "
+                             "trace: a reasoning trace, then the boxed word (assets/trace)")
     parser.add_argument("--vision_from", default="auto",
-                        help="folder with teacher/ and student/ whose vision towers to reuse, frozen ('none': pre-train "
-                             "them; 'auto': assets/tiny for the trace variant when it exists, else none)")
+                        help="folder with teacher/ and student/ whose vision towers to reuse, frozen "
+                             "('none': pre-train them; 'auto': assets/tiny for the trace variant when it exists, "
+                             "else none)")
     a = parser.parse_args()
     # the trace's template carries every attribute in every example, so its SFT needs fewer steps
     a.teacher_steps = a.teacher_steps or (800 if a.variant == "trace" else 2000)
     a.student_steps = a.student_steps or (500 if a.variant == "trace" else 1000)
     if a.vision_from == "auto":
-        tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny")
+        tiny = os.path.join(ROOT, "assets", "tiny")
         a.vision_from = tiny if a.variant == "trace" and os.path.isdir(tiny) else "none"
     print("dataset:", write_dataset(os.path.join(a.out, "data"), a.variant), flush=True)
     if a.data_only:

@@ -6,15 +6,16 @@ the family's special tokens and a chat template in the family's format, and the 
 all written with `save_pretrained`, so gndpo_minimal.py loads them through the same `from_pretrained` path as a
 published checkpoint. The teacher is a larger instance of the same family with the same tokenizer.
 
-Nothing here is part of the algorithm: it is scaffolding, shared by tests/ and bench/ (as tiny_world.py is).
+Nothing here is part of the algorithm: it is scaffolding, shared by tests/ and bench/ (as worlds/tiny_world.py is).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
+from worlds.tokenizer import train_bpe
 
 # Plain text that every family's tokenizer is trained on, so prompts and answers tokenize compactly.
 CORPUS = [
@@ -28,24 +29,9 @@ CORPUS = [
 
 def train_tokenizer(special_tokens: list[str], chat_template: str, *, eos_token: str, pad_token: str,
                     bos_token: str | None = None, vocab_size: int = 400, extra: dict | None = None):
-    """A byte-level BPE tokenizer trained on CORPUS with the family's special tokens, as a fast tokenizer.
-
-    extra: more keyword arguments for PreTrainedTokenizerFast (e.g. named special tokens a processor reads,
-    such as image_token / boi_token, passed as extra_special_tokens).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token, bos_token=bos_token,
-                                   padding_side="left", **(extra or {}))
-    fast.chat_template = chat_template
-    return fast
+    """The family's tokenizer: the worlds' byte-level BPE trained on CORPUS with the family's special tokens."""
+    return train_bpe(CORPUS, special_tokens, chat_template, vocab_size=vocab_size, eos_token=eos_token,
+                     pad_token=pad_token, bos_token=bos_token, **(extra or {}))
 
 
 def save_pair(out: str, make_model: Callable[[str], object], processor) -> str:
@@ -61,12 +47,12 @@ def save_pair(out: str, make_model: Callable[[str], object], processor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Qwen2.5-VL: the tiny world's own models (tiny_world.py builds them)
+# Qwen2.5-VL: the tiny world's own models (worlds/tiny_world.py builds them)
 # ---------------------------------------------------------------------------------------------
 
 
 def build_qwen2_5_vl(out: str) -> str:
-    import tiny_world
+    from worlds import tiny_world
 
     return tiny_world.save_untrained(out, seed=0)
 
@@ -91,7 +77,8 @@ INTERNVL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref
                     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<|fim_prefix|>",
                     "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-                    "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>", "<video>"]
+                    "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>",
+                    "<video>"]
 INTERNVL_PLAIN = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 # The processor reads these names from the tokenizer (tokenizer_config.json's extra_special_tokens).
 INTERNVL_NAMED = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
@@ -149,7 +136,8 @@ def build_internvl(out: str) -> str:
                              head_dim=head_dim, max_position_embeddings=1024, tie_word_embeddings=False,
                              bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                              pad_token_id=ids["<|endoftext|>"]),
-            vision_config=dict(**INTERNVL_VISION, image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH, attention_bias=True),
+            vision_config=dict(**INTERNVL_VISION, image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH,
+                               attention_bias=True),
             image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=processor.image_seq_length,
             downsample_ratio=INTERNVL_DOWNSAMPLE, tie_word_embeddings=False,
         )
@@ -219,8 +207,9 @@ def smolvlm_processor():
                                             max_image_size={"longest_edge": SMOLVLM_TILE}, do_image_splitting=True,
                                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     seq = (SMOLVLM_TILE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE**2  # <image> tokens per tile
-    return SmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
-                            image_seq_len=seq, chat_template=SMOLVLM_CHAT_TEMPLATE)
+    return SmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            video_processor=SmolVLMVideoProcessor(), image_seq_len=seq,
+                            chat_template=SMOLVLM_CHAT_TEMPLATE)
 
 
 def build_smolvlm(out: str) -> str:
@@ -410,8 +399,13 @@ GEMMA3_IMAGE_SIZE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 64, 8, 16
 def build_gemma3(out: str) -> str:
     import torch
     from tokenizers import processors
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor,
-                              GenerationConfig)
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        GenerationConfig,
+    )
 
     # 1. Tokenizer. The real one adds <bos> in front of any text it encodes (the chat template writes one too,
     #    which is why a chat-templated prompt must be encoded without special tokens); it names its image
@@ -501,7 +495,8 @@ def build_qwen3_5(out: str) -> str:
     processor = qwen3_vl_processor(tokenizer, template)
 
     def make_model(size: str):
-        hidden, layers, interval, heads, kv_heads, head_dim, lin_k, lin_v, lin_dim, v_hidden, v_depth = QWEN3_5_SIZES[size]
+        (hidden, layers, interval, heads, kv_heads, head_dim, lin_k, lin_v, lin_dim, v_hidden,
+         v_depth) = QWEN3_5_SIZES[size]
         # rotary over head_dim * 0.25 = 8 dims = 4 frequencies, split (t, h, w) = (2, 1, 1) and interleaved
         # (published: 64 of 256 dims, sections [11, 11, 10])
         rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,

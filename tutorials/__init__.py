@@ -1,0 +1,1 @@
+"""The tutorials' shared code: `tutorials.notebook_setup` (run first by every notebook) and `tutorials.plotting`."""
