@@ -31,18 +31,20 @@ def main() -> None:
     prompts = [p for p in ((r["question"], [r["image"]]) for r in rows) for _ in range(2)]  # G copies, one object
     config, _ = g.generation_configs(processor.tokenizer, student, args)
     torch.manual_seed(0)  # the same rollouts on every process
-    rollout = g.rollout(student, processor, prompts, config, args)
+    groups = [i // 2 for i in range(len(prompts))]
+    rollout = g.rollout(student, processor, prompts, groups, g.Sampling(config), args)
     mask = rollout.response_mask.clone()
     mask[1] = 0
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
     n = len(prompts) // accelerator.num_processes
     mine = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
-    micro_batches = g.cut_rollouts(processor, prompts[mine], [g.Rollout(rollout.response_ids[mine],
+    step = g.StepPrompts(0, 0, prompts[mine], groups[mine], [None] * n)
+    micro_batches = g.cut_rollouts(processor, step, [g.Rollout(rollout.response_ids[mine],
                                    rollout.response_mask[mine], rollout.sampled_logps[mine])], args.micro_batch_size,
                                    args)
     R = max(r.response_ids.shape[1] for r in micro_batches)
-    batch = g.ScoredBatch(0, micro_batches, mask[mine, :R], advantages[mine, :R], advantages[mine, :R],
-                          advantages[mine, :R], advantages[mine, :R], 0, 0.0, 0.0)
+    batch = g.ScoredBatch(micro_batches, torch.tensor(groups[mine]), mask[mine, :R], advantages[mine, :R],
+                          advantages[mine, :R], advantages[mine, :R], advantages[mine, :R], 0)
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
     params, grads, step = [p for p in student.parameters() if p.requires_grad], [], optimizer.step
 
@@ -51,8 +53,7 @@ def main() -> None:
         return step(*a, **k)
 
     optimizer.step = record
-    models = g.Models(student, accelerator.unwrap_model(student), None, processor, config,
-                      torch.tensor(config.suppress_tokens), g.PrefixSharing(False))
+    models = g.Models(student, None, processor, torch.tensor(config.suppress_tokens))
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda m: None)
     assert update["skipped_updates"] == 0 and len(grads) == 1
     if accelerator.is_main_process:

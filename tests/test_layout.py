@@ -11,7 +11,7 @@ import gndpo_minimal as gm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
-STEP = ("step_prompts", "generate_and_score", "update_student", "step_metrics")
+STEP = ("step_prompts", "generate_and_score", "score_rollouts", "update_student")
 
 
 def source_lines() -> list[str]:
@@ -71,3 +71,31 @@ def test_nothing_outside_tests_imports_from_tests():
             if re.search(r"sys\.path\.\w+\([^)]*['\"]tests['\"]", text):
                 offenders.append(os.path.relpath(path, ROOT))
     assert offenders == []
+
+
+def test_update_student_shows_the_update_and_copies_no_parameter():
+    lines, _ = inspect.getsourcelines(gm.update_student)
+    text = "".join(lines)
+    assert len(lines) <= 60, f"update_student is {len(lines)} lines"
+    start, end = text.index("# ALGO: one GSPO update"), text.index("# ALGO END")
+    for call in ("student_logps_of", "loss_fn(", "accelerator.backward", "clip_grad_norm_", "optimizer.step()"):
+        assert start < text.index(call) < end, call
+    assert "clone()" not in text and "trainable_values" not in dir(gm)
+
+
+def test_args_list_the_papers_flags_first_then_what_goes_beyond_it():
+    names = list(gm.Args.__dataclass_fields__)
+    paper = ("advantage_mode", "score_clip", "prompts_per_step", "num_generations", "temperature", "loss_type",
+             "clip_low", "clip_high", "learning_rate")
+    beyond = ("score_type", "power_alpha", "score_std_floor", "reward_weight", "optimizer")
+    assert names[:len(paper)] == list(paper)
+    assert max(names.index(n) for n in paper) < min(names.index(n) for n in beyond) < names.index("student_model")
+    text = "\n".join(source_lines())
+    assert "# --- beyond the paper" in text and "# Beyond the paper:" in text and "# BEYOND THE PAPER" in text
+
+
+def test_step_functions_use_no_global_random_generator():
+    """Each step's sampling draws from a torch.Generator of its own, passed down; nothing reseeds the global one."""
+    for name in STEP + ("sample_rollouts", "generate_rollouts", "rollout"):
+        assert "torch.manual_seed" not in inspect.getsource(getattr(gm, name)), name
+    assert "torch.Generator(sampling.device).manual_seed(prompts.seed)" in inspect.getsource(gm.sample_rollouts)

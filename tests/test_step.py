@@ -41,7 +41,7 @@ def setup(untrained_models):
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     batch = g.generate_and_score(models, prompts, args)
     # the same micro-batches with every row's prompt, which the tests' plain forwards read
-    batch = dataclasses.replace(batch, rollouts=g.cut_rollouts(processor, prompts.prompts, batch.rollouts, 2, args))
+    batch = dataclasses.replace(batch, rollouts=g.cut_rollouts(processor, prompts, batch.rollouts, 2, args))
     return {"args": args, "accelerator": accelerator, "models": models, "batch": batch, "processor": processor,
             "train": (train_ds, keep), "lora": {n: p.detach().clone() for n, p in student.named_parameters()
                                                 if p.requires_grad}}
@@ -51,7 +51,7 @@ def fresh_models(setup, student=None) -> g.Models:
     """The setup's Models around a fresh copy of the student (LoRA at its starting values) or the given one, every
     forward the plain one (each prompt read once has tests of its own), so that no test's check decides another's."""
     student = student if student is not None else copy.deepcopy(setup["models"].student)
-    return dataclasses.replace(setup["models"], student=student, policy=student, sharing=g.PrefixSharing(False))
+    return dataclasses.replace(setup["models"], student=student, teacher_forward=None, student_forward=None)
 
 
 def run_update(setup, batch: g.ScoredBatch | None = None, **changes) -> tuple[dict, dict]:
@@ -108,6 +108,31 @@ def test_one_generate_call_recut_into_micro_batches_scores_like_the_whole_batch(
     valid = b.response_mask.bool()
     # 4-bit matmuls over batches of other shapes round differently: equal to float32 noise, not bit for bit
     torch.testing.assert_close(together[valid], b.teacher_logps[valid], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_score_rollouts_scores_rollouts_from_elsewhere_as_generate_and_score_does(setup):
+    """The way in with your own rollouts: score_rollouts on the step's rollouts and group ids gives the batch that
+    generate_and_score returned, tensor for tensor; group ids that split a prompt's samples change the group mode."""
+    args, b = setup["args"], setup["batch"]
+    again = g.score_rollouts(setup["models"], b.rollouts, b.group_ids.tolist(), args, log=lambda msg: None)
+    for key in ("response_mask", "teacher_logps", "student_logps", "scores", "advantages", "group_ids"):
+        torch.testing.assert_close(getattr(again, key), getattr(b, key), rtol=0, atol=0, msg=key)
+    grouped = dataclasses.replace(args, advantage_mode="group")
+    by_prompt = g.score_rollouts(setup["models"], b.rollouts, b.group_ids, grouped)
+    by_row = g.score_rollouts(setup["models"], b.rollouts, torch.arange(len(b.group_ids)), grouped)
+    assert not torch.allclose(by_prompt.advantages, by_row.advantages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_update_norm_is_how_far_the_trainable_weights_moved(setup, optimizer):
+    """update_norm comes from the optimizer's state (no copy of the parameters): it equals the distance between the
+    LoRA weights before and after the update, measured here with a copy."""
+    update, weights = run_update(setup, learning_rate=1e-2, optimizer=optimizer)
+    moved = sum(((weights[name] - start) ** 2).sum() for name, start in setup["lora"].items()).sqrt().item()
+    assert moved > 0
+    assert update["update_norm"] == pytest.approx(moved, rel=1e-4)
 
 
 @pytest.mark.slow
@@ -184,7 +209,7 @@ def setup32(untrained_models):
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     batch = g.generate_and_score(models, prompts, args)
     return {"args": args, "accelerator": accelerator, "models": models, "batch": batch, "processor": processor,
-            "prompts": prompts.prompts}
+            "prompts": prompts}
 
 
 def update_gradient(setup, batch: g.ScoredBatch, **changes) -> torch.Tensor:
@@ -202,7 +227,7 @@ def update_gradient(setup, batch: g.ScoredBatch, **changes) -> torch.Tensor:
         return step(*a, **k)
 
     optimizer.step = record
-    models = dataclasses.replace(setup["models"], student=student, policy=student, sharing=g.PrefixSharing(False))
+    models = dataclasses.replace(setup["models"], student=student, teacher_forward=None, student_forward=None)
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda msg: None)
     assert update["skipped_updates"] == 0 and len(grads) == 1
     return grads[0]
