@@ -297,8 +297,9 @@ def test_the_end_of_an_assistant_turn_is_an_end_token(models):
 @family_params()
 def test_a_prompt_starts_with_the_templates_bos_once(models):
     """A template that writes <bos> itself (Gemma 3's) must not get a second one from the tokenizer."""
-    from worlds import tiny_world
     from transformers import AutoProcessor
+
+    from worlds import tiny_world
 
     processor = AutoProcessor.from_pretrained(os.path.join(models, "student"))
     bos = processor.tokenizer.bos_token
@@ -320,8 +321,9 @@ def test_left_padding_changes_no_logprob(models):
     a chunked delta rule's float32 rounding (its chunks start elsewhere in a padded row) grows to ~1e-3."""
     import dataclasses
 
-    from worlds import tiny_world
     from transformers import AutoProcessor
+
+    from worlds import tiny_world
 
     args = family_args(models, "", "/nonexistent", max_new_tokens=6)
     processor = AutoProcessor.from_pretrained(args.student_model)

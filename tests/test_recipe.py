@@ -197,8 +197,9 @@ def test_estimate_memory_script_takes_the_runs_flags_and_local_config_folders(tm
 
 def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
     """Prompts of the tiny task and one rollout of the untrained student, as main() makes them."""
-    from worlds import tiny_world
     from transformers import AutoProcessor
+
+    from worlds import tiny_world
 
     args = g.Args(student_model=os.path.join(untrained_models, "student"),
                   teacher_model=os.path.join(untrained_models, "teacher"), max_new_tokens=max_new_tokens)
