@@ -28,7 +28,7 @@ def tiny_models(student: str | None = None, teacher: str | None = None, seed: in
         return defaults.student_model, defaults.teacher_model, "trained tiny models (assets/tiny)"
     import tempfile
 
-    import tiny_world
+    from worlds import tiny_world
 
     out = os.path.join(tempfile.gettempdir(), f"gndpo-bench-untrained-{seed}")
     if not all(os.path.isfile(os.path.join(out, name, "config.json")) for name in ("student", "teacher")):
@@ -47,7 +47,7 @@ def tiny_dataset() -> str:
         return default
     import tempfile
 
-    import tiny_world
+    from worlds import tiny_world
 
     out = os.path.join(tempfile.gettempdir(), "gndpo-bench-data")
     if not all(os.path.isfile(os.path.join(out, f"{split}.parquet")) for split in tiny_world.DATA_SPLITS):

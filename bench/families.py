@@ -1,4 +1,4 @@
-"""One GNDPO step on each model family's tiny stand-in (tiny_families.py), through main() as a user runs
+"""One GNDPO step on each model family's tiny stand-in (worlds/tiny_families.py), through main() as a user runs
 it: LoRA student, 4-bit teacher of the same family, B = 2 prompts x G = 2, at most 6 new tokens.
 
     python bench/families.py                 # every family, 3 steps each: the median step time
@@ -20,14 +20,13 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import add_json_flag, median, report  # noqa: E402
 
-import tiny_families  # noqa: E402  (beside gndpo_minimal.py, on the path benchutil set)
-
 import gndpo_minimal as g  # noqa: E402
+from worlds import tiny_families  # noqa: E402  (the repository root is on the path benchutil set)
 
 
 def run(families: list[str] | None = None, steps: int = 3, json_path: str | None = None, verbose: bool = True) -> dict:
     """{family: {"pair", "step_seconds" (median over steps), "logp_mismatch" (max), "response_length"}}."""
-    import tiny_world
+    from worlds import tiny_world
 
     families = families or sorted(tiny_families.FAMILIES)
     out = {}

@@ -28,9 +28,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import add_json_flag, mib, report  # noqa: E402
-
 import vs_trl  # noqa: E402
+from benchutil import add_json_flag, mib, report  # noqa: E402
 
 VOCAB, IMAGE_PIXELS = 151_936, 224 * 224
 PART_NAMES = {"time_generate": "rollout (generate)", "time_score": "teacher scoring", "time_update": "student update"}

@@ -1,15 +1,19 @@
 """Remakes every figure README.md and docs/benchmarks.md quote: runs each benchmark and the default run, writes one
-JSON per result under docs/bench_results/, and rewrites the tables between <!-- reproduce:NAME --> and
+JSON per result under docs/bench_results/, and rewrites the blocks between <!-- reproduce:NAME --> and
 <!-- /reproduce:NAME --> markers in README.md and docs/benchmarks.md from those JSONs, so no figure is typed by hand.
 
     python bench/reproduce.py                      # everything (docs/benchmarks.md times each part)
     python bench/reproduce.py --only default_run   # one result (names: --list)
-    python bench/reproduce.py --render             # only rewrite the tables from the JSONs already there
+    python bench/reproduce.py --render             # only rewrite the blocks from the JSONs already there
 
-Each JSON records the git commit and whether the tree was clean, the exact command, the machine (cores, CPU model,
-torch threads, load average before the run), the date, the run's wall seconds, every round's raw values
-("rounds") and the script's own output ("result"). Benchmarks run one thread per process (OMP_NUM_THREADS=1),
-sides alternating, as their scripts describe; the machine may be shared, which the tables say.
+Each JSON records the git commit and whether the tree was clean, the exact command, the machine (`machine()`: cores,
+CPU model and instruction set, the threads the run's process started with, load average before the run), the date,
+the run's wall seconds, every round's raw values ("rounds") and the script's own output ("result"). Benchmarks run
+one thread per process (OMP_NUM_THREADS=1), sides alternating, as their scripts describe; the machine may be shared,
+which the pages say.
+
+A block's words are in bench/templates/NAME.md, with {placeholders} that the render_NAME function below fills from
+the JSONs (tables by benchutil.table); provenance.md and provenance_record.md give each block's line per record.
 """
 
 from __future__ import annotations
@@ -25,12 +29,18 @@ import sys
 import tempfile
 import time
 
+from benchutil import table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "docs", "bench_results")
+TEMPLATES_DIR = os.path.join(ROOT, "bench", "templates")
 PAGES = {"README.md": os.path.join(ROOT, "README.md"),
          "docs/benchmarks.md": os.path.join(ROOT, "docs", "benchmarks.md")}
 PYTHON = sys.executable
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# the vector instruction sets that decide which kernels torch runs on a CPU, hence its rounding: the same code can
+# give other greedy accuracies on another CPU
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,32 +52,82 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def machine() -> dict:
-    """The machine a result was measured on."""
+def run_env(env: dict | None = None) -> dict:
+    """The environment of a result's subprocess: this one's, offline, with `env`'s settings on top."""
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            **(env or {})}
+
+
+def cpu_model() -> str:
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    return platform.processor()
+
+
+def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """Which of ISA_FLAGS the CPU has ({flag: True / False, None where unknown}), where that was read ("source"),
+    and the instruction set torch's CPU kernels run ("torch_cpu_capability": DEFAULT, AVX2, AVX512, ...).
+
+    Read from the flags line of `cpuinfo` (Linux on x86). Elsewhere: a CPU that is not x86 has none of them; on
+    x86, torch's capability is all there is (AVX512 implies avx2 and avx512f, AVX2 implies avx2; the rest unknown).
+    """
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return {"cores": os.cpu_count(), "cpu_model": model, "torch_threads_default": torch.get_num_threads(),
-            "load_average_before": list(os.getloadavg()), "platform": platform.platform()}
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        with open(cpuinfo) as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+        return {**{flag: flag in flags for flag in ISA_FLAGS}, "source": f"{cpuinfo} flags",
+                "torch_cpu_capability": capability}
+    except (OSError, StopIteration):  # no such file, or no flags line (ARM's lists "Features")
+        pass
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        found = dict.fromkeys(ISA_FLAGS, False)
+    else:
+        implied = {"AVX2": {"avx2"}, "AVX512": {"avx2", "avx512f"}}.get(capability, set())
+        found = {flag: True if flag in implied else None for flag in ISA_FLAGS}
+    return {**found, "source": "platform.machine() and torch.backends.cpu.get_cpu_capability()",
+            "torch_cpu_capability": capability}
+
+
+def threads_seen(env: dict | None = None) -> dict:
+    """The threads a result's process starts with: OMP_NUM_THREADS in its environment (None: unset) and
+    torch.get_num_threads() in a fresh interpreter given that environment (a count the script sets itself later
+    is not seen here)."""
+    full = run_env(env)
+    probe = subprocess.run([PYTHON, "-c", "import torch; print(torch.get_num_threads())"], cwd=ROOT, env=full,
+                           capture_output=True, text=True, check=True)
+    return {"OMP_NUM_THREADS": full.get("OMP_NUM_THREADS"), "torch_num_threads": int(probe.stdout.split()[-1])}
+
+
+def machine(env: dict | None = None) -> dict:
+    """The machine a result is measured on, for a run given `env` (run_env): cores, CPU model, instruction set
+    (cpu_isa), the threads the run's process starts with (threads_seen), the load average before the run.
+    torch_threads_default is torch's thread count in this script's own process."""
+    import torch
+
+    return {"cores": os.cpu_count(), "cpu_model": cpu_model(), "isa": cpu_isa(), "threads": threads_seen(env),
+            "torch_threads_default": torch.get_num_threads(), "load_average_before": list(os.getloadavg()),
+            "platform": platform.platform()}
 
 
 def run_command(command: list[str], tmp: str, env: dict | None = None) -> tuple[str, float]:
-    """Runs `python ...` from the repository root; returns (the command as recorded: the temporary folder written
-    <tmp>, its environment settings first; its wall seconds)."""
+    """Runs `python ...` from the repository root under run_env(env); returns (the command as recorded: the
+    temporary folder written <tmp>, env's OMP_NUM_THREADS first; its wall seconds)."""
     print("$", " ".join(command), flush=True)
-    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
     t0 = time.time()
-    subprocess.run([PYTHON, *command[1:]], cwd=ROOT, env={**os.environ, **env}, check=True)
-    recorded = " ".join([f"{k}={v}" for k, v in env.items() if k == "OMP_NUM_THREADS"] + command)
+    subprocess.run([PYTHON, *command[1:]], cwd=ROOT, env=run_env(env), check=True)
+    recorded = " ".join([f"{k}={v}" for k, v in (env or {}).items() if k == "OMP_NUM_THREADS"] + command)
     return recorded.replace(tmp, "<tmp>"), time.time() - t0
 
 
 def bench_script(script: str, *flags: str) -> callable:
-    """A result made by a bench/ script run with --json (one thread per process): (command, rounds, result)."""
-    def make(tmp: str) -> tuple[list[str], float, dict]:
+    """A result made by a bench/ script run with --json: (command, seconds, result)."""
+    def make(tmp: str, env: dict) -> tuple[str, float, dict]:
         path = os.path.join(tmp, "out.json")
-        command, seconds = run_command(["python", f"bench/{script}.py", *flags, "--json", path], tmp, ONE_THREAD)
+        command, seconds = run_command(["python", f"bench/{script}.py", *flags, "--json", path], tmp, env)
         with open(path) as f:
             return command, seconds, json.load(f)
     return make
@@ -75,10 +135,10 @@ def bench_script(script: str, *flags: str) -> callable:
 
 def main_run(*flags: str) -> callable:
     """A result made by gndpo_minimal.py itself: its summary.json and every step of metrics.jsonl."""
-    def make(tmp: str) -> tuple[list[str], float, dict]:
+    def make(tmp: str, env: dict) -> tuple[str, float, dict]:
         out = os.path.join(tmp, "run")
         command, seconds = run_command(["python", "gndpo_minimal.py", *flags, "--output_dir", out,
-                                        "--overwrite_output_dir", "true"], tmp)
+                                        "--overwrite_output_dir", "true"], tmp, env)
         with open(os.path.join(out, "summary.json")) as f:
             summary = json.load(f)
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -101,26 +161,28 @@ EQUIVALENCE = {"checkpointing_shared": ("--max_steps", "4", "--num_eval_samples"
                                      "--advantage_mode", "none")}
 
 
-def equivalence(tmp: str) -> tuple[list[str], float, dict]:
+def equivalence(tmp: str, env: dict) -> tuple[list[str], float, dict]:
     runs, seconds, commands = {}, 0.0, []
     for name, flags in EQUIVALENCE.items():
         os.makedirs(os.path.join(tmp, name))
-        command, s, result = main_run(*flags)(os.path.join(tmp, name))
+        command, s, result = main_run(*flags)(os.path.join(tmp, name), env)
         runs[name], seconds = result, seconds + s
         commands.append(command)
     return commands, seconds, runs
 
 
+# name -> (the settings its processes run with, what makes it); the main runs keep this process's threads
 RESULTS = {
-    "default_run": main_run(),
-    "equivalence": equivalence,
-    "step_breakdown": bench_script("step_breakdown", "--compare", "--steps", "6"),
-    "step_breakdown_gc": bench_script("step_breakdown", "--compare", "--steps", "6", "--gradient_checkpointing"),
-    "paper_shape": bench_script("paper_shape"),
-    "paper_shape_gc": bench_script("paper_shape", "--gradient_checkpointing", "--no_trl"),
-    "token_logps": bench_script("token_logps"),
-    "vs_trl": bench_script("vs_trl"),
-    "families": bench_script("families"),
+    "default_run": ({}, main_run()),
+    "equivalence": ({}, equivalence),
+    "step_breakdown": (ONE_THREAD, bench_script("step_breakdown", "--compare", "--steps", "6")),
+    "step_breakdown_gc": (ONE_THREAD, bench_script("step_breakdown", "--compare", "--steps", "6",
+                                                   "--gradient_checkpointing")),
+    "paper_shape": (ONE_THREAD, bench_script("paper_shape")),
+    "paper_shape_gc": (ONE_THREAD, bench_script("paper_shape", "--gradient_checkpointing", "--no_trl")),
+    "token_logps": (ONE_THREAD, bench_script("token_logps")),
+    "vs_trl": (ONE_THREAD, bench_script("vs_trl")),
+    "families": (ONE_THREAD, bench_script("families")),
 }
 
 
@@ -148,11 +210,12 @@ def reproduce(name: str) -> dict:
     commit = git("rev-parse", "HEAD")
     clean = git("status", "--porcelain", "--", ".", ":!docs/bench_results", ":!README.md",
                 ":!docs/benchmarks.md") == ""
-    before = machine()
+    env, make = RESULTS[name]
+    before = machine(env)
     with tempfile.TemporaryDirectory(prefix=f"reproduce-{name}-") as tmp:
-        command, seconds, result = RESULTS[name](tmp)
+        command, seconds, result = make(tmp, env)
     record = {"name": name, "commit": commit, "clean": clean, "command": command,
-              "machine": before, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": before, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "seconds": seconds, "rounds": rounds_of(name, result), "result": result}
     os.makedirs(RESULTS_DIR, exist_ok=True)
     with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
@@ -163,8 +226,10 @@ def reproduce(name: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendering: the tables, from the JSONs alone
+# Rendering: the blocks, from the JSONs alone, in the words of bench/templates/
 # ---------------------------------------------------------------------------------------------
+
+LAST_STEPS = 10  # the default run's final reverse KL: the mean of this many last steps (one step is noisy)
 
 
 def load(name: str) -> dict:
@@ -172,15 +237,42 @@ def load(name: str) -> dict:
         return json.load(f)
 
 
+def fill(template: str, **values) -> str:
+    """bench/templates/<template>.md with its {placeholders} (str.format fields) filled."""
+    with open(os.path.join(TEMPLATES_DIR, f"{template}.md")) as f:
+        return f.read().rstrip("\n").format(**values)
+
+
+def isa_text(machine: dict) -> str:
+    """A record's instruction set as "AVX2 yes, AVX-512 no, AMX no" (a set is unknown where cpu_isa could not tell)."""
+    isa = machine.get("isa")
+    if isa is None:
+        return "instruction set not recorded"
+
+    def has(*flags: str) -> str:
+        found = [isa.get(flag) for flag in flags]
+        return "yes" if any(found) else "unknown" if None in found else "no"
+    return f"AVX2 {has('avx2')}, AVX-512 {has('avx512f')}, AMX {has('amx_tile', 'amx_bf16', 'amx_int8')}"
+
+
+def threads_text(machine: dict) -> str:
+    """A record's threads as "2 torch threads, OMP_NUM_THREADS unset"."""
+    threads = machine.get("threads")
+    if threads is None:
+        return "threads not recorded"
+    n, omp = threads["torch_num_threads"], threads["OMP_NUM_THREADS"]
+    omp_text = "OMP_NUM_THREADS unset" if omp is None else f"OMP_NUM_THREADS={omp}"
+    return f"{n} torch thread{'' if n == 1 else 's'}, {omp_text}"
+
+
 def provenance(*records: dict) -> str:
-    """Where the numbers of a block come from: commits, dates, machine, what ran."""
-    commits = sorted({r["commit"][:7] + ("" if r["clean"] else " (uncommitted changes)") for r in records})
-    dates = sorted({r["date"][:10] for r in records})
-    m = records[0]["machine"]
-    return (f"*Measured at commit {', '.join(commits)} on {', '.join(dates)}: {m['cores']} cores ({m['cpu_model']}), "
-            f"a machine shared with other jobs (load average {m['load_average_before'][0]:.1f} at the start); "
-            f"results in `docs/bench_results/` ({', '.join(r['name'] + '.json' for r in records)}), remade by "
-            f"`python bench/reproduce.py --only {' '.join(r['name'] for r in records)}`.*")
+    """Where the numbers of a block come from: one line per record, each with its own commit, date, machine and
+    load (records of one block can come from different runs)."""
+    lines = [fill("provenance_record", name=r["name"], commit=r["commit"][:7], date=r["date"][:10],
+                  uncommitted="" if r["clean"] else " (uncommitted changes)", cores=r["machine"]["cores"],
+                  cpu_model=r["machine"]["cpu_model"], isa=isa_text(r["machine"]), threads=threads_text(r["machine"]),
+                  load=r["machine"]["load_average_before"][0]) for r in records]
+    return fill("provenance", names=" ".join(r["name"] for r in records), records="\n".join(lines))
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -191,39 +283,20 @@ def spread(values: list[float], digits: int = 3) -> str:
     return f"{median:.{digits}f}x ({min(values):.{digits}f}-{max(values):.{digits}f}, {len(values)} values)"
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
 def yes_no(read_once: dict) -> str:
     """summary.json's share_prompt_prefix (role -> read each prompt once) as "teacher yes, student yes, ..."."""
     return ", ".join(f"{role} {'yes' if done else 'no'}" for role, done in read_once.items())
 
 
-def last10(metrics: list[dict], key: str) -> float:
-    return statistics.mean(m[key] for m in metrics[-10:])
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
-def render_default_run() -> str:
-    r = load("default_run")
+def render_default_run(r: dict) -> str:
     s, metrics = r["result"]["summary"], r["result"]["metrics"]
-    return "\n".join([
-        "```",
-        "          accuracy  before   after",
-        f"  teacher           {s['teacher_accuracy']:.3f}",
-        f"  student           {s['student_accuracy_before']:.3f}   {s['student_accuracy_after']:.3f}",
-        "```",
-        "",
-        f"The student goes from {s['student_accuracy_before']:.3f} to {s['student_accuracy_after']:.3f} "
-        f"(the teacher: {s['teacher_accuracy']:.3f}) on {s.get('eval_rows', 200)} held-out rows, and the reverse KL "
-        f"on sampled tokens from {metrics[0]['reverse_kl']:.3f} at the first step to "
-        f"{last10(metrics, 'reverse_kl'):.3f} (mean of the last 10 steps) nats per token, in {s['steps']} steps; "
-        f"`main()` took {s['wall_seconds']:.0f} s from start to end, evaluations included, the whole command "
-        f"{r['seconds']:.0f} s. Each prompt read once: {yes_no(s['share_prompt_prefix'])}.",
-        "",
-        provenance(r),
-    ])
+    return fill("default_run", s=s, first_kl=metrics[0]["reverse_kl"], last_steps=LAST_STEPS,
+                last_kl=statistics.mean(m["reverse_kl"] for m in metrics[-LAST_STEPS:]), seconds=r["seconds"],
+                read_once=yes_no(s["share_prompt_prefix"]), provenance=provenance(r))
 
 
 def step_ratios(result: dict) -> list[float]:
@@ -238,70 +311,64 @@ def round_ratios(result: dict, a: str, b: str, key: str = "step_seconds") -> lis
     return [pick(x) / pick(y) for x, y in zip(result["runs"][a], result["runs"][b])]
 
 
-def render_read_once() -> str:
-    sb, sb_gc, ps, ps_gc = (load(n) for n in ("step_breakdown", "step_breakdown_gc", "paper_shape", "paper_shape_gc"))
+def render_read_once(*records: dict) -> str:
+    """records: step_breakdown, step_breakdown_gc, paper_shape, paper_shape_gc."""
     rows = []
-    for label, r in (("default step, gradient checkpointing off", sb), ("default step, gradient checkpointing on",
-                                                                        sb_gc)):
-        rows.append([label, f"`{r['command']}`", spread(step_ratios(r["result"])), "",
-                     yes_no(r["result"]["share_prompt_prefix"])])
-    for label, r in (("paper shape, gradient checkpointing off", ps), ("paper shape, gradient checkpointing on",
-                                                                      ps_gc)):
+    for r in records[:2]:
+        res = r["result"]
+        rows.append([f"default step, gradient checkpointing {on_off(res['config']['gradient_checkpointing'])}",
+                     f"`{r['command']}`", spread(step_ratios(res)), "", yes_no(res["share_prompt_prefix"])])
+    for r in records[2:]:
         res = r["result"]
         trl = (f"{spread(round_ratios(res, 'ours', 'trl'))} time, "
                f"{spread(round_ratios(res, 'ours', 'trl', 'peak_rss'))} peak RSS") if "trl" in res["runs"] else ""
-        rows.append([label, f"`{r['command']}`",
+        rows.append([f"paper shape, gradient checkpointing {on_off(res['config'].get('gradient_checkpointing'))}",
+                     f"`{r['command']}`",
                      f"{spread(round_ratios(res, 'ours', 'ours_plain'))} time, "
                      f"{spread(round_ratios(res, 'ours', 'ours_plain', 'peak_rss'))} peak RSS", trl,
                      yes_no(res["runs"]["ours"][-1]["share_prompt_prefix"])])
-    return "\n".join([
-        table(["workload", "command", "ours / every sample reading its prompt (flag off)", "ours / TRL",
-               "reads each prompt once"], rows),
-        "",
-        "Default step ratios are per step (6 measured steps, the sides alternating each step); paper-shape ratios are "
-        "per round (each side in a fresh process, alternating), medians with the range over the values.",
-        "",
-        provenance(sb, sb_gc, ps, ps_gc),
-    ])
+    return fill("read_once", table=table(["workload", "command", "ours / every sample reading its prompt (flag off)",
+                                          "ours / TRL", "reads each prompt once"], rows),
+                steps=records[0]["result"]["steps"], provenance=provenance(*records))
 
 
-def render_step_parts() -> str:
-    blocks = []
-    for name in ("step_breakdown", "step_breakdown_gc"):
-        r = load(name)
-        res = r["result"]
-        parts, plain = res["parts"], res["plain"]["parts"]
-        rows = [[p, f"{plain[p]:.3f}", f"{parts[p]:.3f}",
-                 spread([a[p] / b[p] for a, b in zip(res["per_step"], res["plain"]["per_step"]) if b[p] > 0], 2)
-                 if plain[p] > 0 else ""] for p in parts]
-        rows.append(["step", f"{res['plain']['step']:.3f}", f"{res['step']:.3f}", spread(step_ratios(res), 3)])
-        gc = "on" if res["config"]["gradient_checkpointing"] else "off"
-        blocks += [f"Gradient checkpointing {gc} (seconds per step, mean of {res['steps']} steps after "
-                   f"{res['config']['warmup']} warm-up; largest part: flag off {res['plain']['largest_part']}, "
-                   f"read once {res['largest_part']}):", "",
-                   table(["part", "flag off s", "read once s", "read once / flag off, per step"], rows), ""]
-    return "\n".join(blocks + [provenance(load("step_breakdown"), load("step_breakdown_gc"))])
+def step_parts(res: dict) -> dict:
+    """One step_breakdown result's table of parts, flag off against read once, and what the template says of it."""
+    parts, plain = res["parts"], res["plain"]["parts"]
+    rows = [[p, f"{plain[p]:.3f}", f"{parts[p]:.3f}",
+             spread([a[p] / b[p] for a, b in zip(res["per_step"], res["plain"]["per_step"]) if b[p] > 0], 2)
+             if plain[p] > 0 else ""] for p in parts]
+    rows.append(["step", f"{res['plain']['step']:.3f}", f"{res['step']:.3f}", spread(step_ratios(res), 3)])
+    return {"gc": on_off(res["config"]["gradient_checkpointing"]), "steps": res["steps"],
+            "warmup": res["config"]["warmup"], "largest_plain": res["plain"]["largest_part"],
+            "largest": res["largest_part"],
+            "table": table(["part", "flag off s", "read once s", "read once / flag off, per step"], rows)}
 
 
-def render_paper_parts() -> str:
-    blocks = []
-    for name in ("paper_shape", "paper_shape_gc"):
-        r = load(name)
-        res = r["result"]
-        plain, shared = res["ours_plain"]["parts"], res["ours"]["parts"]
-        names = {"time_generate": "rollout", "time_score": "teacher scoring", "time_update": "student update"}
-        rows = [[names[p], f"{plain[p]:.2f}", f"{shared[p]:.2f}", f"{shared[p] / plain[p]:.2f}"] for p in plain]
-        rows.append(["step", f"{res['ours_plain']['seconds_per_step']:.2f}", f"{res['ours']['seconds_per_step']:.2f}",
-                     spread(round_ratios(res, "ours", "ours_plain"))])
-        gc = "on" if res["config"].get("gradient_checkpointing") else "off"
-        blocks += [f"Gradient checkpointing {gc} (median seconds per step over {res['rounds']} rounds x "
-                   f"{res['config']['steps']} steps):", "",
-                   table(["part", "flag off", "read once", "ratio"], rows), ""]
-    return "\n".join(blocks + [provenance(load("paper_shape"), load("paper_shape_gc"))])
+def render_step_parts(off: dict, on: dict) -> str:
+    return fill("step_parts", step_breakdown=step_parts(off["result"]), step_breakdown_gc=step_parts(on["result"]),
+                provenance=provenance(off, on))
 
 
-def render_token_logps() -> str:
-    r = load("token_logps")
+PAPER_PARTS = {"time_generate": "rollout", "time_score": "teacher scoring", "time_update": "student update"}
+
+
+def paper_parts(res: dict) -> dict:
+    """One paper_shape result's table of the parts main() logs, flag off against read once."""
+    plain, shared = res["ours_plain"]["parts"], res["ours"]["parts"]
+    rows = [[PAPER_PARTS[p], f"{plain[p]:.2f}", f"{shared[p]:.2f}", f"{shared[p] / plain[p]:.2f}"] for p in plain]
+    rows.append(["step", f"{res['ours_plain']['seconds_per_step']:.2f}", f"{res['ours']['seconds_per_step']:.2f}",
+                 spread(round_ratios(res, "ours", "ours_plain"))])
+    return {"gc": on_off(res["config"].get("gradient_checkpointing")), "rounds": res["rounds"],
+            "steps": res["config"]["steps"], "table": table(["part", "flag off", "read once", "ratio"], rows)}
+
+
+def render_paper_parts(off: dict, on: dict) -> str:
+    return fill("paper_parts", paper_shape=paper_parts(off["result"]), paper_shape_gc=paper_parts(on["result"]),
+                provenance=provenance(off, on))
+
+
+def render_token_logps(r: dict) -> str:
     res, rows = r["result"], []
     for mode in ("no autograd", "with backward"):
         m = res[mode]
@@ -310,69 +377,75 @@ def render_token_logps() -> str:
         rows.append([mode, f"{B} x {T}", f"{m['logits_bytes'] / 2**20:.0f}", f"{m['naive']['extra_bytes'] / 2**20:.0f}",
                      f"{m['token_logps']['extra_bytes'] / 2**20:.0f}", f"{m['memory_ratio']:.1f}x less",
                      spread(runs, 2), f"{m['max_abs_diff']:.1e}"])
-    return "\n".join([
-        table(["mode", "tokens", "bf16 logits MiB", "peak extra MiB, naive", "peak extra MiB, `token_logps`",
-               "memory", "time, `token_logps` / naive (per repeat)", "max abs difference"], rows),
-        "", provenance(r)])
+    return fill("token_logps", table=table(["mode", "tokens", "bf16 logits MiB", "peak extra MiB, naive",
+                                            "peak extra MiB, `token_logps`", "memory",
+                                            "time, `token_logps` / naive (per repeat)", "max abs difference"], rows),
+                provenance=provenance(r))
 
 
-def render_vs_trl() -> str:
-    r = load("vs_trl")
+def render_vs_trl(r: dict) -> str:
     res = r["result"]
     tokens = f"{res['ours']['response_tokens_per_step']:.0f} / {res['trl']['response_tokens_per_step']:.0f}"
     rows = [[res["models"], spread(round_ratios(res, "ours", "trl")),
              spread(round_ratios(res, "ours", "trl", "peak_rss")), res["rounds"], tokens]]
-    return "\n".join([table(["models", "time per step, ours / TRL (per round)", "peak RSS, ours / TRL (per round)",
-                             "rounds", "response tokens per step, ours / TRL"], rows), "", provenance(r)])
+    return fill("vs_trl", table=table(["models", "time per step, ours / TRL (per round)",
+                                       "peak RSS, ours / TRL (per round)", "rounds",
+                                       "response tokens per step, ours / TRL"], rows), provenance=provenance(r))
 
 
-def render_families() -> str:
-    r = load("families")
+def render_families(r: dict) -> str:
     rows = [[family, v["pair"], f"{v['step_seconds']:.3f}", f"{v['logp_mismatch']:.1e}"]
             for family, v in r["result"].items()]
-    return "\n".join([table(["family", "student / teacher a user would pick", "stand-in step s (median of 3)",
-                             "largest logp_mismatch"], rows), "", provenance(r)])
+    return fill("families", table=table(["family", "student / teacher a user would pick",
+                                         "stand-in step s (median of 3)", "largest logp_mismatch"], rows),
+                provenance=provenance(r))
 
 
-def render_equivalence() -> str:
-    r = load("equivalence")
+def render_equivalence(r: dict) -> str:
     runs = r["result"]
 
-    def differences(a: str, b: str, key: str) -> list[str]:
+    def differences(label: str, a: str, b: str, key: str) -> list[str]:
         pairs = list(zip(runs[a]["metrics"], runs[b]["metrics"]))
-        return [key, f"{max(abs(x[key] - y[key]) / max(abs(y[key]), 1e-30) for x, y in pairs):.1e}",
+        return [label.format(steps=len(pairs)), key,
+                f"{max(abs(x[key] - y[key]) / max(abs(y[key]), 1e-30) for x, y in pairs):.1e}",
                 f"{max(abs(x[key] - y[key]) for x, y in pairs):.1e}", f"{max(abs(y[key]) for _, y in pairs):.1e}"]
-    shared = runs["checkpointing_shared"]["summary"]["share_prompt_prefix"]
-    rows = [["gradient checkpointing on: each prompt read once / flag off, 4 steps",
-             *differences("checkpointing_shared", "checkpointing_plain", "grad_norm")],
-            ["", *differences("checkpointing_shared", "checkpointing_plain", "reverse_kl")],
-            ["micro-batches of 4 rows / one of 32, 3 steps", *differences("micro_batch_4", "micro_batch_32", "loss")],
-            ["", *differences("micro_batch_4", "micro_batch_32", "grad_norm")],
-            ["the same with OPD (`--advantage_mode none`), 3 steps",
-             *differences("opd_micro_batch_4", "opd_micro_batch_32", "loss")],
-            ["", *differences("opd_micro_batch_4", "opd_micro_batch_32", "grad_norm")]]
-    return "\n".join([
-        table(["runs of the default world, same seed", "metric", "largest relative difference over the steps",
-               "largest absolute difference", "largest value"], rows), "",
-        "GNDPO's on-policy loss is the sequence mean of whitened advantages, 0 up to rounding: its relative "
-        "difference can be large where its absolute one is at float32 rounding. OPD's loss is far from 0, so its "
-        "rows show the loss's relative difference.", "",
-        f"With gradient checkpointing on, the run read each prompt once in: {yes_no(shared)}.", "", provenance(r)])
+    rows = [differences("gradient checkpointing on: each prompt read once / flag off, {steps} steps",
+                        "checkpointing_shared", "checkpointing_plain", "grad_norm"),
+            differences("", "checkpointing_shared", "checkpointing_plain", "reverse_kl"),
+            differences("micro-batches of 4 rows / one of 32, {steps} steps", "micro_batch_4", "micro_batch_32",
+                        "loss"),
+            differences("", "micro_batch_4", "micro_batch_32", "grad_norm"),
+            differences("the same with OPD (`--advantage_mode none`), {steps} steps", "opd_micro_batch_4",
+                        "opd_micro_batch_32", "loss"),
+            differences("", "opd_micro_batch_4", "opd_micro_batch_32", "grad_norm")]
+    return fill("equivalence", table=table(["runs of the default world, same seed", "metric",
+                                            "largest relative difference over the steps",
+                                            "largest absolute difference", "largest value"], rows),
+                read_once=yes_no(runs["checkpointing_shared"]["summary"]["share_prompt_prefix"]),
+                provenance=provenance(r))
 
 
-def render_times() -> str:
+def render_times(*records: dict) -> str:
     rows = []
-    for name in RESULTS:
-        r = load(name)
+    for r in records:
+        name = r["name"]
         command = r["command"] if isinstance(r["command"], str) else "; ".join(r["command"])
         rows.append([name, f"{r['seconds'] / 60:.1f}", r["commit"][:7], r["date"][:10], f"`{command}`"])
-    return table(["result", "minutes", "commit", "date", "command"], rows)
+    return fill("times", table=table(["result", "minutes", "commit", "date", "command"], rows))
 
 
-RENDERS = {"README.md": {"default_run": render_default_run, "families": render_families},
-           "docs/benchmarks.md": {"times": render_times, "read_once": render_read_once, "step_parts": render_step_parts,
-                                  "paper_parts": render_paper_parts, "token_logps": render_token_logps,
-                                  "vs_trl": render_vs_trl, "equivalence": render_equivalence}}
+# page -> block -> (its render function, the results it is given, in order)
+RENDERS = {"README.md": {"default_run": (render_default_run, ["default_run"]),
+                         "families": (render_families, ["families"])},
+           "docs/benchmarks.md": {
+               "times": (render_times, list(RESULTS)),
+               "read_once": (render_read_once, ["step_breakdown", "step_breakdown_gc", "paper_shape",
+                                                "paper_shape_gc"]),
+               "step_parts": (render_step_parts, ["step_breakdown", "step_breakdown_gc"]),
+               "paper_parts": (render_paper_parts, ["paper_shape", "paper_shape_gc"]),
+               "token_logps": (render_token_logps, ["token_logps"]),
+               "vs_trl": (render_vs_trl, ["vs_trl"]),
+               "equivalence": (render_equivalence, ["equivalence"])}}
 
 
 def block(page_text: str, name: str) -> tuple[int, int]:
@@ -381,15 +454,21 @@ def block(page_text: str, name: str) -> tuple[int, int]:
     return start, page_text.index(f"<!-- /reproduce:{name} -->", start)
 
 
+def render_block(name: str) -> str:
+    """A block's text, from its result files."""
+    render, names = next(renders[name] for renders in RENDERS.values() if name in renders)
+    return render(*(load(n) for n in names))
+
+
 def render_pages(write: bool = True) -> dict[str, str]:
     """Every page with its blocks rewritten from the JSONs (written back when `write`)."""
     pages = {}
     for page, renders in RENDERS.items():
         with open(PAGES[page]) as f:
             text = f.read()
-        for name, render in renders.items():
+        for name in renders:
             start, end = block(text, name)
-            text = text[:start] + render() + "\n" + text[end:]
+            text = text[:start] + render_block(name) + "\n" + text[end:]
         pages[page] = text
         if write:
             with open(PAGES[page], "w") as f:
@@ -400,7 +479,7 @@ def render_pages(write: bool = True) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=list(RESULTS), help="Remake these results only.")
-    p.add_argument("--render", action="store_true", help="Only rewrite the tables from the JSONs.")
+    p.add_argument("--render", action="store_true", help="Only rewrite the blocks from the JSONs.")
     p.add_argument("--list", action="store_true", help="List the results and exit.")
     a = p.parse_args(argv)
     if a.list:

@@ -38,9 +38,8 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import add_json_flag, padded_models, percent, report, tiny_dataset, tiny_models  # noqa: E402
-
 import torch  # noqa: E402
+from benchutil import add_json_flag, padded_models, percent, report, tiny_dataset, tiny_models  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
 

@@ -25,9 +25,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import add_json_flag, median, mib, peak_rss_bytes, reset_peak_rss, report, rss_bytes  # noqa: E402
-
 import torch  # noqa: E402
+from benchutil import add_json_flag, median, mib, peak_rss_bytes, report, reset_peak_rss, rss_bytes  # noqa: E402
 
 from gndpo_minimal import token_logps  # noqa: E402
 

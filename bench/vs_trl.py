@@ -42,8 +42,17 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import (add_json_flag, median, mib, padded_models, peak_rss_bytes, reset_peak_rss,  # noqa: E402
-                       report, rss_bytes, tiny_models)
+from benchutil import (  # noqa: E402
+    add_json_flag,
+    median,
+    mib,
+    padded_models,
+    peak_rss_bytes,
+    report,
+    reset_peak_rss,
+    rss_bytes,
+    tiny_models,
+)
 
 SIDES = ("ours", "trl")
 LABELS = {"ours": "gndpo_minimal.main()", "ours_plain": "gndpo_minimal.main(), --share_prompt_prefix false",
@@ -200,7 +209,7 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
     every image to that many pixels (with vocab, on the padded copies). baseline: a checkout of this repository
     (e.g. `git worktree add /tmp/before <commit>`) whose gndpo_minimal.py the "baseline" side runs.
     gradient_checkpointing: every side's student recomputes its activations in the backward."""
-    import tiny_world
+    from worlds import tiny_world
 
     student_dir, teacher_dir, which = tiny_models(student, teacher)
     cfg = {"student": student_dir, "teacher": teacher_dir, "teacher_4bit": teacher_4bit,

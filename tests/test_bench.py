@@ -96,11 +96,10 @@ def test_step_breakdown_compare_under_gradient_checkpointing(untrained_models, t
     check_step_side(out, cfg)
     check_step_side(out["plain"], cfg)
     check_model_compute(out)
-    # every role was decided during the steps; the teacher is not checkpointed, and the rollouts read the
-    # prompt once exactly when the student's update does
-    shared = out["share_prompt_prefix"]
-    assert shared["teacher"] is True and shared["student"] in (True, False), shared
-    assert shared["rollout"] == shared["student"], shared
+    # under checkpointing too, every forward read each prompt once: the teacher is not checkpointed, the student's
+    # prompt forward is not either and its response forward reads a read-only cache, and the rollouts' check passes
+    # on these models (test_prompt_sharing's checkpointing tests); a fallback in any role fails here
+    assert out["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
     assert out["plain"]["share_prompt_prefix"] == {"teacher": False, "student": False, "rollout": False}
     printed = capsys.readouterr().out
     assert "gradient checkpointing on" in printed
@@ -169,10 +168,10 @@ def test_paper_shape_forces_the_shape_on_both_of_our_sides(tmp_path, capsys):
         assert set(out[side]["parts"]) == set(paper_shape.PART_NAMES)
         check_parts_inside_steps(run)
     # the two sides differ in what they claim to: one reads each prompt once in its scoring and its update, the
-    # other nowhere. (The rollout's check compares float32 log-probs over the padded random vocabulary at a 1e-4
-    # tolerance, measured around 3e-5 here: it is left free, a fallback there is the script's own decision.)
+    # other nowhere. The rollout's decision is not checked (docs/tests.md): its check compares float32 log-probs
+    # over the padded random vocabulary close to its tolerance, so sharing and falling back are both right there.
     shared = out["runs"]["ours"][0]["share_prompt_prefix"]
-    assert shared["teacher"] is True and shared["student"] is True and shared["rollout"] in (True, False), shared
+    assert shared["teacher"] is True and shared["student"] is True, shared
     assert out["runs"]["ours_plain"][0]["share_prompt_prefix"] == {"teacher": False, "student": False,
                                                                    "rollout": False}
     printed = capsys.readouterr().out
