@@ -54,7 +54,7 @@ def noisy_teacher(noise: float, seed: int):
 def run(name: str, changes: dict, noise: float, steps: int, seed: int, out: str) -> dict:
     args = g.Args(teacher_model=g.Args().student_model, teacher_4bit=False, max_steps=steps, num_eval_samples=0,
                   save_steps=0, logging_steps=0, seed=seed, output_dir=out, overwrite_output_dir=True, **changes)
-    g.main(args, teacher_logps=noisy_teacher(noise, seed))
+    g.main(args, teacher_forward=noisy_teacher(noise, seed))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return {"name": name, "metrics": [json.loads(line) for line in f]}
 
