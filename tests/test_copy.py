@@ -1,0 +1,149 @@
+"""Copying GNDPO: the definitions docs/code.md lists, pasted alone into a blank module, are closed (every name they use
+is listed, a builtin or one of the module's imports), total at most 450 lines, and, fed rollouts that a tiny model
+sampled with generate() in a loop of the copier's own, give gndpo_minimal's loss and gradient."""
+
+import ast
+import builtins
+import copy
+import dis
+import os
+import re
+import types
+
+import pytest
+import torch
+
+import gndpo_minimal as g
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what the blank module imports: standard library, torch and transformers, nothing else
+HEADER = """from __future__ import annotations
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+"""
+
+
+def listed_names() -> list[str]:
+    """The bullets of docs/code.md's "Copying GNDPO" section: one definition each, its name in backticks first."""
+    with open(os.path.join(ROOT, "docs", "code.md")) as f:
+        text = f.read()
+    section = text.split("## Copying GNDPO", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^- `([A-Za-z_][A-Za-z0-9_]*)`", section, flags=re.M)
+
+
+def definitions() -> dict[str, tuple[int, str]]:
+    """Every top-level definition of gndpo_minimal.py: name -> (first line, source with decorators)."""
+    with open(os.path.join(ROOT, "gndpo_minimal.py")) as f:
+        source = f.read()
+    lines, out = source.splitlines(), {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        else:
+            continue
+        start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+        out[name] = (start, "\n".join(lines[start - 1:node.end_lineno]) + "\n")
+    return out
+
+
+def pasted_source() -> str:
+    defs = definitions()
+    return HEADER + "\n\n".join(defs[name][1] for name in sorted(listed_names(), key=lambda n: defs[n][0]))
+
+
+def global_names(code: types.CodeType) -> set[str]:
+    """The global names a compiled module's code reads, in every function and class body (annotations are strings
+    under `from __future__ import annotations`, so names only in type hints are not among them)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= global_names(const)
+    return names
+
+
+def test_the_list_is_closed_and_short():
+    names, defs = listed_names(), definitions()
+    assert len(names) == len(set(names)) and set(names) <= set(defs), set(names) - set(defs)
+    total = sum(len(defs[name][1].splitlines()) for name in names)
+    assert total <= 450, f"the copied definitions hold {total} lines"
+    for core in ("distill_scores", "normalize_scores", "policy_loss", "Rollout", "ScoredBatch", "score_rollouts",
+                 "update_student", "response_logps"):
+        assert core in names
+    source = pasted_source()
+    imported = {"contextlib", "math", "time", "dataclass", "field", "torch", "dist", "F", "transformers",
+                "annotations"}
+    used = {n for n in global_names(compile(source, "pasted.py", "exec")) if not n.startswith("__")}
+    missing = used - set(names) - imported - set(dir(builtins))
+    assert missing == set(), f"used by the listed definitions but not listed: {sorted(missing)}"
+    # no speed-up comes along: the copier's path is the plain one
+    assert not {"PrefixSharing", "SharedPrefix", "head_logps", "token_logps", "draw_tokens", "Sampling"} & set(names)
+
+
+def copier_rollout(model, processor, prompts, ignore_ids, eos_ids, pad_id):
+    """The copier's own sampler: the processor's batch, generate() at temperature 1 over the full distribution, the
+    sampling log-probs as any engine reports them (here a no-grad eval forward), the mask up to the end token."""
+    processor.tokenizer.padding_side = "left"
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                          "text": q}]}],
+                                           add_generation_prompt=True, tokenize=False) for q, _ in prompts]
+    inputs = dict(processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.eval()
+        out = model.generate(**inputs, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=6,
+                             suppress_tokens=ignore_ids.tolist(), eos_token_id=eos_ids, pad_token_id=pad_id)
+        response = out[:, inputs["input_ids"].shape[1]:]
+        is_end = torch.isin(response, torch.tensor(eos_ids)).long()
+        mask = 1 - ((is_end.cumsum(1) - is_end) > 0).long()
+        rollout = g.Rollout(response.masked_fill(mask == 0, pad_id), mask, None, row_inputs=inputs)
+        rollout.sampled_logps = g.response_logps(model, rollout, ignore_ids)
+        model.train()
+    return rollout
+
+
+@pytest.mark.slow
+def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
+    from worlds import tiny_world
+
+    ns: dict = {}
+    exec(compile(pasted_source(), "pasted.py", "exec"), ns)
+    args = g.Args(student_model=os.path.join(untrained_models, "student"),
+                  teacher_model=os.path.join(untrained_models, "teacher"), teacher_4bit=False, prompts_per_step=4,
+                  num_generations=2, micro_batch_size=8, learning_rate=1e-2, num_eval_samples=0)
+    accelerator, _ = g.make_accelerator(args)  # the copier's loop runs under Accelerate; the pasted module imports none
+    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    config, _ = g.generation_configs(processor.tokenizer, student, args)
+    ignore_ids = torch.tensor(config.suppress_tokens)
+    prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(4, seed=5) for _ in range(2)]
+    rollout = copier_rollout(g.unwrap(student), processor, prompts, ignore_ids, config.eos_token_id,
+                             processor.tokenizer.pad_token_id)
+    group_ids = [i // 2 for i in range(8)]
+    results = {}
+    for name, module in (("pasted", types.SimpleNamespace(**ns)), ("gndpo_minimal", g)):
+        copied = copy.deepcopy(student)
+        optimizer = torch.optim.AdamW([p for p in copied.parameters() if p.requires_grad], lr=1e-2)
+        grads = []
+        optimizer.register_step_pre_hook(lambda opt, a, k, grads=grads: grads.append(
+            torch.cat([p.grad.flatten() for group in opt.param_groups for p in group["params"]]).clone()))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        accelerator.gradient_accumulation_steps = 1
+        models = module.Models(copied, teacher, processor, ignore_ids)
+        batch = module.score_rollouts(models, [rollout], group_ids, args)
+        update = module.update_student(models, optimizer, scheduler, accelerator, batch, args)
+        results[name] = (batch, update, grads[0])
+    pasted, ours = results["pasted"], results["gndpo_minimal"]
+    torch.testing.assert_close(pasted[0].advantages, ours[0].advantages, rtol=0, atol=0)
+    a = pasted[0].advantages[pasted[0].response_mask.bool()]
+    assert abs(a.mean().item()) < 1e-5 and a.std().item() == pytest.approx(1.0, abs=1e-3)  # whitened
+    assert pasted[1]["loss"] == ours[1]["loss"] and pasted[1]["update_norm"] == pytest.approx(ours[1]["update_norm"])
+    assert ours[2].norm() > 0
+    torch.testing.assert_close(pasted[2], ours[2], rtol=0, atol=0)
+
