@@ -676,7 +676,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
                    eval_rows=len(eval_rows),
                    skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"],
                    **{k: v for k, v in counters.items() if k == "std_floored_steps"},
-                   share_prompt_prefix=models.sampling.sharing_summary())
+                   share_prompt_prefix=models.sampling.sharing_summary(), torch_threads=torch.get_num_threads())
     finish_run(accelerator, summary, summary_path, eval_rows, log)
     return summary
 
@@ -2030,8 +2030,8 @@ def update_size(optimizer, accelerator) -> float:
                 return float("nan")
             after = _local_values(p.detach()).double()
             squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
-    if weights_are_sharded(accelerator):
-        squares = accelerator.reduce(squares, reduction="sum")
+    if any(hasattr(p, "to_local") or hasattr(p, "ds_tensor") for g in opt.param_groups for p in g["params"]):
+        squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
     return math.sqrt(float(squares))
 
 

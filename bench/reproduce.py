@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -118,7 +119,8 @@ def run_command(command: list[str], tmp: str, env: dict | None = None) -> tuple[
     temporary folder written <tmp>, env's OMP_NUM_THREADS first; its wall seconds)."""
     print("$", " ".join(command), flush=True)
     t0 = time.time()
-    subprocess.run([PYTHON, *command[1:]], cwd=ROOT, env=run_env(env), check=True)
+    executable = PYTHON if command[0] == "python" else shutil.which(command[0]) or command[0]  # this Python's own
+    subprocess.run([executable, *command[1:]], cwd=ROOT, env=run_env(env), check=True)
     recorded = " ".join([f"{k}={v}" for k, v in (env or {}).items() if k == "OMP_NUM_THREADS"] + command)
     return recorded.replace(tmp, "<tmp>"), time.time() - t0
 
@@ -133,11 +135,16 @@ def bench_script(script: str, *flags: str) -> callable:
     return make
 
 
-def main_run(*flags: str) -> callable:
+# README's launch command, with the values Accelerate would otherwise announce it had to guess
+README_LAUNCH = ("accelerate", "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+                 "--dynamo_backend", "no")
+
+
+def main_run(*flags: str, launcher: tuple = ("python",)) -> callable:
     """A result made by gndpo_minimal.py itself: its summary.json and every step of metrics.jsonl."""
     def make(tmp: str, env: dict) -> tuple[str, float, dict]:
         out = os.path.join(tmp, "run")
-        command, seconds = run_command(["python", "gndpo_minimal.py", *flags, "--output_dir", out,
+        command, seconds = run_command([*launcher, "gndpo_minimal.py", *flags, "--output_dir", out,
                                         "--overwrite_output_dir", "true"], tmp, env)
         with open(os.path.join(out, "summary.json")) as f:
             summary = json.load(f)
@@ -173,7 +180,7 @@ def equivalence(tmp: str, env: dict) -> tuple[list[str], float, dict]:
 
 # name -> (the settings its processes run with, what makes it); the main runs keep this process's threads
 RESULTS = {
-    "default_run": ({}, main_run()),
+    "default_run": ({}, main_run(launcher=README_LAUNCH)),
     "equivalence": ({}, equivalence),
     "step_breakdown": (ONE_THREAD, bench_script("step_breakdown", "--compare", "--steps", "6")),
     "step_breakdown_gc": (ONE_THREAD, bench_script("step_breakdown", "--compare", "--steps", "6",
