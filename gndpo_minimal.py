@@ -229,12 +229,14 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
                      group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True) -> torch.Tensor:
     """Advantages from raw scores (GNDPO's global normalization). scores, response_mask: (B, T); group_ids: (B,) int.
 
+    The paper's two modes:
     none:     A = s * m (plain on-policy distillation, OPD).
     global:   A = (s - mu) / sqrt(var + eps) * m with mu and the unbiased var over EVERY valid token
               of the batch (GNDPO). With all_reduce and torch.distributed initialized, the sums (count,
               sum, sum of squares, float64) are all-reduced in one call, so every process gets the
               statistics of the whole global batch, however unevenly its tokens are spread; pass
               all_reduce=False for a batch that is already the global one on every process.
+    Ablations beyond the paper:
     sequence: the same whitening within each response (row) on its own.
     group:    the same whitening over the responses that share a group id (the G samples of a prompt).
     center:   A = (s - mu) * m, global statistics as in global, no scaling (ablation: centering alone).
