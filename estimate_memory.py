@@ -1,7 +1,7 @@
 """How much GPU memory a GNDPO run needs, from the models' config.json alone: no weights are loaded.
 
     python estimate_memory.py recipes/geometry3k_qwen2.5vl_3b.yaml          # a recipe
-    python estimate_memory.py --student_model DIR --teacher_model DIR ...   # the run's flags (DIR: a folder with config.json)
+    python estimate_memory.py --student_model DIR --teacher_model DIR ...   # the run's flags (DIR holds config.json)
 
 Both models are built on the meta device (shapes, no storage), so parameter counts are exact. The teacher is
 put through the same bitsandbytes replacement that a 4-bit load does, so the quantized layers are exactly the
@@ -48,7 +48,7 @@ def dtype_bytes(name: str) -> int:
 
 
 def meta_model(name_or_path: str):
-    """The model of a Hub id or a local folder with config.json, on the meta device (no memory, no download of weights)."""
+    """The model of a Hub id or a local folder with config.json, on the meta device (no memory, no weight download)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(name_or_path)
@@ -160,7 +160,7 @@ def nf4_weights(model, double_quant: bool = True, other_bytes: int = 2) -> dict:
             blocks = math.ceil(n / NF4_BLOCK)
             quantized += n
             layers += 1
-            if double_quant:  # absmax as uint8, plus float32 absmax of those per 256 blocks, a 256-entry code, an offset
+            if double_quant:  # uint8 absmax, plus float32 absmax of those per 256 blocks, a 256-entry code, an offset
                 constants += blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * 256 + 4
             else:
                 constants += 4 * blocks
@@ -179,8 +179,8 @@ def delta_rule_working_set(s: dict, T: int = DELTA_RULE_CHUNK) -> int:
     decay-weighted, per chunk), one recurrent state per chunk, and per-head gates; all of it over the sequence
     padded to whole chunks."""
     hv, d = s["linear_v_heads"], max(s["linear_k_dim"], s["linear_v_dim"])
-    per_token = 4 * (5 * hv * DELTA_RULE_CHUNK + 15 * hv * d + hv * s["linear_k_dim"] * s["linear_v_dim"] // DELTA_RULE_CHUNK
-                     + 10 * hv)
+    per_token = 4 * (5 * hv * DELTA_RULE_CHUNK + 15 * hv * d
+                     + hv * s["linear_k_dim"] * s["linear_v_dim"] // DELTA_RULE_CHUNK + 10 * hv)
     return per_token * math.ceil(T / DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK // T
 
 
@@ -226,7 +226,8 @@ def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], 
     kinds = saved_per_layer_type(s, b, T)
     if largest:
         return max(kinds.values()) + adapters
-    return (kinds.get("attention", 0) * s["kv_layers"] + kinds.get("linear_attention", 0) * s["linear_layers"]) // layers + adapters
+    return (kinds.get("attention", 0) * s["kv_layers"]
+            + kinds.get("linear_attention", 0) * s["linear_layers"]) // layers + adapters
 
 
 def estimate(args, num_processes: int = 1) -> dict:
@@ -257,7 +258,8 @@ def estimate(args, num_processes: int = 1) -> dict:
 
     pixel_bytes = P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # one prompt's images
     pixels = mb * pixel_bytes  # a micro-batch's images
-    chunk_forward, chunk_backward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4, CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
+    chunk_forward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4
+    chunk_backward = CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
     logits_s, logits_t = mb * (R + 1) * s["vocab"] * b, mb * (R + 1) * t["vocab"] * b
     if args.gradient_checkpointing:  # one hidden state per layer kept; one layer recomputed, with its gradients
         activations = mb * T * (s["layers"] * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, T,
@@ -280,8 +282,10 @@ def estimate(args, num_processes: int = 1) -> dict:
     }
     phases = {
         "rollout": out["kv_cache_student"] + gen * P * layer_forward_peak(s, b) + vision(sv, gen) + gen * pixel_bytes,
-        "teacher_eval": out["kv_cache_teacher"] + evals * P * layer_forward_peak(t, b) + vision(tv, evals) + evals * pixel_bytes,
-        "scoring": mb * T * (layer_forward_peak(t, b) + 2 * t["hidden"] * b) + logits_t + chunk_forward + vision(tv) + pixels,
+        "teacher_eval": out["kv_cache_teacher"] + evals * P * layer_forward_peak(t, b) + vision(tv, evals)
+                        + evals * pixel_bytes,
+        "scoring": mb * T * (layer_forward_peak(t, b) + 2 * t["hidden"] * b) + logits_t + chunk_forward + vision(tv)
+                   + pixels,
         "update": activations + out["logits_update"] + chunk_backward + vision(sv) + pixels,
     }
     resident = out["student_weights"] + out["lora_train_state"] + out["teacher_weights"] + out["cuda_context"]
@@ -299,12 +303,15 @@ def print_estimate(args, num_processes: int = 1) -> dict:
     e = estimate(args, num_processes)
     g = lambda x: f"{x / GiB:7.2f} GiB"  # noqa: E731
     P, R, mb = args.max_prompt_length, args.max_new_tokens, args.micro_batch_size
+    batch_flag = "generation_batch_size" if e["peak_phase"] in ("rollout", "teacher_eval") else "micro_batch_size"
     lines = [
         f"memory estimate, one process: micro-batch {mb}, prompt <= {P} + response <= {R} tokens, "
         f"{e['sequences_per_step']} sequences per step, {args.dtype} (auto = bf16 on GPU), "
         f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}",
-        f"  student weights      {g(e['student_weights'])}   {e['student_params'] / 1e9:.2f}B params ({args.student_model})",
-        f"  LoRA + AdamW state   {g(e['lora_train_state'])}   {e['lora_params'] / 1e6:.1f}M params, rank {args.lora_r}, float32",
+        f"  student weights      {g(e['student_weights'])}   {e['student_params'] / 1e9:.2f}B params "
+        f"({args.student_model})",
+        f"  LoRA + AdamW state   {g(e['lora_train_state'])}   {e['lora_params'] / 1e6:.1f}M params, "
+        f"rank {args.lora_r}, float32",
         f"  teacher weights      {g(e['teacher_weights'])}   {e['teacher_params'] / 1e9:.2f}B params"
         + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if args.teacher_4bit else "")
         + f" ({args.teacher_model})",
@@ -320,7 +327,7 @@ def print_estimate(args, num_processes: int = 1) -> dict:
         f"activations {g(e['activations_update'])}",
         f"  = peak               {g(e['peak'])}   ({e['peak_phase']}); "
         + (f"fits a 24 GB GPU ({GPU_GIB} GiB)" if e["fits_24gb"] else f"does NOT fit a 24 GB GPU ({GPU_GIB} GiB): "
-           f"lower --{'generation_batch_size' if e['peak_phase'] in ('rollout', 'teacher_eval') else 'micro_batch_size'}"
+           f"lower --{batch_flag}"
            " or --max_new_tokens"
            + ("" if args.gradient_checkpointing else ", or turn on --gradient_checkpointing")),
         f"  host memory for the step's images: up to {g(e['host_pixels_per_step'])}",

@@ -94,7 +94,7 @@ def test_load_image_names_unreadable_truncated_and_missing_images(tmp_path):
              "truncated png": {"bytes": good[:len(good) // 2], "path": None},
              "truncated jpeg": {"bytes": buf.getvalue()[:len(buf.getvalue()) // 2], "path": None},
              "missing file": str(tmp_path / "nope.png")}
-    for name, cell in cases.items():
+    for _name, cell in cases.items():
         with pytest.raises(ValueError, match="unreadable image"):
             g.load_image(cell)
     with pytest.raises(ValueError, match="no image"):
@@ -150,7 +150,8 @@ def test_missing_column_is_named_with_the_available_ones(processor):
     with pytest.raises(ValueError) as err:
         g.prepare_split(ds, g.Args(), processor, "train", log=None)
     message = str(err.value)
-    assert "no column 'image' (--image_column) nor 'images'" in message and "['picture', 'problem', 'answer']" in message
+    assert ("no column 'image' (--image_column) nor 'images'" in message
+            and "['picture', 'problem', 'answer']" in message)
     # with the flags it names, the same data is accepted
     args = g.Args(image_column="picture", question_column="problem")
     assert g.prepare_split(ds, args, processor, "train", log=None)[1] == [0]
@@ -205,7 +206,8 @@ def test_teacher_with_another_tokenizer_stops(processor):
     g.check_same_tokenizer(student_tok, copy.deepcopy(student_tok))  # the same tokenizer passes
     extra = copy.deepcopy(student_tok)
     extra.add_tokens(["<extra_teacher_token>"])
-    with pytest.raises(ValueError, match=r"tokenizers differ .*teacher-only .*extra_teacher_token.*share one tokenizer"):
+    with pytest.raises(ValueError,
+                       match=r"tokenizers differ .*teacher-only .*extra_teacher_token.*share one tokenizer"):
         g.check_same_tokenizer(student_tok, extra)
     # the same tokens under other ids: caught as well
     vocab = student_tok.get_vocab()
@@ -248,7 +250,8 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
         f.write("{}")
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.write('{"step": 1}\n')
-    with pytest.raises(ValueError, match="already holds a run: pass --resume_from_checkpoint latest .*--overwrite_output_dir"):
+    with pytest.raises(ValueError,
+                       match="already holds a run: pass --resume_from_checkpoint latest .*--overwrite_output_dir"):
         g.prepare_output_dir(g.Args(output_dir=out), True)
     resume = g.prepare_output_dir(g.Args(output_dir=out, resume_from_checkpoint="latest"), True)
     assert resume == os.path.join(out, "checkpoint-2")
@@ -260,9 +263,11 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
 
 @pytest.mark.parametrize("kwargs, processes, message", [
     (dict(advantage_mode="group", num_generations=1), 1, "group whitens over the G samples .* --num_generations >= 2"),
-    (dict(prompts_per_step=5, micro_batch_size=4), 2, "--prompts_per_step 5 does not divide across 2 processes: use a multiple of 2"),
+    (dict(prompts_per_step=5, micro_batch_size=4), 2,
+     "--prompts_per_step 5 does not divide across 2 processes: use a multiple of 2"),
     (dict(prompts_per_step=8, num_generations=3, micro_batch_size=16), 1, "holds 24 sequences .*--micro_batch_size 16"),
-    (dict(prompts_per_step=8, micro_batch_size=8, gradient_accumulation_steps=3), 1, "contradicts .* = 4; leave it at 0"),
+    (dict(prompts_per_step=8, micro_batch_size=8, gradient_accumulation_steps=3), 1,
+     "contradicts .* = 4; leave it at 0"),
     (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
     (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
     (dict(temperature=0.0), 1, "--temperature must be > 0"),

@@ -67,7 +67,8 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
     alone = normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], "global")
     assert not torch.allclose(alone, ranks[0]["global"], atol=1e-3)
     for mode in ("center", "scale"):
-        assert not torch.allclose(normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], mode), ranks[0][mode], atol=1e-3)
+        assert not torch.allclose(normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], mode), ranks[0][mode],
+                                  atol=1e-3)
 
 
 # --- prompt sharding ---------------------------------------------------------------------------

@@ -26,7 +26,8 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    args = g.Args(student_model=os.path.join(trained_models, "student"), teacher_model=os.path.join(trained_models, "teacher"),
+    args = g.Args(student_model=os.path.join(trained_models, "student"),
+                  teacher_model=os.path.join(trained_models, "teacher"),
                   # 40 of the default 90 steps: the default run's KL falls from ~0.9 to ~0.1 by step 40, while
                   # over its first 25 steps it swings between 0.3 and 1.0 with the prompts each step draws
                   max_steps=40, num_eval_samples=0, save_steps=0, seed=0,

@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from gndpo_minimal import (distill_scores, group_reward_advantages, head_logps, normalize_scores, policy_loss,
-                           power_scores, score_std, token_logps)
+from gndpo_minimal import (
+    distill_scores,
+    group_reward_advantages,
+    head_logps,
+    normalize_scores,
+    policy_loss,
+    power_scores,
+    score_std,
+    token_logps,
+)
 
 
 def random_mask(B, T, gen, min_len=1):

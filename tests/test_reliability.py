@@ -82,7 +82,8 @@ def command(models: str, data: str, out: str, *extra: str) -> list[str]:
             "--teacher_model", os.path.join(models, "teacher"), "--dataset_name", data,
             "--max_steps", str(MAX_STEPS), "--prompts_per_step", "4", "--num_generations", "2",
             "--micro_batch_size", "8", "--num_eval_samples", "0", "--warmup_steps", "6",
-            "--save_steps", "2", "--save_total_limit", "2", "--seed", "3", "--logging_steps", "1", "--output_dir", out, *extra]
+            "--save_steps", "2", "--save_total_limit", "2", "--seed", "3", "--logging_steps", "1",
+            "--output_dir", out, *extra]
 
 
 def subprocess_env() -> dict:
@@ -126,7 +127,8 @@ def runs(untrained_models, dataset_dir, tmp_path_factory) -> dict:
         with open(os.path.join(killed_out, "checkpoint-99.tmp", "trainer_state.json"), "w") as f:
             json.dump({"step": 99, "counters": {}}, f)
         os.makedirs(os.path.join(killed_out, "checkpoint-98"))
-        resumed = subprocess.Popen(command(untrained_models, dataset_dir, killed_out, "--resume_from_checkpoint", "latest"),
+        resumed = subprocess.Popen(command(untrained_models, dataset_dir, killed_out,
+                                           "--resume_from_checkpoint", "latest"),
                                    env=subprocess_env(), stdout=logs["resumed"], stderr=subprocess.STDOUT)
         children.append(resumed)
         state["resumed_returncode"] = resumed.wait(timeout=1200)
@@ -264,7 +266,8 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
     teacher.resize_token_embeddings(vocab + 64)
     models = str(tmp_path / "models")
     teacher.save_pretrained(os.path.join(models, "teacher"))
-    AutoProcessor.from_pretrained(os.path.join(untrained_models, "teacher")).save_pretrained(os.path.join(models, "teacher"))
+    processor = AutoProcessor.from_pretrained(os.path.join(untrained_models, "teacher"))
+    processor.save_pretrained(os.path.join(models, "teacher"))
     os.symlink(os.path.join(untrained_models, "student"), os.path.join(models, "student"))
 
     now, seen_vocab = CurrentStep(), []
@@ -280,7 +283,8 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
         return logps
 
     out = str(tmp_path / "run")
-    summary = g.main(small_args(models, dataset_dir, out, max_steps=3, save_steps=0), on_step=now, teacher_logps=nan_teacher)
+    summary = g.main(small_args(models, dataset_dir, out, max_steps=3, save_steps=0), on_step=now,
+                     teacher_logps=nan_teacher)
     assert set(seen_vocab) == {vocab + 64}
     m1, m2, m3 = read_metrics(out)
     # step 1: the NaN tokens are left out of the scores and counted; the step trains on the rest
@@ -295,7 +299,8 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
     assert all(torch.isfinite(t).all() for t in adapter_weights(out).values())
 
 
-def test_resume_latest_without_a_checkpoint_starts_over_with_clean_metrics(untrained_models, dataset_dir, tmp_path, capsys):
+def test_resume_latest_without_a_checkpoint_starts_over_with_clean_metrics(
+        untrained_models, dataset_dir, tmp_path, capsys):
     """A run that crashed before its first save leaves metrics.jsonl but no checkpoint: 'latest' must not append."""
     now = CurrentStep()
 
@@ -306,7 +311,8 @@ def test_resume_latest_without_a_checkpoint_starts_over_with_clean_metrics(untra
 
     out = str(tmp_path / "run")
     with pytest.raises(KeyboardInterrupt):
-        g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10), on_step=now, loss_fn=crash_at_step_3)
+        g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10), on_step=now,
+               loss_fn=crash_at_step_3)
     assert [m["step"] for m in read_metrics(out)] == [1, 2] and not g.list_checkpoints(out)
     g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10, resume_from_checkpoint="latest"))
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]

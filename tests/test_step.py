@@ -261,7 +261,8 @@ def test_steps_per_generation_must_divide_the_micro_batches():
         g.check_args(args, 1)
     with pytest.raises(ValueError, match="--num_iterations must be at least 1"):
         g.check_args(g.Args(num_iterations=0), 1)
-    assert g.check_args(g.Args(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=2), 1) == 2
+    args = g.Args(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=2)
+    assert g.check_args(args, 1) == 2
 
 
 # ---------------------------------------------------------------------------------------------
