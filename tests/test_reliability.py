@@ -284,7 +284,7 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
 
     out = str(tmp_path / "run")
     summary = g.main(small_args(models, dataset_dir, out, max_steps=3, save_steps=0), on_step=now,
-                     teacher_logps=nan_teacher)
+                     teacher_forward=nan_teacher)
     assert set(seen_vocab) == {vocab + 64}
     m1, m2, m3 = read_metrics(out)
     # step 1: the NaN tokens are left out of the scores and counted; the step trains on the rest
