@@ -12,7 +12,7 @@ load_models, load_data, make_optimizer and make_models), timed from outside.
 
 Where each part's seconds come from, so that nothing of the step is re-implemented here:
   prompts, metrics           the step_prompts / step_metrics calls, timed around them;
-  generate, teacher scoring  time_generate / time_score, which generate_and_score returns;
+  generate, teacher scoring  the seconds generate_and_score returns (its batch.seconds: generate, score);
   student backward           accelerator.backward, wrapped on the instance update_student is given (with
                              --gradient_checkpointing it holds the recomputed forwards too);
   optimizer                  accelerator.clip_grad_norm_, optimizer.step / zero_grad, scheduler.step, wrapped too;
@@ -155,11 +155,12 @@ def one_step(step: int, args: g.Args, setup: dict, clock: Clock, timers: dict[st
     update = g.update_student(models, setup["optimizer"], setup["scheduler"], accelerator, batch, args,
                               log=setup["log"])
     after_update = model_seconds()
-    clock.wrap("metrics", g.step_metrics)(accelerator, batch, update, args.score_clip, time.perf_counter() - start)
+    clock.wrap("metrics", g.step_metrics)(accelerator, batch, update, step + 1, time.perf_counter() - start,
+                                          args.score_clip if args.score_type == "log_ratio" else None)
     total = time.perf_counter() - start
 
     t = clock.take()
-    parts = {"prompts": t["prompts"], "generate": batch.time_generate, "teacher scoring": batch.time_score,
+    parts = {"prompts": t["prompts"], "generate": batch.seconds["generate"], "teacher scoring": batch.seconds["score"],
              "student backward": t.get("student backward", 0.0), "optimizer": t.get("optimizer", 0.0),
              "metrics": t["metrics"]}
     parts["student forward"] = update["time_update"] - parts["student backward"] - parts["optimizer"]
@@ -217,11 +218,13 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         models = setup["models"]
         clock = Clock()
         time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
-        timers = {"student": ForwardTimer(models.policy.get_base_model()), "teacher": ForwardTimer(models.teacher)}
+        policy = g.unwrap(models.student)  # the model with generate(), inside any DDP wrapper
+        timers = {"student": ForwardTimer(policy.get_base_model()), "teacher": ForwardTimer(models.teacher)}
         sides = {"shared": (args, models)}
         if compare:  # the same student, optimizer and teacher; every forward plain, no distinct prompts encoded
-            sides["plain"] = (dataclasses.replace(args, share_prompt_prefix=False),
-                              dataclasses.replace(models, sharing=g.PrefixSharing(enabled=False)))
+            plain_args = dataclasses.replace(args, share_prompt_prefix=False)
+            sides["plain"] = (plain_args, g.make_models(plain_args, setup["accelerator"], models.processor,
+                                                        models.student, models.teacher, setup["log"]))
         runs = {side: [] for side in sides}
         for step in range(warmup + steps):
             for side in (list(sides) if step % 2 == 0 else list(sides)[::-1]):
@@ -229,7 +232,7 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
                 if step >= warmup:
                     runs[side].append(result)
         # the model's own flag (set on each layer that recomputes): what gradient_checkpointing_enable() did
-        checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in models.policy.modules())
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in policy.modules())
         measured = runs["shared"]
 
     mean = summarize(measured)
@@ -255,7 +258,7 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
            "vision_share_of_all_model_compute": all_vision / all_model if all_model > 0 else 0.0,
            # what the measured steps ran: the forwards that read each prompt once (PrefixSharing's decisions) and
            # whether the student recomputes its activations in the backward (the model's own flag)
-           "share_prompt_prefix": models.sharing.summary(), "student_gradient_checkpointing": checkpointing,
+           "share_prompt_prefix": models.sampling.sharing_summary(), "student_gradient_checkpointing": checkpointing,
            "models": which, "threads": torch.get_num_threads(), "config": config}
 
     part_rows = [[p, parts[p], percent(parts[p], step_time)] for p in PARTS]
@@ -271,7 +274,7 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
     if compare:
         plain = summarize(runs["plain"])
         out["plain"] = {**plain, "largest_part": max(plain["parts"], key=plain["parts"].get),
-                        "share_prompt_prefix": sides["plain"][1].sharing.summary()}
+                        "share_prompt_prefix": sides["plain"][1].sampling.sharing_summary()}
         out["shared_vs_plain"] = {"step": step_time / plain["step"],
                                   **{p: parts[p] / plain["parts"][p] for p in PARTS if plain["parts"][p] > 0}}
         out["largest_part"] = max(parts, key=parts.get)

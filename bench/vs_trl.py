@@ -95,9 +95,16 @@ def gndpo_args(cfg: dict):
 
     import gndpo_minimal as g
 
+    fields = {f.name for f in dataclasses.fields(g.Args)}
+    if cfg.get("min_new_tokens") and "min_new_tokens" not in fields:
+        raise ValueError(f"min_new_tokens {cfg['min_new_tokens']}: {g.__file__} has no --min_new_tokens, so its "
+                         f"responses could not be forced to the length the other sides' are")
+    # every sampled answer at least min_new_tokens long (a benchmark's workload shape; training never does this,
+    # it biases the samples)
     extra = {"share_prompt_prefix": cfg.get("share_prompt_prefix", True),
-             "gradient_checkpointing": cfg.get("gradient_checkpointing", False)}
-    extra = {k: v for k, v in extra.items() if k in {f.name for f in dataclasses.fields(g.Args)}}  # older checkouts
+             "gradient_checkpointing": cfg.get("gradient_checkpointing", False),
+             "min_new_tokens": cfg.get("min_new_tokens", 0)}
+    extra = {k: v for k, v in extra.items() if k in fields}  # older checkouts
     return g.Args(**extra, student_model=cfg["student"], teacher_model=cfg["teacher"],
                   teacher_4bit=cfg["teacher_4bit"], dataset_name=cfg["dataset"], num_eval_samples=0,
                   prompts_per_step=cfg["prompts"], num_generations=cfg["G"], max_new_tokens=cfg["max_new_tokens"],
@@ -105,19 +112,9 @@ def gndpo_args(cfg: dict):
                   output_dir=cfg["output_dir"], overwrite_output_dir=True, seed=cfg["seed"])
 
 
-def forced_length(generation_configs, min_new_tokens: int):
-    """generation_configs with the end token suppressed until min_new_tokens: every sampled answer is at least
-    that long (a benchmark's workload shape; training never does this, it biases the samples)."""
-    def configs(*args, **kwargs):
-        sample, greedy = generation_configs(*args, **kwargs)
-        sample.min_new_tokens = min_new_tokens
-        return sample, greedy
-    return configs
-
-
 def ours_worker(cfg: dict) -> dict:
     """gndpo_minimal.main() as is; step ends (and its parts' seconds) are taken from its one accelerator.log()
-    call per step. With cfg["min_new_tokens"], sampled answers are forced to that length (forced_length). The
+    call per step. With cfg["min_new_tokens"], sampled answers are forced to that length (--min_new_tokens). The
     result also holds the run's summary.json entry on which forwards read each prompt once (None where a checkout
     has none)."""
     if cfg.get("code_dir"):  # the baseline side: gndpo_minimal.py of another checkout
@@ -138,8 +135,6 @@ def ours_worker(cfg: dict) -> dict:
         return original_log(self, values, *a, **k)
 
     accelerate.Accelerator.log = log
-    if cfg.get("min_new_tokens"):
-        g.generation_configs = forced_length(g.generation_configs, cfg["min_new_tokens"])
     summary = g.main(gndpo_args(cfg))
     return clock.result("ours", libraries_rss, share_prompt_prefix=summary.get("share_prompt_prefix"))
 
