@@ -2,7 +2,7 @@
 once (--share_prompt_prefix, the default) against the same step with every sample reading its own prompt
 (--share_prompt_prefix false), and against TRL's DistillationTrainer on the same work.
 
-    pip install -r bench/requirements-trl.txt          # TRL, for the third side only
+    pip install -r requirements.txt                    # TRL (the third side) included
     python bench/paper_shape.py                        # B = 2 prompts x G = 16, answers of 64 tokens, 2 rounds
     python bench/paper_shape.py --quick                # B = 1 x G = 4, 16 tokens, 1 round
     python bench/paper_shape.py --no_trl               # only ours, shared against plain
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, help="Unmeasured steps per process (default 1).")
     p.add_argument("--steps", type=int, help="Measured steps per process (default 2).")
     p.add_argument("--rounds", type=int, help="Times each side runs, alternating (default 2).")
-    p.add_argument("--no_trl", action="store_true", help="Leave TRL out (it needs bench/requirements-trl.txt).")
+    p.add_argument("--no_trl", action="store_true", help="Leave TRL out (TRL comes with requirements.txt).")
     p.add_argument("--gradient_checkpointing", action="store_true",
                    help="Every side's student recomputes its activations in the backward (default off).")
     p.add_argument("--baseline", help="A checkout of this repository (e.g. `git worktree add /tmp/before <commit>`): "

@@ -1,7 +1,7 @@
 """Seconds per step and peak memory of gndpo_minimal.main() against TRL's DistillationTrainer, on the same
 tiny Qwen2.5-VL student and teacher, the same image questions, batch, G and response length.
 
-    pip install -r bench/requirements-trl.txt     # TRL for this benchmark only
+    pip install -r requirements.txt               # TRL included
     python bench/vs_trl.py                        # B = 8 prompts x G = 4, 8 new tokens, 2 + 4 steps, 2 rounds
     python bench/vs_trl.py --quick                # a few seconds of steps: B = 2 x G = 2, 1 + 1 steps, 1 round
     python bench/vs_trl.py --vocab 151936         # both models' vocabulary padded to Qwen2.5's

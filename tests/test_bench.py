@@ -139,7 +139,7 @@ def test_vs_trl_measures_both_sides_on_the_same_work(untrained_models, tmp_path,
     try:
         import trl  # noqa: F401
     except ImportError:
-        pytest.fail("TRL is missing: pip install -r bench/requirements-trl.txt (the TRL side runs it)")
+        pytest.fail("TRL is missing: pip install -r requirements.txt (the TRL side runs it)")
     student, teacher = models(untrained_models)
     out = run_cli(vs_trl, ["--quick", "--student_model", student, "--teacher_model", teacher], tmp_path)
     cfg = out["config"]
