@@ -7,6 +7,7 @@ transcriptions in test_math.py; here they run inside the step and main().
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -44,6 +45,35 @@ def step_on(args: g.Args, answers=None) -> tuple:
     return accelerator, g.generate_and_score(models, prompts, args)
 
 
+def advantages_by_hand(scores: list, mask: list, rewards: list, G: int, mode: str, weight: float) -> tuple:
+    """The advantages, written from the docstrings with plain loops: the distillation term whitens the valid
+    tokens' scores, (s - mean) / sqrt(unbiased var + 1e-8), over the whole batch (global) or over each prompt's
+    G consecutive rows (group); the task term is (r - mean) / (unbiased std + 1e-4) over the rewarded rows of each
+    prompt, 0 for a row without a reward; each valid token gets weight x its row's task term added.
+    Returns (advantages (n, T) as lists, task term (n,))."""
+    n, T = len(scores), len(scores[0])
+    tokens = [(i, t) for i in range(n) for t in range(T) if mask[i][t]]
+    pools = [tokens] if mode == "global" else [[(i, t) for i, t in tokens if i // G == k] for k in range(n // G)]
+    advantages = [[0.0] * T for _ in range(n)]
+    for pool in pools:
+        values = [scores[i][t] for i, t in pool]
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+        for (i, t), v in zip(pool, values):
+            advantages[i][t] = (v - mean) / math.sqrt(var + 1e-8)
+    task = [0.0] * n
+    for k in range(n // G):
+        rows = [i for i in range(k * G, (k + 1) * G) if not math.isnan(rewards[i])]
+        if rows:
+            mean = sum(rewards[i] for i in rows) / len(rows)
+            std = math.sqrt(sum((rewards[i] - mean) ** 2 for i in rows) / max(len(rows) - 1, 1))
+            for i in rows:
+                task[i] = (rewards[i] - mean) / (std + 1e-4)
+    for i, t in tokens:
+        advantages[i][t] += weight * task[i]
+    return advantages, task
+
+
 @pytest.mark.parametrize("mode", ["global", "group"])
 def test_the_task_reward_is_added_after_the_distillation_advantages_are_normalized(tmp_path, mode):
     """advantages = normalize_scores(scores) + w * group_reward_advantages(rewards) on every valid token, the
@@ -57,31 +87,37 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
         return [None if i in without_answer else a for i, a in enumerate(answers)]
 
     accelerator, batch = step_on(args, answers=some_missing)
-    mask = batch.response_mask
     assert torch.isnan(batch.rewards[:4]).all() and set(batch.rewards[4:].tolist()) <= {0.0, 1.0}
     assert 0 < batch.rewards[4:].sum() < 28  # the tiny student answers some right and some wrong
-    distillation = g.normalize_scores(batch.scores, mask, mode, group_ids=batch.group_ids)
-    reward_advantages = g.group_reward_advantages(batch.rewards, batch.group_ids)
-    torch.testing.assert_close(batch.advantages, distillation + 0.5 * reward_advantages[:, None] * mask)
-    assert torch.all(reward_advantages[:4] == 0)
+    advantages, reward_advantages = advantages_by_hand(batch.scores.tolist(), batch.response_mask.tolist(),
+                                                       batch.rewards.tolist(), args.num_generations, mode, 0.5)
+    torch.testing.assert_close(batch.advantages, torch.tensor(advantages, dtype=batch.advantages.dtype))
+    assert any(reward_advantages)  # some prompt's samples differ in reward: the task term is exercised
     no_update = {"loss": 0.0, "tokens": 1.0, "clip_frac": 0.0, "ratio_mean": 1.0, "mismatch_tokens": 1.0,
                  "logp_mismatch": 0.0, "grad_norm": 0.0, "grad_norm_max": 0.0, "lr": 0.0, "update_norm": 0.0,
                  "time_update": 0.0}
     metrics = g.step_metrics(accelerator, batch, no_update, args.score_clip, 1.0)
     assert metrics["reward_no_answer"] == 4
     assert metrics["reward_mean"] == pytest.approx(batch.rewards[4:].mean().item())
-    groups = batch.group_ids.unique()
-    moving = sum(bool((reward_advantages[batch.group_ids == gid] != 0).any()) for gid in groups)
-    assert metrics["reward_groups_nonzero"] == pytest.approx(moving / len(groups))
+    G = args.num_generations  # a prompt's G samples are consecutive rows
+    moving = sum(any(reward_advantages[i:i + G]) for i in range(0, len(reward_advantages), G))
+    assert metrics["reward_groups_nonzero"] == pytest.approx(moving / args.prompts_per_step)
 
 
 def test_reward_weight_runs_three_steps_and_zero_adds_nothing(tmp_path):
     with_reward = str(tmp_path / "reward")
-    summary = g.main(default_world(with_reward, reward_weight=0.5))
+    args = default_world(with_reward, reward_weight=0.5)
+    summary = g.main(args)
     metrics = read_metrics(with_reward)
     assert [m["step"] for m in metrics] == [1, 2, 3] and summary["skipped_steps"] == 0
+    rows = args.prompts_per_step * args.num_generations
     for m in metrics:
-        assert 0.0 <= m["reward_mean"] <= 1.0 and 0.0 <= m["reward_groups_nonzero"] <= 1.0
+        # counts over the step's rows and prompts: the right answers, and the prompts whose samples differ
+        right, moving = m["reward_mean"] * rows, m["reward_groups_nonzero"] * args.prompts_per_step
+        assert right == pytest.approx(round(right), abs=1e-6) and 0 <= round(right) <= rows
+        assert moving == pytest.approx(round(moving), abs=1e-6) and 0 <= round(moving) <= args.prompts_per_step
+        # each prompt whose samples differ holds a right one and a wrong one
+        assert round(moving) <= min(round(right), rows - round(right))
         assert m["reward_no_answer"] == 0
     # without it the metrics have no reward key and the advantages are GNDPO's alone (mean 0, std ~1)
     plain = str(tmp_path / "plain")
@@ -116,7 +152,7 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
     for floor in (0.0, 0.1):
         holder = {}
 
-        def base_of_the_student(teacher, rollout, ignore_ids):  # the student without its adapter scores
+        def base_of_the_student(teacher, rollout, ignore_ids, holder=holder):  # the student without its adapter
             policy = holder["models"].policy
             with g.evaluating(policy), policy.disable_adapter():
                 return g.response_logps(policy, rollout, ignore_ids)
