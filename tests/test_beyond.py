@@ -96,7 +96,7 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
     no_update = {"loss": 0.0, "tokens": 1.0, "clip_frac": 0.0, "ratio_mean": 1.0, "mismatch_tokens": 1.0,
                  "logp_mismatch": 0.0, "grad_norm": 0.0, "grad_norm_max": 0.0, "lr": 0.0, "update_norm": 0.0,
                  "time_update": 0.0}
-    metrics = g.step_metrics(accelerator, batch, no_update, args.score_clip, 1.0)
+    metrics = g.step_metrics(accelerator, batch, no_update, 1, 1.0, args.score_clip)
     assert metrics["reward_no_answer"] == 4
     assert metrics["reward_mean"] == pytest.approx(batch.rewards[4:].mean().item())
     G = args.num_generations  # a prompt's G samples are consecutive rows
@@ -153,7 +153,7 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
         holder = {}
 
         def base_of_the_student(teacher, rollout, ignore_ids, holder=holder):  # the student without its adapter
-            policy = holder["models"].policy
+            policy = g.unwrap(holder["models"].student)
             with g.evaluating(policy), policy.disable_adapter():
                 return g.response_logps(policy, rollout, ignore_ids)
 

@@ -217,14 +217,14 @@ def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
     from worlds import tiny_world
 
     args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), max_new_tokens=max_new_tokens)
+                  teacher_model=os.path.join(untrained_models, "teacher"), max_new_tokens=max_new_tokens,
+                  min_new_tokens=max_new_tokens)  # full-length responses: every position counts
     processor = AutoProcessor.from_pretrained(args.student_model)
     student = g.load_student(args, torch.float32)
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
-    sample_config.min_new_tokens = max_new_tokens  # full-length responses: every position counts
     prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(n, seed)]
     torch.manual_seed(seed)
-    rollout = g.rollout(student, processor, prompts, sample_config, args)
+    rollout = g.rollout(student, processor, prompts, list(range(n)), g.Sampling(sample_config, g.draw_tokens), args)
     return args, rollout, torch.tensor(sample_config.suppress_tokens)
 
 
