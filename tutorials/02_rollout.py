@@ -36,7 +36,9 @@ from transformers import AutoProcessor
 
 from gndpo_minimal import (
     Args,
+    Sampling,
     SharedPrefix,
+    draw_tokens,
     generation_configs,
     grade_answer,
     load_split,
@@ -65,9 +67,10 @@ student.print_trainable_parameters()
 # loss assumes:
 # * no top-k, top-p or repetition penalty: the **full** distribution (checkpoints often ship `top_k=50`,
 #   which would sample from a truncated one). `generate()` itself decodes greedily (`do_sample=False`): `rollout()`
-#   adds a logits processor, `SampledTokenLogps`, that draws each token from softmax(logits / temperature) by
-#   inverting its cumulative distribution (`draw_tokens`), records the token's log-prob, and hands `generate()`
-#   scores that are -inf everywhere but at the drawn token;
+#   adds a logits processor, `SampledTokenLogps`, that draws each token from softmax(logits / temperature) with
+#   the `Sampling`'s sampler (the default run's `draw_tokens`, which inverts the cumulative distribution;
+#   `--fast_sampler false`: `torch.multinomial`), records the token's log-prob, and hands `generate()` scores that
+#   are -inf everywhere but at the drawn token;
 # * `suppress_tokens`: image special tokens can never be sampled (one would crash the scoring forward);
 #   scoring gives the same ids -inf, so sampling and scoring see the same distribution;
 # * the end tokens stop a response; padding after them is masked out.
@@ -85,10 +88,11 @@ print("suppressed:", tokenizer.convert_ids_to_tokens(sample_config.suppress_toke
 # ## Sampling G responses per prompt
 #
 # Three training prompts (one per question of the task), each repeated G times. In `main()`, the step's
-# `step_prompts` returns them in a `StepPrompts` together with the step's seed, `step_seed(seed, step, process)`;
-# `generate_and_score` seeds the sampling with it and calls `rollout` on the step's prompts, so a resumed run
-# samples exactly what the interrupted one would have. Here we seed and call `rollout` ourselves, to look at what
-# it returns (notebook 3 makes the same call through `generate_and_score`).
+# `step_prompts` returns them in a `StepPrompts` together with each row's group id (the G rows of a prompt share
+# one) and the step's seed, `step_seed(seed, step, process)`; `generate_and_score` (through `sample_rollouts`)
+# seeds a `torch.Generator` of its own with it and calls `rollout` on the step's prompts, so a resumed run samples
+# exactly what the interrupted one would have. Here we make the generator and call `rollout` ourselves, to look at
+# what it returns (notebook 3 makes the same call through `generate_and_score`).
 
 # %%
 train_ds = load_split(args, args.train_split)  # the tiny task's training split, read from disk (notebook 1)
@@ -99,11 +103,13 @@ for i in keep:
     first_of_question.setdefault(train_ds[i][args.question_column], i)
 rows = [train_ds[i] for i in first_of_question.values()]
 distinct = [(r[args.question_column], row_images(r, args.image_column)) for r in rows]
-prompts = [p for p in distinct for _ in range(G)]  # a prompt's G copies are one object, as step_prompts makes them
+prompts = [p for p in distinct for _ in range(G)]  # each prompt repeated G times, its copies next to each other
+group_ids = [i // G for i in range(len(prompts))]  # each row's prompt: the G copies of a prompt share one
 references = [r[args.answer_column] for r in rows for _ in range(G)]
+sampling = Sampling(sample_config, draw_tokens)  # how rollouts are drawn: the config and the default run's sampler
 
-torch.manual_seed(step_seed(args.seed, 0, 0))
-sampled = rollout(student, processor, prompts, sample_config, args)  # a Rollout
+sampled = rollout(student, processor, prompts, group_ids, sampling, args,
+                  torch.Generator().manual_seed(step_seed(args.seed, 0, 0)))  # a Rollout
 for name, value in [("row_inputs['input_ids']", sampled.row_inputs["input_ids"])] + [
         (field, getattr(sampled, field)) for field in ("response_ids", "response_mask", "sampled_logps")]:
     print(f"{name:23s} {str(tuple(value.shape)):9s} {value.dtype}")
@@ -149,14 +155,15 @@ plt.show()
 # ## Are the recorded log-probs right?
 #
 # `rollout()` records log p(token) from the very logits `generate()` sampled from (a logits processor, so no extra
-# forward pass is needed). The plain training forward (`response_logps`) recomputes them from scratch on prompt +
-# response, from the rollout's `row_inputs`. The two must agree: the update treats the samples as drawn from the
-# policy its forward computes (ratio 1 with one update per step), and the distillation score uses the recorded
-# log-probs, so a gap would bias both. A useful check: `update_student` measures the gap on every step's training
-# forward, and `main()` logs it as `logp_mismatch`. The paths that read each prompt once for its G samples must
-# agree too: the forward (`SharedPrefix.logps`) and the sampling loop (`rollout(..., shared_prefix=True)`, which
-# does not encode every row's prompt at all). `main()` samples that way from its first step, and checks both
-# against the plain forward on that step's rollouts before it relies on them (notebook 3).
+# forward pass is needed). The plain forward (`response_logps`: the log-softmax of the logits; the default run computes
+# the same log-probs with `lean_response_logps`, `--lean_logps`, which never holds the full (n, R, V) float32 logits)
+# recomputes them from scratch on prompt + response, from the rollout's `row_inputs`. The two must agree: the update
+# treats the samples as drawn from the policy its forward computes (ratio 1 with one update per step), and the
+# distillation score uses the recorded log-probs, so a gap would bias both. A useful check: `update_student` measures
+# the gap on every step's training forward, and `main()` logs it as `logp_mismatch`. The paths that read each prompt
+# once for its G samples must agree too: the forward (`SharedPrefix.logps`) and the sampling loop (`rollout(...,
+# shared_prefix=True)`, which does not encode every row's prompt at all). `main()` samples that way from its first step,
+# and checks both against the plain forward on that step's rollouts before it relies on them (notebook 3).
 
 # %%
 with torch.no_grad():
@@ -178,8 +185,8 @@ with torch.no_grad():
 print(f"...and SharedPrefix.logps, each prompt read once: {(shared - sampled.sampled_logps).abs()[valid].max():.2e}")
 
 # Sampling itself on the shared prompts (SharedPrefix.sample instead of generate()), from the same seed.
-torch.manual_seed(step_seed(args.seed, 0, 0))
-on_shared = rollout(student, processor, prompts, sample_config, args, shared_prefix=True)
+on_shared = rollout(student, processor, prompts, group_ids, sampling, args,
+                    torch.Generator().manual_seed(step_seed(args.seed, 0, 0)), shared_prefix=True)
 print("rollout(..., shared_prefix=True) from the same seed: same tokens",
       torch.equal(on_shared.response_ids, sampled.response_ids), "| row_inputs:", on_shared.row_inputs)
 if on_shared.sampled_logps.shape == sampled.sampled_logps.shape:

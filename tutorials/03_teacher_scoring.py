@@ -41,8 +41,10 @@ from transformers import AutoProcessor
 
 from gndpo_minimal import (
     Args,
+    Sampling,
     StepPrompts,
     distill_scores,
+    draw_tokens,
     generate_and_score,
     generation_configs,
     grade_answer,
@@ -84,10 +86,11 @@ for i in keep:
     first_of_question.setdefault(train_ds[i][args.question_column], i)
 rows = [train_ds[i] for i in first_of_question.values()]
 distinct = [(r[args.question_column], row_images(r, args.image_column)) for r in rows]
-prompts = [p for p in distinct for _ in range(G)]  # a prompt's G copies are one object, as step_prompts makes them
+prompts = [p for p in distinct for _ in range(G)]  # each prompt repeated G times, its copies next to each other
+group_ids = [i // G for i in range(len(prompts))]  # which prompt each response answers
 references = [r[args.answer_column] for r in rows for _ in range(G)]
-torch.manual_seed(step_seed(args.seed, 0, 0))
-sampled = rollout(student, processor, prompts, sample_config, args)  # a Rollout (notebook 2)
+sampled = rollout(student, processor, prompts, group_ids, Sampling(sample_config, draw_tokens), args,
+                  torch.Generator().manual_seed(step_seed(args.seed, 0, 0)))  # a Rollout (notebook 2)
 mask = sampled.response_mask
 print(f"{len(prompts)} responses of up to {mask.shape[1]} tokens, {int(mask.sum())} valid tokens")
 
@@ -150,17 +153,20 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 #
 # In `main()` the calls above are one function, the second of the step's four:
 # `generate_and_score(models, prompts, args)`. Its two inputs are small dataclasses: `Models`, which `make_models`
-# builds once per run (the student, its unwrapped `policy` that samples, the teacher, the processor, the sampling
-# config, the ids never sampled), and `StepPrompts`, which `step_prompts` makes every step (the prompts, each
-# repeated G times, which prompt each row answers, their reference answers, and the step's seed). It seeds the
-# sampling, runs `rollout`, cuts the rollouts into micro-batches of `micro_batch_size` rows, has the teacher score
-# every micro-batch, drops tokens whose log-probs are not finite (a broken teacher), clamps the scores, and turns
-# them into advantages (the next notebook). It returns a `ScoredBatch`: the micro-batches' `Rollout`s and (n, R)
-# tensors over all rows. Given the same prompts and seed, it returns the very numbers computed above, although it
-# computes them another way:
+# builds once per run (the student, the teacher, the processor, the ids never sampled, each model's scoring forward,
+# and a `Sampling`: the sampling config and sampler), and `StepPrompts`, which `step_prompts` makes every step (the
+# prompts, each repeated G times, which prompt each row answers, their reference answers, and the step's seed). It
+# is `sample_rollouts` then `score_rollouts`. `sample_rollouts` seeds a generator of its own with the step's seed,
+# runs `rollout` and cuts the rollouts into micro-batches of `micro_batch_size` rows. `score_rollouts`, which scores
+# rollouts from any source (given each row's group id), has the teacher score every micro-batch, drops tokens whose
+# log-probs are not finite (a broken teacher), clamps the scores, and turns them into advantages (the next
+# notebook). It returns a `ScoredBatch`: the micro-batches' `Rollout`s and (n, R) tensors over all rows. Given the
+# same prompts and seed, it returns the very numbers computed above, although it computes them another way: its
+# forwards never hold the full (n, R, V) float32 logits (`lean_response_logps`, `--lean_logps`, the default, where
+# the plain `response_logps` above takes the log-softmax of the logits), and
 #
 # with `--share_prompt_prefix` (the default) the step's forwards can read each distinct prompt once for its G samples
-# (`SharedPrefix`, notebook 2). `make_models` sets up the checks that decide it (`models.sharing`, a
+# (`SharedPrefix`, notebook 2). `make_models` sets up the checks that decide it (`models.sampling.sharing`, a
 # `PrefixSharing`): on the first step, before anything is scored, `generate_and_score` samples on the shared prompts
 # and compares, on the first two prompts' rows, each role's read-once path with the plain one: the log-probs recorded
 # while sampling (`rollout`), the teacher's forward (`teacher`) and the student's forward and gradient (`student`). A
@@ -169,14 +175,13 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 # %%
 accelerator, _ = make_accelerator(args)  # as main(): one process, on the CPU here
 models = make_models(args, accelerator, processor, student, teacher)
-group_ids = [i for i in range(len(rows)) for _ in range(G)]  # which prompt each response answers
 step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids,
                       answers=references)
 step_batch = generate_and_score(models, step_in, args)
 print(f"{len(step_batch.rollouts)} micro-batch(es) of {[len(r.response_ids) for r in step_batch.rollouts]} rows; "
       "(n, R) tensors:", [f.name for f in dataclasses.fields(step_batch)
                           if torch.is_tensor(getattr(step_batch, f.name)) and getattr(step_batch, f.name).dim() == 2])
-print("forwards that read each prompt once:", models.sharing.decided)
+print("forwards that read each prompt once:", models.sampling.sharing.decided)
 for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("teacher_logps", teacher_logps),
                    ("scores", scores)):
     print(f"{name:14s} identical to the step-by-step calls: {torch.equal(getattr(step_batch, name), ours)}")

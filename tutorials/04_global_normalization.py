@@ -177,7 +177,7 @@ pd.DataFrame({
 # ## What each mode does to the gradient
 #
 # Now one update, made by the step's third function, `update_student`, as in `main()`: the student's log-probs of
-# the sampled tokens with gradient (`models.score_student`: the plain `response_logps`, or `SharedPrefix.logps`
+# the sampled tokens with gradient (`models.student_logps_of`: `lean_response_logps`, or `SharedPrefix.logps`
 # once its check passed, notebook 3), the GSPO `policy_loss` with `old_logps = logps.detach()`
 # (one optimizer update per batch, so the ratio is exactly 1), `backward()`, the LoRA gradient clipped to
 # `max_grad_norm` = 1, and an AdamW step. It returns the gradient norm **before** clipping (`main()` logs it as
@@ -265,11 +265,11 @@ assert not moved, moved
 #
 # To see both behaviours, the student becomes its own teacher, a step or two into self-distillation: its LoRA
 # adapter is moved a small random step away from the base (every `lora_B`, which starts at 0, set to
-# `randn * 3e-2`), and `make_models(..., teacher_logps=...)` scores each rollout with the student's own base
+# `randn * 3e-2`), and `make_models(..., teacher_forward=...)` scores each rollout with the student's own base
 # (adapter off) instead of the teacher. The same `prompts` are then scored twice, without and with a floor of 0.1.
 
 # %%
-from gndpo_minimal import evaluating, response_logps, score_std
+from gndpo_minimal import evaluating, response_logps, score_std, unwrap
 
 step_away = torch.Generator().manual_seed(1)
 for name, p in sorted(student.named_parameters()):
@@ -281,12 +281,13 @@ for name, p in sorted(student.named_parameters()):
 
 def base_of_the_student(teacher, rollout, ignore_ids):
     """The self-distillation 'teacher': the student's own base model (its adapter disabled), in eval mode."""
-    with evaluating(models.policy), models.policy.disable_adapter():
-        return response_logps(models.policy, rollout, ignore_ids)
+    policy = unwrap(models.student)  # the peft model inside Accelerate's wrapper, if any
+    with evaluating(policy), policy.disable_adapter():
+        return response_logps(policy, rollout, ignore_ids)
 
 
 models = make_models(args, accelerator, processor, student, teacher, log=lambda m: None,
-                     teacher_logps=base_of_the_student)
+                     teacher_forward=base_of_the_student)
 floors = (0.0, 0.1)
 self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args, score_std_floor=f)) for f in floors}
 

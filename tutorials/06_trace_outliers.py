@@ -82,15 +82,16 @@ print(f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings[
 # %% [markdown]
 # ## Recording what each step used
 #
-# `main(args, on_step, teacher_logps, loss_fn)` has three hooks: `on_step(step)` is called before each step with
-# its number; `teacher_logps(teacher, rollout, ignore_ids)` replaces the teacher's scoring call and receives every
-# micro-batch as a `Rollout` (its sampled `response_ids`, `response_mask`, the student's `sampled_logps` and the
-# encoded prompts); and `loss_fn(logps, old_logps, advantages, mask, ...)` is the policy loss, which receives the
-# advantages that `generate_and_score` computed for that micro-batch. Wrapping the last two around the script's
-# own `response_logps` (the plain forward: without the hook, the run uses the forward that reads each prompt once
-# only where a check on the first step found it equal to this one) and `policy_loss` changes nothing in
-# the run and lets us keep, at the captured steps, the tokens, their scores (recomputed from the same log-probs
-# with the script's `distill_scores`) and the advantages exactly as the update saw them.
+# `main(args, on_step, teacher_forward, loss_fn)` has three hooks: `on_step(step)` is called before each step with its
+# number; `teacher_forward(teacher, rollout, ignore_ids)` replaces the teacher's scoring call and receives every
+# micro-batch as a `Rollout` (its sampled `response_ids`, `response_mask`, the student's `sampled_logps` and the encoded
+# prompts); and `loss_fn(logps, old_logps, advantages, mask, ...)` is the policy loss, which receives the advantages
+# that `generate_and_score` computed for that micro-batch. Wrapping the last two around the script's own
+# `response_logps` (the plain forward: without the hook, the run uses `lean_response_logps`, the same log-probs without
+# the full (n, R, V) float32 logits, or the forward that reads each prompt once only where a check on the first step
+# found it equal) and `policy_loss` changes nothing in the run and lets us keep, at the captured steps, the tokens,
+# their scores (recomputed from the same log-probs with the script's `distill_scores`) and the advantages exactly as the
+# update saw them.
 
 # %%
 def train(mode):
@@ -102,7 +103,7 @@ def train(mode):
     def on_step(step):
         now["step"] = step
 
-    def recording_teacher_logps(teacher, rollout, ignore_ids):
+    def recording_teacher_forward(teacher, rollout, ignore_ids):
         teacher_lp = response_logps(teacher, rollout, ignore_ids)
         if now["step"] in CAPTURED:
             kept = {k: getattr(rollout, k).cpu() for k in ("response_ids", "response_mask", "sampled_logps")}
@@ -120,7 +121,7 @@ def train(mode):
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
             summary = main(Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings),
-                           on_step=on_step, teacher_logps=recording_teacher_logps, loss_fn=recording_loss)
+                           on_step=on_step, teacher_forward=recording_teacher_forward, loss_fn=recording_loss)
     except Exception:
         print(log.getvalue()[-4000:], progress.getvalue()[-4000:], sep="\n")
         raise
