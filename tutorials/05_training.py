@@ -157,7 +157,8 @@ pd.DataFrame({
 # in how scores become advantages. Twenty steps of 8 prompts already move greedy accuracy on the 64 held-out rows
 # (see the table; one seed, so a few rows either way are noise), while the reverse KL swings from step to step
 # with the 8 prompts each step draws (both runs draw the same ones, so they swing together): over so few steps
-# its trend is hidden in that noise. The default run's 90 steps of 32 prompts bring it from about 0.9 to under 0.1.
+# its trend is hidden in that noise. The default run's 90 steps of 32 prompts bring it from about 1 to under 0.1
+# (`docs/bench_results/default_run.json`).
 #
 # On this task the two modes behave alike. Responses are 6 tokens and the clamp at +-5 bounds every score, so the raw
 # scores already have a standard deviation of about 1 to 1.5 (`score_std` above) and whitening changes their scale by
@@ -165,9 +166,9 @@ pd.DataFrame({
 # run needed clipping here. GNDPO's point is that the size of an update no longer follows the raw scores: when a
 # batch holds many clamped outlier tokens, OPD's gradient grows with them and `max_grad_norm` has to cut it back,
 # while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/studies/README.md) measures that with a
-# student that is confidently wrong (OPD's median grad norm twice GNDPO's, OPD clipped on 16% of its steps, GNDPO on
-# 1%), and compares the two modes over three seeds with the default settings (`python studies/compare_opd_gndpo.py`
-# reruns it).
+# student that is confidently wrong (over three seeds, OPD's median grad norm is about twice GNDPO's and its largest
+# one 1.6-2.2 against GNDPO's 0.9-1.3: `docs/studies/opd_vs_gndpo_confident.md`), and compares the two modes over
+# three seeds with the default settings (`python studies/compare_opd_gndpo.py` reruns it).
 #
 # From here: `python gndpo_minimal.py --help` lists every setting; `--steps_per_generation` and `--num_iterations`
 # make several updates per rollout batch, where the ratio moves away from 1 and `clip_frac` shows the clip acting;
