@@ -1906,6 +1906,13 @@ def make_accelerator(args: Args):
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
                          "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
+    # Accelerate turns an FSDP config into FSDP on GPUs only; on CPU processes it trains whole replicas (DDP)
+    # instead, without a word, so memory and checkpoints would not be what the config asked for.
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
+        raise ValueError(f"the Accelerate config asks for FSDP, but Accelerate runs FSDP on GPUs only: on "
+                         f"{accelerator.device.type} it would train unsharded replicas "
+                         f"({accelerator.distributed_type.value}); launch CPU processes with `accelerate launch "
+                         f"--multi_gpu --num_processes N` instead")
     return accelerator, accum
 
 
@@ -2329,8 +2336,9 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch
 class _HeadTokenLogps(torch.autograd.Function):
     """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
     hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
-    gradient, d @ W, and, where the head trains (full fine-tuning), the weight's, the sum over chunks of
-    d^T @ hidden (float32), with d = -(onehot(y) - softmax) / tau times the incoming gradient."""
+    gradient d @ W, with d = (onehot(y) - softmax) / tau times the incoming gradient. A frozen head: chunks of
+    rows. A trainable head (full fine-tuning): blocks of the vocabulary over all rows (_head_backward_by_vocab), so
+    that each block of the weight's gradient, d^T @ hidden, is written once."""
 
     @staticmethod
     def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk):
@@ -2348,9 +2356,11 @@ class _HeadTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, token_ids, lse = ctx.saved_tensors
         flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
+        if ctx.needs_input_grad[1]:
+            grad, grad_weight = _head_backward_by_vocab(flat, weight, ids, lse, grad_out, ctx.ignore_ids,
+                                                        ctx.temperature, ctx.per_chunk * weight.shape[0])
+            return grad.view_as(hidden), grad_weight, None, None, None, None
         grad = torch.empty_like(flat)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None  # (V, H)
         c = ctx.per_chunk
         for r in range(0, len(ids), c):
             g = grad_out[r:r + c, None].float()  # (c, 1)
@@ -2359,11 +2369,34 @@ class _HeadTokenLogps(torch.autograd.Function):
             if ctx.temperature != 1.0:
                 logits.div_(ctx.temperature)
             grad[r:r + c] = logits.to(weight.dtype) @ weight  # (c, H)
-            if grad_weight is not None:
-                grad_weight.addmm_(logits.T, flat[r:r + c].float())  # (V, c) @ (c, H)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad.view_as(hidden), grad_weight, None, None, None, None
+        return grad.view_as(hidden), None, None, None, None, None
+
+
+def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                            grad_out: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+                            chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainable head's backward, one block of the vocabulary at a time over all N rows: the block's logits
+    made again, d = (onehot(y) - softmax) / tau times the incoming gradient, then the hidden states' gradient
+    (summed over blocks, float32) and the block's rows of the weight's gradient, each written once.
+    flat: (N, H); weight: (V, H); ids, lse, grad_out: (N,). Returns ((N, H) in flat's dtype, (V, H) in weight's)."""
+    N, V = len(ids), weight.shape[0]
+    g = grad_out.float()[:, None]  # (N, 1)
+    grad = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    grad_weight = torch.empty_like(weight)
+    block = max(1, chunk_elements // max(N, 1))
+    for v0 in range(0, V, block):
+        v1 = min(v0 + block, V)
+        local = None if ignore_ids is None else ignore_ids[(ignore_ids >= v0) & (ignore_ids < v1)] - v0
+        logits = _float_logits(flat @ weight[v0:v1].T, local, temperature)  # (N, b)
+        d = logits.sub_(lse[:, None]).exp_().mul_(-g)  # -g softmax, 0 at the ignored ids
+        rows = ((ids >= v0) & (ids < v1)).nonzero().squeeze(1)
+        d[rows, ids[rows] - v0] += g[rows, 0]  # + g at the token
+        if temperature != 1.0:
+            d.div_(temperature)
+        d = d.to(weight.dtype)
+        grad.add_(d @ weight[v0:v1])  # (N, b) @ (b, H)
+        grad_weight[v0:v1] = d.T @ flat  # (b, N) @ (N, H)
+    return grad.to(flat.dtype), grad_weight
 
 
 def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
