@@ -7,7 +7,7 @@ The method is GNDPO from "Stabilizing On-Policy Distillation for MLLM Reasoning 
     -> the teacher's log-prob of every sampled token, on the same ids and images
     -> score s = clamp(teacher_lp - student_lp, -5, 5)
     -> advantages = s whitened over every valid token of the global batch
-    -> a GSPO (or PPO-clip) update of a LoRA adapter on the student.
+    -> a GSPO (or PPO-clip) update of the student: a LoRA adapter, or the whole language model (--lora_r 0).
 
 Run (offline: tiny models and a dataset shipped in assets/tiny; a few minutes on a CPU):
     accelerate launch gndpo_minimal.py
@@ -102,8 +102,9 @@ class Args:
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
     dtype: str = arg("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
     gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
-    # --- LoRA (on the language model only: the vision tower stays frozen) ---
-    lora_r: int = arg(16, "LoRA rank.")
+    # --- LoRA (on the language model only: the vision tower stays frozen), or full fine-tuning ---
+    lora_r: int = arg(16, "LoRA rank; 0 = full fine-tuning (the paper's setting): the language model, the projector "
+                      "and the LM head train, the vision tower stays frozen, and the run saves a full model.")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")
     lora_dropout: float = arg(0.0, "LoRA dropout.")
     # in_proj_qkv, in_proj_z, out_proj: the gated delta net layers of hybrid models (Qwen3.5); names a model does
@@ -165,7 +166,8 @@ class Args:
     fast_sampler: bool = arg(True, "Draw each token by an exact two-level inverse CDF (draw_tokens). false: "
                              "torch.multinomial.")
     # --- output ---
-    output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the adapter and summary.json go.")
+    output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the trained student (adapter/, or model/ "
+                          "under full fine-tuning) and summary.json go.")
     overwrite_output_dir: bool = arg(False, "Start over in an output_dir that already holds a run.")
     save_steps: int = arg(50, "Checkpoint every N steps (0 = only at the end).")
     save_total_limit: int = arg(2, "Keep this many most recent checkpoints.")
@@ -667,9 +669,9 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
             save_checkpoint(accelerator, models.student, processor, args.output_dir, step + 1,
                             {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
 
-    # --- the end: final adapter, evaluation, summary ---
+    # --- the end: the trained student (adapter/ or model/), evaluation, summary ---
     accelerator.wait_for_everyone()
-    save_adapter(accelerator, models.student, processor, os.path.join(args.output_dir, "adapter"))
+    save_student(accelerator, models.student, processor, os.path.join(args.output_dir, student_folder(args)))
     if eval_rows:
         e = evaluate_policy()
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
@@ -717,6 +719,9 @@ class Sampling:
     device: torch.device | str = "cpu"
     synced_gpus: bool = False
     sharing: PrefixSharing | None = None
+    # () -> a context the sampling forwards run in: Accelerate's autocast under mixed precision (full fine-tuning's
+    # float32 weights computing in bf16), so that rollouts sample the policy that the update's forward computes
+    precision: Callable = contextlib.nullcontext
 
     def sharing_summary(self) -> dict:
         """Which forwards read each prompt once, for summary.json."""
@@ -788,7 +793,7 @@ def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampli
     device = next(model.parameters()).device
     out = Rollout(None, None, None)
     config = sampling.config
-    with evaluating(model):  # sample from the policy itself: dropout off
+    with evaluating(model), sampling.precision():  # sample from the policy itself: dropout off
         if args.share_prompt_prefix:
             out.prompt_inputs, out.prompt_index = encode_distinct(processor, prompts, group_ids, args.instruction,
                                                                   device)
@@ -1018,17 +1023,40 @@ def lora_target_names(model, target_modules: str) -> list[str]:
     return names
 
 
+# Where each family keeps its vision encoder (InternVL, Gemma 3, LLaVA: vision_tower; Qwen-VL: visual; Idefics3 and
+# SmolVLM: vision_model), and the projectors that live inside it (Qwen-VL's merger, Qwen3-VL's DeepStack mergers)
+VISION_TOWERS = ("vision_tower", "visual", "vision_model")
+PROJECTORS_INSIDE = ("merger", "deepstack_merger_list")
+
+
+def freeze_vision_tower(model) -> None:
+    """Full fine-tuning trains what the paper trains: the language model, the projector and the LM head; the vision
+    encoder stays frozen. Raises ValueError for a model whose vision encoder is not found by name."""
+    inner = getattr(model, "model", model)
+    tower = next((getattr(inner, n) for n in VISION_TOWERS if getattr(inner, n, None) is not None), None)
+    if tower is None:
+        raise ValueError(f"no vision encoder named {VISION_TOWERS} in {type(inner).__name__}: full fine-tuning "
+                         f"(--lora_r 0) freezes it, so it must be found; use LoRA (--lora_r 16) for this model")
+    for name, p in tower.named_parameters():
+        p.requires_grad_(name.split(".")[0] in PROJECTORS_INSIDE)
+
+
 def load_student(args: Args, dtype: torch.dtype):
-    """The student with a LoRA adapter on the language model's linear layers; everything else frozen."""
+    """The student: a LoRA adapter on the language model's linear layers, everything else frozen; or, with
+    --lora_r 0, the whole model but its vision encoder (freeze_vision_tower)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
-    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: not ours to fix
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        model = get_peft_model(model, lora)
+    if args.lora_r == 0:
+        freeze_vision_tower(model)
+    else:
+        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            model = get_peft_model(model, lora)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -1632,7 +1660,8 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
     for s in range(0, len(mine), batch_size):
         part = mine[s:s + batch_size]
         inputs = encode_prompts(processor, [(q, imgs) for q, imgs, _ in part], args.instruction).to(accelerator.device)
-        out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
+        with accelerator.autocast():  # bf16 compute under mixed precision, as the student trains; a no-op otherwise
+            out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
         counts[0] += sum(grade_answer(t, a) for t, (_, _, a) in zip(texts, part))
@@ -1674,13 +1703,21 @@ def weights_are_sharded(accelerator) -> bool:
             and accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
-def save_adapter(accelerator, student, processor, path: str) -> None:
-    """Writes the LoRA adapter and the processor to `path` (main process). Every process must call it:
-    with sharded weights, collecting the full state dict is a collective operation (ZeRO-3 needs
-    zero3_save_16bit_model: true in its config for that)."""
+def student_folder(args) -> str:
+    """Where a run (and each checkpoint) keeps the trained student: adapter/ for LoRA, model/ for full fine-tuning.
+    args: Args or its asdict()."""
+    return "model" if (args["lora_r"] if isinstance(args, dict) else args.lora_r) == 0 else "adapter"
+
+
+def save_student(accelerator, student, processor, path: str) -> None:
+    """Writes the trained student and the processor to `path` (main process): the LoRA adapter (peft's
+    save_pretrained keeps the adapter's keys only), or under full fine-tuning the whole model, which
+    AutoModelForImageTextToText.from_pretrained loads. Every process must call it: with sharded weights,
+    collecting the full state dict is a collective operation (ZeRO-3 needs zero3_save_16bit_model: true in its
+    config for that)."""
     state_dict = accelerator.get_state_dict(student) if weights_are_sharded(accelerator) else None
     if accelerator.is_main_process:
-        accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)  # keeps the adapter keys only
+        accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)
         processor.save_pretrained(path)
 
 
@@ -1694,7 +1731,7 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
     accelerator.wait_for_everyone()
     with _quiet_shared_tensor_notice():
         accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
-    save_adapter(accelerator, student, processor, os.path.join(tmp, "adapter"))
+    save_student(accelerator, student, processor, os.path.join(tmp, student_folder(state["args"])))
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f, indent=2)
@@ -1792,9 +1829,9 @@ def check_args(args: Args, num_processes: int) -> int:
     for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
         if getattr(args, flag) < 1:
             problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    for flag in ("cpu_threads", "min_new_tokens"):
+    for flag in ("cpu_threads", "min_new_tokens", "lora_r"):
         if getattr(args, flag) < 0:
-            problems.append(f"--{flag} must be >= 0 (0 = off / automatic), got {getattr(args, flag)}")
+            problems.append(f"--{flag} must be >= 0, got {getattr(args, flag)}")
     if args.min_new_tokens > args.max_new_tokens:
         problems.append(f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}")
     if args.generation_batch_size < 0:
@@ -1862,11 +1899,20 @@ def make_accelerator(args: Args):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(args.cpu_threads or max(1, cores // local))
     report_to = None if args.report_to == "none" else args.report_to.split(",")
+    # full fine-tuning follows the paper's setting on a GPU: float32 master weights, bf16 compute (dtype auto)
+    precision = "bf16" if args.lora_r == 0 and args.dtype == "auto" and state.device.type == "cuda" else None
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, log_with=report_to,
-                              project_dir=args.output_dir)
+                              project_dir=args.output_dir, mixed_precision=precision)
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
                          "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
+    # Accelerate turns an FSDP config into FSDP on GPUs only; on CPU processes it trains whole replicas (DDP)
+    # instead, without a word, so memory and checkpoints would not be what the config asked for.
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
+        raise ValueError(f"the Accelerate config asks for FSDP, but Accelerate runs FSDP on GPUs only: on "
+                         f"{accelerator.device.type} it would train unsharded replicas "
+                         f"({accelerator.distributed_type.value}); launch CPU processes with `accelerate launch "
+                         f"--multi_gpu --num_processes N` instead")
     return accelerator, accum
 
 
@@ -1885,7 +1931,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
         raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
                          "the first end token; a pad equal to it would end every padded row at once)")
     dtype = resolve_dtype(args.dtype, accelerator.device)
-    student = load_student(args, dtype)
+    # full fine-tuning on a GPU: float32 master weights, bf16 compute through Accelerate's mixed precision
+    student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     ds_plugin = accelerator.state.deepspeed_plugin if deepspeed else None
     # Under ZeRO-3, from_pretrained would partition the teacher too (zero.Init), and only models passed to
@@ -1893,7 +1940,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     with ds_plugin.zero3_init_context_manager(enable=False) if ds_plugin else contextlib.nullcontext():
         teacher = load_teacher(args, dtype, accelerator.device)
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable (LoRA) of "
+    what = "LoRA" if args.lora_r else "full: language model, projector, LM head"
+    log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable ({what}) of "
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
         f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
         f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
@@ -1965,8 +2013,9 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     plain = lean_response_logps if args.lean_logps else response_logps
     sharing = (PrefixSharing.for_run(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
                if args.share_prompt_prefix else None)
+    precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     sampling = Sampling(sample_config, draw_tokens if args.fast_sampler else multinomial, accelerator.device,
-                        synced_gpus, sharing)
+                        synced_gpus, sharing, precision)
     return Models(student, teacher, processor, ignore_ids,
                   teacher_forward or (sharing.forward("teacher") if sharing else plain),
                   sharing.forward("student") if sharing else plain, sampling)
@@ -2173,7 +2222,7 @@ def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, l
                 f"{summary['student_accuracy_after']:.3f}")
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
-        log(f"adapter, metrics.jsonl and summary.json in {os.path.dirname(summary_path)}")
+        log(f"the trained student, metrics.jsonl and summary.json in {os.path.dirname(summary_path)}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes trackers and (accelerate >= 1.x) destroys the process group itself
     if dist.is_available() and dist.is_initialized():
@@ -2287,7 +2336,9 @@ def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch
 class _HeadTokenLogps(torch.autograd.Function):
     """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
     hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
-    gradient, (softmax - onehot(y)) / tau @ W times the incoming gradient. The head's weight is frozen."""
+    gradient d @ W, with d = (onehot(y) - softmax) / tau times the incoming gradient. A frozen head: chunks of
+    rows. A trainable head (full fine-tuning): blocks of the vocabulary over all rows (_head_backward_by_vocab), so
+    that each block of the weight's gradient, d^T @ hidden, is written once."""
 
     @staticmethod
     def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk):
@@ -2305,6 +2356,10 @@ class _HeadTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, token_ids, lse = ctx.saved_tensors
         flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
+        if ctx.needs_input_grad[1]:
+            grad, grad_weight = _head_backward_by_vocab(flat, weight, ids, lse, grad_out, ctx.ignore_ids,
+                                                        ctx.temperature, ctx.per_chunk * weight.shape[0])
+            return grad.view_as(hidden), grad_weight, None, None, None, None
         grad = torch.empty_like(flat)
         c = ctx.per_chunk
         for r in range(0, len(ids), c):
@@ -2317,20 +2372,45 @@ class _HeadTokenLogps(torch.autograd.Function):
         return grad.view_as(hidden), None, None, None, None, None
 
 
+def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                            grad_out: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+                            chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainable head's backward, one block of the vocabulary at a time over all N rows: the block's logits
+    made again, d = (onehot(y) - softmax) / tau times the incoming gradient, then the hidden states' gradient
+    (summed over blocks, float32) and the block's rows of the weight's gradient, each written once.
+    flat: (N, H); weight: (V, H); ids, lse, grad_out: (N,). Returns ((N, H) in flat's dtype, (V, H) in weight's)."""
+    N, V = len(ids), weight.shape[0]
+    g = grad_out.float()[:, None]  # (N, 1)
+    grad = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    grad_weight = torch.empty_like(weight)
+    block = max(1, chunk_elements // max(N, 1))
+    for v0 in range(0, V, block):
+        v1 = min(v0 + block, V)
+        local = None if ignore_ids is None else ignore_ids[(ignore_ids >= v0) & (ignore_ids < v1)] - v0
+        logits = _float_logits(flat @ weight[v0:v1].T, local, temperature)  # (N, b)
+        d = logits.sub_(lse[:, None]).exp_().mul_(-g)  # -g softmax, 0 at the ignored ids
+        rows = ((ids >= v0) & (ids < v1)).nonzero().squeeze(1)
+        d[rows, ids[rows] - v0] += g[rows, 0]  # + g at the token
+        if temperature != 1.0:
+            d.div_(temperature)
+        d = d.to(weight.dtype)
+        grad.add_(d @ weight[v0:v1])  # (N, b) @ (b, H)
+        grad_weight[v0:v1] = d.T @ flat  # (b, N) @ (N, H)
+    return grad.to(flat.dtype), grad_weight
+
+
 def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
                ignore_ids: torch.Tensor | None = None, temperature: float = 1.0,
                chunk_elements: int = 2**24) -> torch.Tensor:
     """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
     (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
-    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden` only (the
-    head's weight is frozen: a LoRA student does not train it).
+    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden`, and the head's
+    weight where it trains (full fine-tuning; a LoRA student keeps it frozen).
 
     hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T). Returns (B, T) float32.
     """
-    if weight.requires_grad:
-        raise ValueError("head_logps leaves the LM head's weight without a gradient: freeze it or use token_logps")
     per_chunk = max(1, chunk_elements // weight.shape[0])  # hidden-state rows per chunk
-    if torch.is_grad_enabled() and hidden.requires_grad:
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, per_chunk)
     flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
     out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
@@ -2343,14 +2423,14 @@ def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tens
 @contextlib.contextmanager
 def without_lm_head(model):
     """Within it, the model's forward returns its last hidden states where it returned logits, and this yields
-    the LM head's weight, for head_logps. Yields None, leaving the model as it is, where the head is not a
-    plain frozen bias-free Linear holding its whole weight (sharded under FSDP or ZeRO-3) or its logits are
-    changed (a hook on it, final-logit soft-capping)."""
+    the LM head's weight, for head_logps (which also gives a trainable head its gradient). Yields None, leaving
+    the model as it is, where the head is not a plain bias-free Linear holding its whole weight (sharded under FSDP
+    or ZeRO-3) or its logits are changed (a hook on it, final-logit soft-capping)."""
     while hasattr(model, "module"):  # DDP / DeepSpeed wrappers: the head is swapped inside, the wrapper still runs
         model = model.module
     head = model.get_output_embeddings()
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    swappable = (type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
+    swappable = (type(head) is torch.nn.Linear and head.bias is None
              and type(head.weight.data) is torch.Tensor and head.weight.numel() > 0
              and not (head._forward_hooks or head._forward_pre_hooks)  # something changes its logits
              and getattr(text_config, "final_logit_softcapping", None) is None)

@@ -377,7 +377,7 @@ def render_paper_parts(off: dict, on: dict) -> str:
 
 def render_token_logps(r: dict) -> str:
     res, rows = r["result"], []
-    for mode in ("no autograd", "with backward"):
+    for mode in [m for m in ("no autograd", "with backward", "trainable head") if m in res]:
         m = res[mode]
         B, T, _ = m["shape"]
         runs = [a / b for a, b in zip(m["token_logps"]["runs_seconds"], m["naive"]["runs_seconds"])]

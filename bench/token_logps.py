@@ -1,6 +1,9 @@
 """`token_logps` (chunked, float32 a few rows at a time) against the naive
 `torch.log_softmax(logits.float(), -1).gather(...)`, on bf16 logits of a real vocabulary (151,936 rows,
-Qwen2.5): peak extra memory and time, without autograd (scoring) and with a backward (training).
+Qwen2.5): peak extra memory and time, without autograd (scoring) and with a backward (training). A third mode,
+"trainable head", is full fine-tuning's: `head_logps` (the LM head and the log-probs in one, chunk by chunk) against
+the naive head (`hidden @ weight.T`) then log_softmax, with a backward into both the hidden states and the head's
+weight (hidden size --hidden).
 
     python bench/token_logps.py             # 4 x 1024 response tokens (1.2 GB of bf16 logits); backward at 4 x 512
     python bench/token_logps.py --quick     # 2 x 64 tokens: a few seconds
@@ -28,11 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchutil import add_json_flag, median, mib, peak_rss_bytes, report, reset_peak_rss, rss_bytes  # noqa: E402
 
-from gndpo_minimal import token_logps  # noqa: E402
+from gndpo_minimal import head_logps, token_logps  # noqa: E402
 
 VOCAB = 151_936  # Qwen2 / Qwen2.5 (-VL) embedding rows
+HIDDEN = 1024  # InternVL3.5-1B's language model (Qwen3-0.6B)
 SIDES = ("naive", "token_logps")
-MODES = ("no autograd", "with backward")
+MODES = ("no autograd", "with backward", "trainable head")
 
 
 def naive_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -41,34 +45,44 @@ def naive_logps(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 SIDE_FN = {"naive": naive_logps, "token_logps": token_logps}
+# the trainable head: (hidden, weight) -> log-probs through the head's full logits, or through head_logps
+HEAD_FN = {"naive": lambda hidden, weight, ids: naive_logps(hidden @ weight.T, ids), "token_logps": head_logps}
 
 
-def make_inputs(batch: int, tokens: int, vocab: int, grad: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, V) bf16 logits with a realistic spread (std 3) and (B, T) token ids."""
+def make_inputs(batch: int, tokens: int, vocab: int, mode: str, seed: int = 0, hidden: int = HIDDEN) -> tuple:
+    """The inputs of one call: ((B, T, V) bf16 logits with a realistic spread (std 3),) or, for the trainable head,
+    ((B, T, H) bf16 hidden states, (V, H) bf16 head weight), then (B, T) token ids."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.empty(batch, tokens, vocab, dtype=torch.bfloat16).normal_(0.0, 3.0, generator=gen)
     ids = torch.randint(0, vocab, (batch, tokens), generator=gen)
-    return logits.requires_grad_(grad), ids
+    if mode == "trainable head":
+        states = torch.empty(batch, tokens, hidden, dtype=torch.bfloat16).normal_(0.0, 1.0, generator=gen)
+        weight = torch.empty(vocab, hidden, dtype=torch.bfloat16).normal_(0.0, 3.0 / hidden**0.5, generator=gen)
+        return (states.requires_grad_(), weight.requires_grad_()), ids
+    logits = torch.empty(batch, tokens, vocab, dtype=torch.bfloat16).normal_(0.0, 3.0, generator=gen)
+    return (logits.requires_grad_(mode == "with backward"),), ids
 
 
-def run_once(side: str, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probs (B, T); with a backward of their sum when the logits require grad."""
-    if logits.requires_grad:
-        logits.grad = None
-        out = SIDE_FN[side](logits, ids)
+def run_once(side: str, inputs: tuple, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs (B, T); with a backward of their sum when the inputs require grad."""
+    fn = HEAD_FN[side] if len(inputs) == 2 else SIDE_FN[side]
+    if inputs[0].requires_grad:
+        for x in inputs:
+            x.grad = None
+        out = fn(*inputs, ids)
         out.sum().backward()
         return out.detach()
     with torch.no_grad():
-        return SIDE_FN[side](logits, ids)
+        return fn(*inputs, ids)
 
 
 def worker(side: str, mode: str, batch: int, tokens: int, vocab: int) -> dict:
     """In a fresh process: the extra resident memory one call needs on top of its inputs."""
-    logits, ids = make_inputs(batch, tokens, vocab, grad=mode == "with backward")
+    inputs, ids = make_inputs(batch, tokens, vocab, mode)
     before = rss_bytes()
     reset_peak_rss()
-    run_once(side, logits, ids)
-    return {"side": side, "mode": mode, "extra_bytes": peak_rss_bytes() - before, "input_bytes": logits.nbytes}
+    run_once(side, inputs, ids)
+    return {"side": side, "mode": mode, "extra_bytes": peak_rss_bytes() - before,
+            "input_bytes": sum(x.nbytes for x in inputs)}
 
 
 def peak_extra_memory(side: str, mode: str, batch: int, tokens: int, vocab: int) -> int:
@@ -84,26 +98,29 @@ def run(quick: bool = False, batch: int | None = None, tokens: int | None = None
     "memory_ratio" (naive / token_logps), "time_ratio" (token_logps / naive)}} (also written to json_path)."""
     batch = batch or (2 if quick else 4)
     shapes = {"no autograd": (batch, tokens or (64 if quick else 1024), vocab),
-              "with backward": (batch, grad_tokens or (64 if quick else 512), vocab)}
+              "with backward": (batch, grad_tokens or (64 if quick else 512), vocab),
+              "trainable head": (batch, grad_tokens or (64 if quick else 512), vocab)}
     repeats = repeats or (2 if quick else 3)
     out = {"threads": torch.get_num_threads(), "vocab": vocab, "repeats": repeats}
     for mode in MODES:
-        grad = mode == "with backward"
-        logits, ids = make_inputs(*shapes[mode], grad)
+        grad = mode != "no autograd"
+        inputs, ids = make_inputs(*shapes[mode], mode)
         seconds = {side: [] for side in SIDES}
         results, grads = {}, {}
         for _ in range(repeats):
             for side in SIDES:  # interleaved: naive, chunked, naive, chunked, ...
                 t0 = time.perf_counter()
-                results[side] = run_once(side, logits, ids)
+                results[side] = run_once(side, inputs, ids)
                 seconds[side].append(time.perf_counter() - t0)
-                if grad:
-                    grads[side] = logits.grad
-        del logits
+                if grad:  # the last input's gradient: the logits', or the trainable head weight's
+                    grads[side] = inputs[-1].grad
+        del inputs
         r = {side: {"seconds": median(seconds[side]), "runs_seconds": seconds[side],
                     "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])} for side in SIDES}
         r["shape"] = shapes[mode]
         r["logits_bytes"] = shapes[mode][0] * shapes[mode][1] * shapes[mode][2] * 2  # bf16
+        if mode == "trainable head":
+            r["hidden"] = HIDDEN
         r["memory_ratio"] = r["naive"]["extra_bytes"] / max(r["token_logps"]["extra_bytes"], 1)
         r["time_ratio"] = r["token_logps"]["seconds"] / r["naive"]["seconds"]
         r["max_abs_diff"] = (results["naive"] - results["token_logps"]).abs().max().item()

@@ -6,6 +6,10 @@ advantages drawn from a seeded generator, and row 1 fully masked (as if every te
 finite), so that the processes hold different numbers of valid sequences. A process keeps its contiguous share of
 the 8 rows (all of them alone, 4 each with two), makes the update, and OUT_DIR/grad<processes>.pt receives the
 gradient the optimizer applied (after the all-reduce), read on the main process.
+
+LORA_R (comma-separated, default 16) makes one update per LoRA rank listed, 0 being full fine-tuning, each with a
+fresh student; GRAD_NAME names their files ({processes} and {lora_r} filled in). Under FSDP2 (tests/test_fsdp.py)
+the gradient is gathered from the shards.
 """
 
 import dataclasses
@@ -21,10 +25,23 @@ from worlds import tiny_world  # noqa: E402
 
 def main() -> None:
     models_dir = os.environ["MODELS_DIR"]
+    ranks = [int(r) for r in os.environ.get("LORA_R", "16").split(",")]
     args = g.Args(student_model=os.path.join(models_dir, "student"), teacher_model=os.path.join(models_dir, "teacher"),
                   prompts_per_step=4, num_generations=2, micro_batch_size=2, max_new_tokens=6, max_grad_norm=1e9,
-                  num_eval_samples=0, output_dir=os.environ["OUT_DIR"])
+                  num_eval_samples=0, output_dir=os.environ["OUT_DIR"], lora_r=ranks[0])
     accelerator, accum = g.make_accelerator(args)
+    for lora_r in ranks:
+        grad = update_gradient(dataclasses.replace(args, lora_r=lora_r), accelerator, accum)
+        if accelerator.is_main_process:
+            name = os.environ.get("GRAD_NAME", "grad{processes}.pt").format(processes=accelerator.num_processes,
+                                                                             lora_r=lora_r)
+            torch.save(grad, os.path.join(os.environ["OUT_DIR"], name))
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     torch.manual_seed(0)  # the same LoRA adapter on every process
     processor, student, _ = g.load_models(dataclasses.replace(args, teacher_4bit=False), accelerator, lambda m: None)
     rows = tiny_world.make_rows(4, seed=3)
@@ -49,18 +66,15 @@ def main() -> None:
     params, grads, step = [p for p in student.parameters() if p.requires_grad], [], optimizer.step
 
     def record(*a, **k):
-        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        # an FSDP2 shard's full_tensor() is a collective: every process records
+        grads.append(torch.cat([getattr(p.grad, "full_tensor", p.grad.clone)().flatten() for p in params]))
         return step(*a, **k)
 
     optimizer.step = record
     models = g.Models(student, None, processor, torch.tensor(config.suppress_tokens))
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda m: None)
     assert update["skipped_updates"] == 0 and len(grads) == 1
-    if accelerator.is_main_process:
-        torch.save(grads[0], os.path.join(os.environ["OUT_DIR"], f"grad{accelerator.num_processes}.pt"))
-    accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    return grads[0]
 
 
 if __name__ == "__main__":

@@ -310,34 +310,42 @@ def test_ratio_one_gradient_is_minus_advantage_over_length():
     torch.testing.assert_close(logps.grad, expected.float())
 
 
+@pytest.mark.parametrize("trainable_head", [False, True], ids=["frozen_head", "trainable_head"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_head_logps_equals_token_logps_on_the_logits_in_value_and_gradient(temperature):
-    """The LM head fused with the log-probs (no (B, T, V) logits): same values and the same gradient on the hidden
-    states as the logits path, over chunks smaller than the rows, with ignored ids; the frozen weight gets none."""
+def test_head_logps_equals_the_naive_head_and_log_softmax_in_value_and_both_gradients(temperature, trainable_head):
+    """The LM head fused with the log-probs (no (B, T, V) logits) against the naive path, the head's logits then
+    log_softmax and a gather: same values and the same gradient on the hidden states, over chunks smaller than the
+    rows, with ignored ids; the head's weight gets the naive path's gradient where it trains (full fine-tuning)
+    and none where it is frozen (LoRA)."""
     torch.manual_seed(0)
     B, T, H, V = 3, 5, 8, 50
-    weight = torch.randn(V, H)
     ids = torch.randint(0, V, (B, T))
     ignore = torch.tensor([3, 7])
     ids[ids == 3], ids[ids == 7] = 4, 8
     grad_out = torch.randn(B, T)
     results = []
-    for path in ("logits", "head"):
+    for path in ("naive", "head"):
         hidden = torch.randn(B, T, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        if path == "logits":
-            out = token_logps(hidden @ weight.T, ids, ignore, temperature)
+        weight = torch.randn(V, H, generator=torch.Generator().manual_seed(2)).requires_grad_(trainable_head)
+        if path == "naive":
+            logits = (hidden @ weight.T / temperature).index_fill(-1, ignore, float("-inf"))
+            out = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
         else:
             out = head_logps(hidden, weight, ids, ignore, temperature, chunk_elements=2 * V)  # 2 rows per chunk
         (out * grad_out).sum().backward()
-        results.append((out.detach(), hidden.grad))
-    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-5)
+        results.append((out.detach(), hidden.grad, weight.grad))
+    (naive, naive_hidden, naive_weight), (fused, fused_hidden, fused_weight) = results
+    torch.testing.assert_close(fused, naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_hidden, naive_hidden, atol=1e-5, rtol=1e-5)
+    if trainable_head:
+        assert naive_weight.abs().sum() > 0
+        torch.testing.assert_close(fused_weight, naive_weight, atol=1e-5, rtol=1e-5)
+    else:
+        assert fused_weight is None and naive_weight is None
     with torch.no_grad():  # the no-autograd path gives the same values
         torch.testing.assert_close(head_logps(torch.randn(B, T, H, generator=torch.Generator().manual_seed(1)),
-                                                weight, ids, ignore, temperature, chunk_elements=3), results[0][0],
+                                              weight.detach(), ids, ignore, temperature, chunk_elements=3), naive,
                                    atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="freeze it"):
-        head_logps(torch.randn(B, T, H), weight.requires_grad_(), ids)
 
 
 # --- power_scores, score_std, group_reward_advantages -------------------------------------------
