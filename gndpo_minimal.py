@@ -155,8 +155,9 @@ class Args:
                                            "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation).")
     max_consecutive_skips: int = arg(3, "Stop after this many non-finite steps in a row.")
     seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
-    cpu_threads: int = arg(0, "Threads of each process on a CPU; 0 = the machine's cores shared among the processes "
-                           "it runs (accelerate launch would leave each one thread).")
+    cpu_threads: int = arg(0, "Threads of each process on a CPU; 0 = torch's own choice (OMP_NUM_THREADS where set), "
+                           "except under accelerate launch's default of one: then the cores shared among the "
+                           "machine's processes.")
     # --- speed-ups (PART II), each beside its plain path and checked against it ---
     share_prompt_prefix: bool = arg(True, "Read each prompt and its images once for its G samples, in rollouts, "
                                     "teacher scoring and the student's update (each checked against the plain "
@@ -1894,7 +1895,10 @@ def make_accelerator(args: Args):
         raise RuntimeError(f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
                            f"{state.num_processes} ({state.distributed_type}): check the launch command")
     accum = check_args(args, state.num_processes)
-    if state.device.type == "cpu":
+    # accelerate launch gives each CPU process one thread unless told --num_cpu_threads_per_process: a run would
+    # use one core of many. OMP_NUM_THREADS that a user set (no launcher variable beside it) is left alone.
+    launched_with_one = "ACCELERATE_DYNAMO_BACKEND" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1"
+    if state.device.type == "cpu" and (args.cpu_threads or launched_with_one):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(args.cpu_threads or max(1, cores // local))
