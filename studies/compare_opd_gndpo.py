@@ -71,22 +71,29 @@ def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
                *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *threads, *extra, *flags]
         print("$", " ".join(cmd), flush=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        if parallel == 1:
-            subprocess.run(cmd, check=True)
-        else:
-            with open(out + ".log", "w") as log:  # interleaved progress bars would be unreadable
-                if subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
-                    raise SystemExit(f"run failed, see {out}.log")
-        with open(os.path.join(out, "study.json"), "w") as f:
-            json.dump(made_by, f)
+        try:
+            if parallel == 1:
+                subprocess.run(cmd, check=True)
+            else:
+                with open(out + ".log", "w") as log:  # interleaved progress bars would be unreadable
+                    if subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
+                        raise SystemExit(f"run failed, see {out}.log")
+        finally:  # a run stopped before its end is tabulated too (load)
+            if os.path.isdir(out):
+                with open(os.path.join(out, "study.json"), "w") as f:
+                    json.dump(made_by, f)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(run, jobs))  # list() re-raises a failed run's error
 
 
 def load(out: str) -> tuple[list[dict], dict]:
+    """A run's steps and summary; a run stopped before its end has no summary.json: its summary is then {}, and
+    its table row says where it stopped instead of an accuracy."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f if line.strip()]
+    if not os.path.exists(os.path.join(out, "summary.json")):
+        return steps, {}
     with open(os.path.join(out, "summary.json")) as f:
         return steps, json.load(f)
 
@@ -131,13 +138,16 @@ def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
             "adv_min_first": avg(first, "adv_min"), "adv_min_last": avg(last, "adv_min"),
             "update_median": statistics.median(s.get("update_norm", nan) for s in steps),
             "update_max": max(s.get("update_norm", nan) for s in steps),
-            "wall": summary.get("wall_seconds", nan)}
+            "wall": summary.get("wall_seconds", nan), "stopped": 0 if summary else steps[-1]["step"]}
 
 
 def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     acc = f"**{r['acc_after']:.3f}**" if bold else f"{r['acc_after']:.3f}"
     teacher = f" ({r['teacher']:.3f})" if r.get("teacher") is not None else ""
-    return (f"| {name} | {lr} | {seed} | {r['acc_before']:.3f} -> {acc}{teacher} | {r['format_after']:.3f} | "
+    before = f"{r['acc_before']:.3f} -> {acc}{teacher}"
+    if r["stopped"]:  # a stopped run: no summary, no final evaluation
+        before = f"stopped after step {r['stopped']:g}, not evaluated"
+    return (f"| {name} | {lr} | {seed} | {before} | {r['format_after']:.3f} | "
             f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
             f"{r['spikes']:g} | "
             f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | "
