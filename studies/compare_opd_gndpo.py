@@ -26,6 +26,7 @@ table starts with one line per distinct commit and command among its runs.
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -138,6 +139,9 @@ def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
             "adv_min_first": avg(first, "adv_min"), "adv_min_last": avg(last, "adv_min"),
             "update_median": statistics.median(s.get("update_norm", nan) for s in steps),
             "update_max": max(s.get("update_norm", nan) for s in steps),
+            # Adam's largest update is its first (each parameter moves by about lr); what a gradient spike does
+            # to the weights is the update of the spike's own step
+            "update_at_gn_max": max(steps, key=lambda s: s["grad_norm"]).get("update_norm", nan),
             "wall": summary.get("wall_seconds", nan), "stopped": 0 if summary else steps[-1]["step"]}
 
 
@@ -147,12 +151,13 @@ def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     before = f"{r['acc_before']:.3f} -> {acc}{teacher}"
     if r["stopped"]:  # a stopped run: no summary, no final evaluation
         before = f"stopped after step {r['stopped']:g}, not evaluated"
-    return (f"| {name} | {lr} | {seed} | {before} | {r['format_after']:.3f} | "
+    fmt = "-" if math.isnan(r["format_after"]) else f"{r['format_after']:.3f}"
+    return (f"| {name} | {lr} | {seed} | {before} | {fmt} | "
             f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
             f"{r['spikes']:g} | "
-            f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | "
+            f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | {r['update_at_gn_max']:.3g} | "
             f"{r['len_first']:.1f} -> {r['len_last']:.1f} | "
-            f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {r['wall']:.0f} |")
+            f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {'-' if math.isnan(r['wall']) else round(r['wall'])} |")
 
 
 def scale_row(name: str, lr: str, seed: str, r: dict) -> str:
@@ -209,9 +214,9 @@ def main() -> None:
 
     header = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
               "reverse KL step 1 -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
-              "update size median / max | response length first 10 -> last 10 | tokens at the clamp first 10 -> "
-              "last 10 | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "update size median / max | update size at the largest grad norm | response length first 10 -> "
+              "last 10 | tokens at the clamp first 10 -> last 10 | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = [*made_by_lines([out for *_, out in jobs]), *header]
     means, scales = [], []
     for lr in lrs:
