@@ -154,7 +154,7 @@ def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     fmt = "-" if math.isnan(r["format_after"]) else f"{r['format_after']:.3f}"
     return (f"| {name} | {lr} | {seed} | {before} | {fmt} | "
             f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
-            f"{r['spikes']:g} | "
+            f"{r['spikes']:.3g} | "
             f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | {r['update_at_gn_max']:.3g} | "
             f"{r['len_first']:.1f} -> {r['len_last']:.1f} | "
             f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {'-' if math.isnan(r['wall']) else round(r['wall'])} |")
