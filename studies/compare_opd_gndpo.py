@@ -19,10 +19,14 @@ point every run at assets/trace (models, data, --max_new_tokens 38, --require_th
 --skip_existing runs only the jobs without a summary.json (a finished run), so that a larger grid can reuse
 the runs of a smaller one in the same --runs_dir.
 Extra flags after `--` go to gndpo_minimal.py for every run, e.g. `-- --max_steps 50`.
+Each run folder keeps study.json (the commit gndpo_minimal.py ran at and this script's command line), and the
+table starts with one line per distinct commit and command among its runs.
 """
 
 import argparse
+import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,39 +47,78 @@ WORLDS = {"tiny": [],  # the script's defaults: assets/tiny
                     "--max_new_tokens", "38", "--require_think"]}
 
 
+def provenance() -> dict:
+    """The commit gndpo_minimal.py runs at, whether its file differs from that commit, and this driver's command
+    line: each run folder keeps them (study.json), so a table made later (--no_run, --skip_existing) still says
+    what made each of its runs."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", SCRIPT)),
+            "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
+            "date": datetime.date.today().isoformat()}
+
+
 def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
     """Runs gndpo_minimal.py once per (mode, lr, seed, output_dir, the setting's flags), `parallel` at a time.
     Parallel runs get one thread each: on a small CPU, threads of concurrent runs fighting over cores cost more
     than they give."""
     env = dict(os.environ, OMP_NUM_THREADS="1") if parallel > 1 else None
+    threads = ["--cpu_threads", "1"] if parallel > 1 else []  # gndpo_minimal.py would take every core otherwise
+    made_by = provenance()
 
     def run(job: tuple) -> None:
         mode, lr, seed, out, flags = job
         cmd = [sys.executable, SCRIPT, "--advantage_mode", mode, "--seed", str(seed),
                "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0",
-               *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *extra, *flags]
+               *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *threads, *extra, *flags]
         print("$", " ".join(cmd), flush=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        if parallel == 1:
-            subprocess.run(cmd, check=True)
-            return
-        with open(out + ".log", "w") as log:  # interleaved progress bars would be unreadable
-            if subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
-                raise SystemExit(f"run failed, see {out}.log")
+        try:
+            if parallel == 1:
+                subprocess.run(cmd, check=True)
+            else:
+                with open(out + ".log", "w") as log:  # interleaved progress bars would be unreadable
+                    if subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
+                        raise SystemExit(f"run failed, see {out}.log")
+        finally:  # a run stopped before its end is tabulated too (load)
+            if os.path.isdir(out):
+                with open(os.path.join(out, "study.json"), "w") as f:
+                    json.dump(made_by, f)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(run, jobs))  # list() re-raises a failed run's error
 
 
 def load(out: str) -> tuple[list[dict], dict]:
+    """A run's steps and summary; a run stopped before its end has no summary.json: its summary is then {}, and
+    its table row says where it stopped instead of an accuracy."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f if line.strip()]
+    if not os.path.exists(os.path.join(out, "summary.json")):
+        return steps, {}
     with open(os.path.join(out, "summary.json")) as f:
         return steps, json.load(f)
 
 
+def made_by_lines(outs: list[str]) -> list[str]:
+    """The table's first lines: each distinct (commit, command) its runs were made with, and how many runs each."""
+    seen: dict[tuple, int] = {}
+    for out in outs:
+        path = os.path.join(out, "study.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                p = json.load(f)
+            key = (p["commit"] + (" (gndpo_minimal.py with uncommitted changes)" if p["dirty"] else ""),
+                   p["date"], p["command"])
+        else:
+            key = None
+        seen[key] = seen.get(key, 0) + 1
+    return [f"{n} run(s) with no record of their commit or command (made before the driver kept one)." if key is None
+            else f"{n} run(s) made with gndpo_minimal.py at commit {key[0]}, {key[1]}: `{key[2]}`"
+            for key, n in seen.items()] + [""]
+
+
 def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
-    """One run's numbers. "first/last 10" are means over the first/last 10 steps."""
+    """One run's numbers. "first/last 10" are means over the first/last 10 steps; kl_first is the first step's."""
     nan = float("nan")
     norms = [s["grad_norm"] for s in steps]
     median = statistics.median(norms)
@@ -96,18 +139,25 @@ def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
             "adv_min_first": avg(first, "adv_min"), "adv_min_last": avg(last, "adv_min"),
             "update_median": statistics.median(s.get("update_norm", nan) for s in steps),
             "update_max": max(s.get("update_norm", nan) for s in steps),
-            "wall": summary.get("wall_seconds", nan)}
+            # Adam's largest update is its first (each parameter moves by about lr); what a gradient spike does
+            # to the weights is the update of the spike's own step
+            "update_at_gn_max": max(steps, key=lambda s: s["grad_norm"]).get("update_norm", nan),
+            "wall": summary.get("wall_seconds", nan), "stopped": 0 if summary else steps[-1]["step"]}
 
 
 def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     acc = f"**{r['acc_after']:.3f}**" if bold else f"{r['acc_after']:.3f}"
     teacher = f" ({r['teacher']:.3f})" if r.get("teacher") is not None else ""
-    return (f"| {name} | {lr} | {seed} | {r['acc_before']:.3f} -> {acc}{teacher} | {r['format_after']:.3f} | "
+    before = f"{r['acc_before']:.3f} -> {acc}{teacher}"
+    if r["stopped"]:  # a stopped run: no summary, no final evaluation
+        before = f"stopped after step {r['stopped']:g}, not evaluated"
+    fmt = "-" if math.isnan(r["format_after"]) else f"{r['format_after']:.3f}"
+    return (f"| {name} | {lr} | {seed} | {before} | {fmt} | "
             f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
-            f"{r['spikes']:g} | "
-            f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | "
+            f"{r['spikes']:.3g} | "
+            f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | {r['update_at_gn_max']:.3g} | "
             f"{r['len_first']:.1f} -> {r['len_last']:.1f} | "
-            f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {r['wall']:.0f} |")
+            f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {'-' if math.isnan(r['wall']) else round(r['wall'])} |")
 
 
 def scale_row(name: str, lr: str, seed: str, r: dict) -> str:
@@ -162,11 +212,12 @@ def main() -> None:
         run_all(todo, extra, args.jobs)
     results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
 
-    lines = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
-             "reverse KL first -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
-             "update size median / max | response length first 10 -> last 10 | tokens at the clamp first 10 -> "
-             "last 10 | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
+              "reverse KL step 1 -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
+              "update size median / max | update size at the largest grad norm | response length first 10 -> "
+              "last 10 | tokens at the clamp first 10 -> last 10 | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [*made_by_lines([out for *_, out in jobs]), *header]
     means, scales = [], []
     for lr in lrs:
         lr_text = ("default" if lr[1] is None else f"{lr[1]:g}") + (f" ({lr[0]})" if lr[0] else "")
@@ -183,7 +234,7 @@ def main() -> None:
             else:
                 scales.append(scale_row(NAMES[mode], lr_text, str(args.seeds[0]), rows[0]))
     if len(args.seeds) > 1:  # the mean rows again, together, for a quick comparison
-        lines += ["", "Means over seeds:", "", *lines[:2], *means]
+        lines += ["", "Means over seeds:", "", *header, *means]
     lines += ["", "Scale of scores and advantages (first 10 -> last 10 steps; a step's adv min is its most negative "
               "advantage):", "", "| advantages | lr | seed | score std | advantage std | advantage min | grad norm |",
               "|---|---|---|---|---|---|---|", *scales]
