@@ -37,7 +37,7 @@ from estimate_memory import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "geometry3k_*.yaml")))  # the real-model recipes
 CONFIGS = os.path.join(ROOT, "tests", "fixtures", "configs")
 QWEN_RECIPE = os.path.join(ROOT, "recipes", "geometry3k_qwen2.5vl_3b.yaml")
 GB = 1e9
@@ -94,6 +94,22 @@ def test_there_is_a_recipe_per_setup():
     names = {os.path.basename(r) for r in RECIPES}
     assert names >= {"geometry3k_qwen2.5vl_3b.yaml", "geometry3k_internvl3.5_1b.yaml", "geometry3k_internvl3.5_2b.yaml",
                      "geometry3k_gemma3_4b.yaml"}
+
+
+def test_the_tiny_full_fine_tuning_recipe_is_the_default_world_with_lora_r_0():
+    """recipes/tiny_full_finetune.yaml: valid Args of their fields' types, full fine-tuning, the shipped tiny world
+    (paths relative to the repository root, where its comment says to run it), one update per step."""
+    recipe = os.path.join(ROOT, "recipes", "tiny_full_finetune.yaml")
+    with open(recipe) as f:
+        raw = yaml.safe_load(f)
+    fields = {f.name for f in dataclasses.fields(g.Args)}
+    assert set(raw) <= fields, f"not Args fields: {set(raw) - fields}"
+    args, defaults = g.parse_args([recipe]), g.Args()
+    for name in raw:
+        assert type(getattr(args, name)) is type(getattr(defaults, name)) or getattr(defaults, name) is None, name
+    assert args.lora_r == 0 and args.advantage_mode == "global" and g.check_args(args, 1) >= 1
+    for path in (args.student_model, args.teacher_model, args.dataset_name):
+        assert os.path.isdir(os.path.join(ROOT, path)), path
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
