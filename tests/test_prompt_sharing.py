@@ -178,6 +178,7 @@ def test_the_sampler_draws_from_the_tempered_distribution(draw):
     torch.testing.assert_close(sampler.finish()[:, 0], expected.log().float()[drawn])
 
 
+@pytest.mark.slow
 def test_the_lean_forward_equals_the_plain_one_in_values_and_gradients(pair):
     """--lean_logps: lean_response_logps (head_logps, no (n, R, V) logits) against response_logps
     (log_softmax(logits).gather), on the student's rollout, at a temperature: values and every LoRA gradient."""
