@@ -69,7 +69,8 @@ def arg(default, help: str):
 class Args:
     # --- GNDPO, as in the paper (arXiv 2606.09091) ---
     advantage_mode: str = arg("global", "global (GNDPO: whitened over every valid token of the global batch) | none "
-                              "(plain OPD). Ablations beyond the paper: sequence, group, center, scale.")
+                              "(plain OPD). Ablations beyond the paper: sequence, group, center, scale; with several "
+                              "teachers, per_teacher (each teacher's tokens whitened on their own).")
     score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
     prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
     num_generations: int = arg(4, "G: sampled responses per prompt.")
@@ -98,8 +99,13 @@ class Args:
     # --- models ---
     student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student (policy) checkpoint: Hub id or path.")
     teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"),
-                             "Teacher checkpoint: Hub id or path. Must share the student's tokenizer.")
+                             "Teacher checkpoint: Hub id or path. Must share the student's tokenizer. Several "
+                             "teachers: name=path pairs, comma-separated (a mapping in a recipe); each row goes to "
+                             "the teacher that --teacher_column names.")
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
+    shard_teacher: bool = arg(False, "Shard the frozen teacher's layers over the processes with FSDP2 (fully_shard), "
+                              "whatever wraps the student: each process holds 1/N of them. 16-bit or float32 "
+                              "teachers only (--teacher_4bit false), one teacher.")
     dtype: str = arg("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
     gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
     # --- LoRA (on the language model only: the vision tower stays frozen), or full fine-tuning ---
@@ -123,6 +129,8 @@ class Args:
                                "and 'conversations' too.")
     answer_column: str = arg("answer", "Column with the reference answer (at its default, 'completion' or the first "
                              "assistant turn of chat messages too). Only evaluation needs answers.")
+    teacher_column: str = arg("teacher", "With several teachers: the column naming each row's teacher (a name of "
+                              "--teacher_model's pairs). A row without one, or naming another, stops start-up.")
     image_root: str | None = arg(None, "Folder relative image paths start from (default: the data file's folder, "
                                  "then the current directory).")
     eval_dataset_name: str | None = arg(None, "Dataset to evaluate on (default: --dataset_name). Naming one asks "
@@ -187,7 +195,7 @@ import math  # noqa: E402, F811  (repeated so that the section stands alone)
 import torch  # noqa: E402, F811
 import torch.distributed as dist  # noqa: E402, F811
 
-ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale")
+ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher")
 LOSS_TYPES = ("gspo", "ppo")
 
 
@@ -229,7 +237,8 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
 
 
 def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
-                     group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True) -> torch.Tensor:
+                     group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True,
+                     teacher_ids: torch.Tensor | None = None, num_teachers: int = 0) -> torch.Tensor:
     """Advantages from raw scores (GNDPO's global normalization). scores, response_mask: (B, T); group_ids: (B,) int.
 
     The paper's two modes:
@@ -245,8 +254,13 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
     center:   A = (s - mu) * m, global statistics as in global, no scaling (ablation: centering alone).
     scale:    A = s / sqrt(var + eps) * m, global statistics as in global, no centering (ablation: scaling
               alone; var is still the variance about the mean, so A's spread is 1 but its mean is mu / std).
+    Several teachers, beyond the paper (global whitens them together, each token alike):
+    per_teacher: teacher_ids (B,) int in 0..num_teachers-1 is each row's teacher; each teacher's tokens are
+              whitened with that teacher's mean and var over the global batch, so every teacher's advantages
+              have unit spread whatever its scores' spread. The (3, num_teachers) sums are all-reduced in one
+              call as in global: every process passes the same num_teachers.
     Returns (B, T) with zeros where the mask is 0. Raises ValueError when fewer than 2 valid tokens
-    exist (in the whole global batch), since a variance needs 2.
+    exist (in the whole global batch, or of a teacher that has any), since a variance needs 2.
     """
     mask = response_mask.to(torch.float64)
     s = scores.double() * mask
@@ -259,6 +273,19 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
                              f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses "
                              f"are not empty")
         return _whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
+    if mode == "per_teacher":
+        if teacher_ids is None or num_teachers < 1:
+            raise ValueError("per_teacher normalization needs teacher_ids (B,) and num_teachers: each row's teacher")
+        ids = teacher_ids.to(s.device)
+        zeros = torch.zeros(num_teachers, dtype=torch.float64, device=s.device)
+        sums = torch.stack([zeros.index_add(0, ids, x.sum(1)) for x in (mask, s, s * s)])  # (3, K) by teacher
+        if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        if ((sums[0] > 0) & (sums[0] < 2)).any() or sums[0].sum() < 2:
+            raise ValueError(f"per_teacher normalization needs at least 2 valid response tokens of every teacher "
+                             f"that has any, got {sums[0].long().tolist()} by teacher: raise max_new_tokens or "
+                             f"prompts_per_step")
+        return _whiten(scores, mask, *(x[ids][:, None] for x in sums), eps)
     if int(mask.sum()) < 2:
         raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(mask.sum())}")
     if mode == "sequence":
@@ -379,6 +406,10 @@ class Rollout:
     # PART II, each prompt read once: the processor's batch of the u distinct prompts and (n,) each row's prompt in it
     prompt_inputs: dict | None = None
     prompt_index: torch.Tensor | None = None
+    # several teachers: (n,) each row's teacher name, and {name: ((k,) its rows here, a Rollout of those rows)},
+    # which that teacher scores (route_to_teachers); None with one teacher
+    teachers: list[str] | None = None
+    by_teacher: dict | None = None
 
 
 @dataclass
@@ -399,6 +430,9 @@ class ScoredBatch:
     std_floored: bool | None = None
     rewards: torch.Tensor | None = None
     reward_advantages: torch.Tensor | None = None
+    # several teachers: (n,) each row's teacher as an index into teacher_names, the K teachers' names; else None
+    teacher_ids: torch.Tensor | None = None
+    teacher_names: list[str] | None = None
 
     def micro_batches(self) -> list[tuple[Rollout, torch.Tensor, torch.Tensor]]:
         """(rollout, its advantages, its response mask) per micro-batch: its rows of the (n, R) tensors, cut to
@@ -416,7 +450,7 @@ class Models:
     """The models a step runs, and how each gives its log-probs of a rollout's sampled tokens."""
 
     student: torch.nn.Module  # trainable, as Accelerate prepared it: the update's forwards and backward
-    teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared
+    teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared; with several, the first of teachers
     processor: object  # the student's processor: it encodes every prompt, for both models
     ignore_ids: torch.Tensor | None = None  # (K,) ids never sampled (image special tokens): -inf when scoring
     # (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32 log-probs of the rollout's response tokens;
@@ -424,10 +458,21 @@ class Models:
     teacher_forward: Callable | None = None
     student_forward: Callable | None = None
     sampling: object = None  # PART II's Sampling: how sample_rollouts draws; only generate_and_score needs it
+    teachers: dict | None = None  # several teachers: {name: frozen model}; each row goes to its own (Rollout.teachers)
 
     def teacher_logps_of(self, rollout: Rollout) -> torch.Tensor:
-        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
-        return (self.teacher_forward or response_logps)(self.teacher, rollout, self.ignore_ids)
+        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens; with several teachers, each row's
+        from its own teacher, which reads only its own rows (rollout.by_teacher)."""
+        forward = self.teacher_forward or response_logps
+        if self.teachers is None:
+            return forward(self.teacher, rollout, self.ignore_ids)
+        if rollout.by_teacher is None:
+            raise ValueError("several teachers: each Rollout needs by_teacher, its rows by teacher "
+                             "(route_to_teachers)")
+        out = torch.zeros(rollout.response_ids.shape, device=rollout.response_ids.device)  # (n, R)
+        for name, (rows, part) in rollout.by_teacher.items():
+            out[rows, :part.response_ids.shape[1]] = forward(self.teachers[name], part, self.ignore_ids)
+        return out
 
     def student_logps_of(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
@@ -443,6 +488,7 @@ class StepPrompts:
     prompts: list  # n = (this process's prompts) x G pairs (prompt, images), a prompt's G rows next to each other
     group_ids: list[int]  # (n,) each row's prompt id, unique over the run
     answers: list  # (n,) each row's reference answer, None where the data has none
+    teachers: list[str] | None = None  # several teachers: (n,) each row's teacher name (its --teacher_column)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,14 +499,17 @@ class StepPrompts:
 def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
                  process_index: int = 0) -> StepPrompts:
     """This process's share of the step's B prompts, each repeated G times, and the step's sampling seed."""
-    prompts, group_ids, answers = [], [], []
+    prompts, group_ids, answers, teachers = [], [], [], []
     for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
                                               num_processes, process_index):
         row = train_ds[train_keep[position]]
         prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
         group_ids += [group_id] * args.num_generations
         answers += [row[args.answer_column]] * args.num_generations
-    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers)
+        teachers += [row.get(args.teacher_column)] * args.num_generations
+    several = len(teacher_paths(args)) > 1
+    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers,
+                       teachers if several else None)
 
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
@@ -480,7 +529,8 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
         batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
     if args.score_type == "power" or batch.std_floored:
         mode = "center" if batch.std_floored else args.advantage_mode
-        batch.advantages = whiten_or_skip(batch.scores, mask, mode, batch.group_ids, batch.nonfinite_tokens, log)
+        batch.advantages = whiten_or_skip(batch.scores, mask, mode, batch.group_ids, batch.nonfinite_tokens, log,
+                                          batch.teacher_ids, len(batch.teacher_names or ()))
     # BEYOND THE PAPER (--reward_weight w): the graded answer's task reward, normalized over the G samples of its
     # prompt, added to every token's advantage after the distillation advantages were normalized
     if args.reward_weight:
@@ -513,17 +563,21 @@ def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Ten
     # ALGO: the clamped log-ratio, whitened over every valid token of the global batch (GNDPO)
     scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
     group_ids = torch.as_tensor(group_ids, device=mask.device)
-    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log)
+    names = list(models.teachers) if models.teachers else None  # several teachers: their order sets the ids
+    teacher_ids = (torch.tensor([names.index(t) for r in rollouts for t in r.teachers], device=mask.device)
+                   if names else None)  # (n,)
+    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log, teacher_ids,
+                                len(names or ()))
     return ScoredBatch(rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
-                       {"score": time.time() - t0})
+                       {"score": time.time() - t0}, teacher_ids=teacher_ids, teacher_names=names)
 
 
 def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_ids: torch.Tensor, nonfinite: int,
-                   log=print) -> torch.Tensor:
+                   log=print, teacher_ids: torch.Tensor | None = None, num_teachers: int = 0) -> torch.Tensor:
     """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
     loss and, through the gradient all-reduce, every process's gradient non-finite, so all processes skip together."""
     try:
-        return normalize_scores(scores, mask, mode, group_ids)
+        return normalize_scores(scores, mask, mode, group_ids, teacher_ids=teacher_ids, num_teachers=num_teachers)
     except ValueError as e:
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         return torch.full_like(scores, float("nan"))
@@ -620,10 +674,11 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
         accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
                                                    if isinstance(v, (int, float, str, bool))})
     if eval_rows and "student_accuracy_before" not in summary:
-        t = evaluate(models.teacher, processor, eval_rows, args, accelerator, greedy_config)
+        t = evaluate_teachers(models, processor, eval_rows, args, accelerator, greedy_config)
         s = evaluate_policy()
         summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
-                       student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"])
+                       student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"],
+                       **per_teacher(t, "teacher_accuracy"), **per_teacher(s, "student_accuracy_before"))
         log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
             f"(format {s['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
 
@@ -651,7 +706,8 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
         mismatch.see(step + 1, metrics["logp_mismatch"])
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
             e = evaluate_policy()
-            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"])
+            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"],
+                           **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()})
             bar["acc"] = f"{e['accuracy']:.3f}"
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
@@ -675,7 +731,8 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     save_student(accelerator, models.student, processor, os.path.join(args.output_dir, student_folder(args)))
     if eval_rows:
         e = evaluate_policy()
-        summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"])
+        summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"],
+                       **per_teacher(e, "student_accuracy_after"))
     summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
                    advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
                    eval_rows=len(eval_rows),
@@ -750,7 +807,8 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
             generated = generate_rollouts(models, prompts, args, generator, False)
     # every row's prompt is encoded only while some forward may still read it whole
     row_prompts = sharing is None or not sharing.all_shared()
-    return cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
+    parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
+    return route_to_teachers(models.processor, prompts, parts, args) if prompts.teachers else parts
 
 
 def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator,
@@ -917,7 +975,7 @@ def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size:
     """
     if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
         return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
-    device, pad = rollouts[0].response_ids.device, processor.tokenizer.pad_token_id
+    pad = processor.tokenizer.pad_token_id
     mask = pad_cat([r.response_mask for r in rollouts])  # (n, R)
     ids = pad_cat([r.response_ids for r in rollouts]).masked_fill(mask == 0, pad)
     sampled = pad_cat([r.sampled_logps for r in rollouts])
@@ -926,12 +984,45 @@ def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size:
         rows, groups = prompts.prompts[i:i + size], prompts.group_ids[i:i + size]
         R = max(1, int(mask[i:i + size].sum(1).max()))
         part = Rollout(ids[i:i + size, :R], mask[i:i + size, :R], sampled[i:i + size, :R])
-        if row_prompts:
-            part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
-        if args.share_prompt_prefix:
-            part.prompt_inputs, part.prompt_index = encode_distinct(processor, rows, groups, args.instruction, device)
-        out.append(part)
+        out.append(encode_rollout_prompts(processor, part, rows, groups, args, row_prompts, args.share_prompt_prefix))
     return out
+
+
+def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[int], args: Args, row_prompts: bool,
+                           distinct: bool) -> Rollout:
+    """`part` with its rows' prompts encoded: every row's (row_prompts), the distinct ones (distinct)."""
+    device = part.response_ids.device
+    if row_prompts:
+        part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
+    if distinct:
+        part.prompt_inputs, part.prompt_index = encode_distinct(processor, rows, groups, args.instruction, device)
+    return part
+
+
+def route_to_teachers(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
+    """Several teachers: each micro-batch's rows by teacher (prompts.teachers), in Rollout.teachers and
+    Rollout.by_teacher = {name: ((k,) row positions, a Rollout of those k rows)}. A micro-batch of one teacher is its
+    own part (the same tensors); the rows of a mixed one are sliced and their prompts encoded again (as cut_rollouts
+    does), so that a teacher's forward reads its own rows only. Returns the rollouts, in place."""
+    start = 0
+    for r in rollouts:
+        n = r.response_ids.shape[0]
+        r.teachers, r.by_teacher = prompts.teachers[start:start + n], {}
+        for name in dict.fromkeys(r.teachers):  # in order of first appearance
+            rows = [i for i, t in enumerate(r.teachers) if t == name]
+            index = torch.tensor(rows, device=r.response_ids.device)
+            if len(rows) == n:
+                part = replace(r, teachers=[name] * n, by_teacher=None)
+            else:
+                R = max(1, int(r.response_mask[index].sum(1).max()))
+                part = Rollout(r.response_ids[index, :R], r.response_mask[index, :R], r.sampled_logps[index, :R],
+                               teachers=[name] * len(rows))
+                encode_rollout_prompts(processor, part, [prompts.prompts[start + i] for i in rows],
+                                       [prompts.group_ids[start + i] for i in rows], args,
+                                       r.row_inputs is not None, r.prompt_inputs is not None)
+            r.by_teacher[name] = (index, part)
+        start += n
+    return rollouts
 
 
 def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
@@ -1065,20 +1156,54 @@ def load_student(args: Args, dtype: torch.dtype):
     return model
 
 
-def load_teacher(args: Args, dtype: torch.dtype, device: torch.device):
-    """The frozen teacher, in 4-bit nf4 when args.teacher_4bit (vision tower included; lm_head stays)."""
+def teacher_paths(args: Args) -> dict[str, str]:
+    """--teacher_model as {name: path}: one path (named 'teacher'), or name=path pairs, comma-separated."""
+    value = args.teacher_model
+    if "=" not in value:
+        return {"teacher": value}
+    pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+    names = [name.strip() for name, _ in pairs]
+    if any(not name for name in names) or len(set(names)) < len(names):
+        raise ValueError(f"--teacher_model {value!r}: several teachers are name=path pairs with distinct, non-empty "
+                         f"names, e.g. color=path/to/a,shape=path/to/b")
+    return {name.strip(): path.strip() for name, path in pairs}
+
+
+def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str | None = None):
+    """The frozen teacher (args.teacher_model, or `path`), in 4-bit nf4 when args.teacher_4bit (vision tower
+    included; lm_head stays): one whole replica per process, unless --shard_teacher (shard_frozen)."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 
     kwargs = {"dtype": dtype}
     if args.teacher_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-        kwargs["device_map"] = {"": device}  # one full replica per process: the teacher is never sharded for training
-    model = AutoModelForImageTextToText.from_pretrained(args.teacher_model, **kwargs)
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForImageTextToText.from_pretrained(path or args.teacher_model, **kwargs)
     if not args.teacher_4bit:
         model.to(device)
     model.eval().requires_grad_(False)
     return model
+
+
+def shard_frozen(model, device_type: str, num_processes: int) -> int:
+    """Shards a frozen model's layers over the processes with FSDP2 (fully_shard), in place: each process keeps 1/N
+    of every decoder layer and vision block (the classes the model names in _no_split_modules) and gathers a layer's
+    weights for its forward only. The embeddings and the LM head stay whole (head_logps reads the head's weight
+    outside any forward). Every process must then run the model's forward as many times as the others. Returns the
+    number of modules sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    if not layers:
+        raise ValueError(f"--shard_teacher: {type(model).__name__} names no layer classes (_no_split_modules) to "
+                         f"shard; run without --shard_teacher")
+    mesh = init_device_mesh(device_type, (num_processes,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return len(layers)
 
 
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
@@ -1410,7 +1535,27 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
             also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
             raise ValueError(f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
                              f"{ds.column_names}: pass {flag_prefix}{flag} with one of them")
+    if len(teacher_paths(args)) > 1:  # several teachers: every row names its own
+        check_teacher_column(ds, args, split)
+        columns["teacher_column"] = args.teacher_column
     return columns
+
+
+def check_teacher_column(ds, args: Args, split: str) -> None:
+    """Stops unless every row of the split names one of --teacher_model's teachers in --teacher_column: a row routed
+    to no teacher, or to one that was not loaded, cannot be scored."""
+    names = list(teacher_paths(args))
+    if args.teacher_column not in ds.column_names:
+        raise ValueError(f"several teachers ({', '.join(names)}), but the {split!r} split has no column "
+                         f"{args.teacher_column!r} naming each row's teacher; its columns are {ds.column_names}: "
+                         f"pass --teacher_column")
+    values = ds.select_columns([args.teacher_column])[args.teacher_column]
+    unknown = [(i, v) for i, v in enumerate(values) if v not in names]
+    if unknown:
+        counts = {str(v): sum(1 for _, u in unknown if u == v) for v in dict.fromkeys(v for _, v in unknown)}
+        raise ValueError(f"{len(unknown)} rows of the {split!r} split name no loaded teacher in column "
+                         f"{args.teacher_column!r} (first: row {unknown[0][0]}; values and counts {counts}); the "
+                         f"teachers are {names}: add them to --teacher_model as name=path, or fix the rows")
 
 
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
@@ -1425,6 +1570,8 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) 
         out[args.question_column].append(prompt)
         out[args.image_column].append([resolve_image(v, roots) for v in images])
         out[args.answer_column].append(answer_text(answer) or chat_answer)
+    if "teacher_column" in columns:  # several teachers: each row's
+        out[args.teacher_column] = list(examples[columns["teacher_column"]])
     return out
 
 
@@ -1524,7 +1671,8 @@ def eval_args(args: Args) -> Args:
 
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
-    """Evaluation rows [(prompt, images, answer)], at most num_eval_samples of them ([] when 0).
+    """Evaluation rows [(prompt, images, answer)] (several teachers: (prompt, images, answer, teacher name)), at most
+    num_eval_samples of them ([] when 0).
 
     Only evaluation needs answers. A set without any (no answer column, no assistant turn in chat prompts) is
     skipped with a log line, unless evaluation was asked for (--eval_dataset_name or --num_eval_samples set):
@@ -1548,7 +1696,8 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     ds, keep, _ = prepare_split(ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True,
                                 flag_prefix="--eval_")
     rows = [ds[i] for i in keep]
-    return [(row[e.question_column], row_images(row, e.image_column), row[e.answer_column]) for row in rows]
+    return [(row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
+            + ((row[e.teacher_column],) if "teacher_column" in columns else ()) for row in rows]
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -1647,31 +1796,61 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
     """Greedy decoding on (question, images, answer) rows, sharded over processes, batch_size rows per
     generate() (0 = args.generation_batch_size, the batch whose KV cache the memory budget allows, or all).
 
-    Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows.
+    Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows; rows of several teachers
+    ((prompt, images, answer, teacher name)) add accuracy_per_teacher, {name: accuracy on that teacher's rows}.
     """
     was_training = model.training
     model.eval()
+    names = sorted({row[3] for row in rows}) if rows and len(rows[0]) > 3 else []  # alike on every process
     mine = rows[accelerator.process_index::accelerator.num_processes]
     n_mine = len(mine)
     # With sharded weights (synced_gpus) every process must run as many generate() calls as the others:
     # shorter shares are topped up with a repeated row whose answer is not counted.
     mine = mine + rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)
-    counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
+    counts = torch.zeros(3 + 2 * len(names), device=accelerator.device)  # correct, well-formed, total; by teacher
     batch_size = batch_size or args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
         part = mine[s:s + batch_size]
-        inputs = encode_prompts(processor, [(q, imgs) for q, imgs, _ in part], args.instruction).to(accelerator.device)
+        inputs = encode_prompts(processor, [row[:2] for row in part], args.instruction).to(accelerator.device)
         with accelerator.autocast():  # bf16 compute under mixed precision, as the student trains; a no-op otherwise
             out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
-        counts[0] += sum(grade_answer(t, a) for t, (_, _, a) in zip(texts, part))
+        right = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
+        counts[0] += sum(right)
         counts[1] += sum(is_well_formed(t, args.require_think) for t in texts)
         counts[2] += len(part)
-    counts = accelerator.reduce(counts, reduction="sum")
+        for ok, row in zip(right, part) if names else ():
+            k = 3 + 2 * names.index(row[3])
+            counts[k] += ok
+            counts[k + 1] += 1
+    counts = accelerator.reduce(counts, reduction="sum").tolist()
     model.train(was_training)
-    total = max(counts[2].item(), 1)
-    return {"accuracy": counts[0].item() / total, "format_rate": counts[1].item() / total}
+    result = {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1)}
+    if names:
+        result["accuracy_per_teacher"] = {name: counts[3 + 2 * k] / max(counts[4 + 2 * k], 1)
+                                          for k, name in enumerate(names)}
+    return result
+
+
+def evaluate_teachers(models: Models, processor, rows: list[tuple], args: Args, accelerator, gen_config) -> dict:
+    """evaluate() for the teacher, or for several teachers each on its own rows: accuracy and format_rate over all
+    rows together, and accuracy_per_teacher. A sharded teacher (--shard_teacher) generates in step on every
+    process."""
+    synced = args.shard_teacher and accelerator.num_processes > 1
+    if models.teachers is None:
+        return evaluate(models.teacher, processor, rows, args, accelerator, gen_config, synced_gpus=synced)
+    parts = {name: evaluate(model, processor, [row for row in rows if row[3] == name], args, accelerator, gen_config)
+             for name, model in models.teachers.items() if any(row[3] == name for row in rows)}
+    counts = {name: sum(row[3] == name for row in rows) for name in parts}
+    total = sum(counts.values())
+    return {key: sum(parts[name][key] * counts[name] for name in parts) / total for key in ("accuracy", "format_rate")
+            } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}}
+
+
+def per_teacher(result: dict, key: str) -> dict:
+    """{key_per_teacher: accuracy by teacher} from an evaluate() result of several teachers' rows; {} otherwise."""
+    return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: atomic saves, resume, one run per output_dir
@@ -1854,6 +2033,13 @@ def check_args(args: Args, num_processes: int) -> int:
     for flag in ("reward_weight", "score_std_floor"):
         if getattr(args, flag) < 0:
             problems.append(f"--{flag} must be >= 0 (0 = off), got {getattr(args, flag)}")
+    several = len(teacher_paths(args)) > 1
+    if args.advantage_mode == "per_teacher" and not several:
+        problems.append("--advantage_mode per_teacher whitens each teacher's tokens on their own: it needs several "
+                        "teachers (--teacher_model name=path,name=path)")
+    if args.shard_teacher and (several or args.teacher_4bit):
+        problems.append("--shard_teacher shards one 16-bit or float32 teacher with FSDP2, which cannot shard "
+                        "bitsandbytes' 4-bit weights: pass --teacher_4bit false and a single --teacher_model")
     if args.advantage_mode == "group" and args.num_generations < 2:
         problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs "
                         "--num_generations >= 2")
@@ -1921,15 +2107,20 @@ def make_accelerator(args: Args):
 
 
 def load_models(args: Args, accelerator, log=print) -> tuple:
-    """(processor, LoRA student, frozen teacher) after checking that they share one tokenizer and make the
-    same inputs from a prompt and image (only the student's processor encodes them)."""
+    """(processor, student, frozen teacher; {name: teacher} for several) after checking that every teacher shares the
+    student's tokenizer and makes the same inputs from a prompt and image (only the student's processor encodes)."""
     from accelerate.utils import DistributedType
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
-    teacher_processor = AutoProcessor.from_pretrained(args.teacher_model)
-    check_same_tokenizer(processor.tokenizer, teacher_processor.tokenizer)
-    check_same_image_inputs(processor, teacher_processor)
+    paths = teacher_paths(args)
+    for name, path in paths.items():  # every teacher scores the ids and images the student's processor makes
+        teacher_processor = AutoProcessor.from_pretrained(path)
+        try:
+            check_same_tokenizer(processor.tokenizer, teacher_processor.tokenizer)
+            check_same_image_inputs(processor, teacher_processor)
+        except ValueError as e:
+            raise ValueError(f"teacher {name!r} ({path}): {e}" if len(paths) > 1 else str(e)) from None
     tokenizer = processor.tokenizer
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
@@ -1942,7 +2133,10 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     # Under ZeRO-3, from_pretrained would partition the teacher too (zero.Init), and only models passed to
     # prepare() get the hooks that gather partitions back: load it as one whole replica per process.
     with ds_plugin.zero3_init_context_manager(enable=False) if ds_plugin else contextlib.nullcontext():
-        teacher = load_teacher(args, dtype, accelerator.device)
+        teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
+    if args.shard_teacher and accelerator.num_processes > 1:
+        sharded = shard_frozen(next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes)
+        log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     what = "LoRA" if args.lora_r else "full: language model, projector, LM head"
     log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable ({what}) of "
@@ -1950,7 +2144,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
         f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
         f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
         f"micro-batch(es) of {args.micro_batch_size} per step")
-    return processor, student, teacher
+    return processor, student, teachers if len(teachers) > 1 else next(iter(teachers.values()))
 
 
 def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
@@ -1998,9 +2192,9 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
 
 
 def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
-    """The step's Models: the prepared student, the teacher, the ids sampling suppresses, each model's scoring
-    forward (the plain one, or the speed-ups their flags select: --lean_logps, --share_prompt_prefix) and how
-    rollouts are drawn (Sampling). teacher_forward replaces the teacher's scoring forward."""
+    """The step's Models: the prepared student, the teacher (or {name: teacher}), the ids sampling suppresses, each
+    model's scoring forward (the plain one, or the speed-ups their flags select: --lean_logps, --share_prompt_prefix)
+    and how rollouts are drawn (Sampling). teacher_forward replaces the teacher's scoring forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
@@ -2020,9 +2214,10 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     sampling = Sampling(sample_config, draw_tokens if args.fast_sampler else multinomial, accelerator.device,
                         synced_gpus, sharing, precision)
-    return Models(student, teacher, processor, ignore_ids,
+    teachers = teacher if isinstance(teacher, dict) else None  # several teachers: {name: model}
+    return Models(student, next(iter(teachers.values())) if teachers else teacher, processor, ignore_ids,
                   teacher_forward or (sharing.forward("teacher") if sharing else plain),
-                  sharing.forward("student") if sharing else plain, sampling)
+                  sharing.forward("student") if sharing else plain, sampling, teachers)
 
 
 def _local_values(p: torch.Tensor) -> torch.Tensor:
@@ -2161,7 +2356,7 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
               "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
               "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
               "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
-              **(reward_sums(batch) if batch.rewards is not None else {})},
+              **(reward_sums(batch) if batch.rewards is not None else {}), **teacher_sums(batch)},
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
         highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
                "time_generate": batch.seconds.get("generate", 0.0), "time_score": batch.seconds.get("score", 0.0),
@@ -2182,6 +2377,14 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
     }
     if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
         metrics["score_std_floored"] = int(batch.std_floored)
+    for name in batch.teacher_names or ():  # several teachers: the same statistics over each teacher's tokens
+        n, key = max(r[f"{name}/tokens"], 1.0), f"teacher/{name}/"
+        mean, adv_mean = r[f"{name}/score_sum"] / n, r[f"{name}/adv_sum"] / n
+        metrics.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": mean,
+                        key + "score_std": math.sqrt(max(r[f"{name}/score_sq_sum"] / n - mean**2, 0.0)),
+                        key + "adv_mean": adv_mean,
+                        key + "adv_std": math.sqrt(max(r[f"{name}/adv_sq_sum"] / n - adv_mean**2, 0.0)),
+                        key + "tokens": int(r[f"{name}/tokens"])})
     if batch.rewards is not None:  # --reward_weight
         metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
                        reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
@@ -2212,6 +2415,20 @@ def reward_sums(batch: ScoredBatch) -> dict:
             "no_answer": float((~has).sum())}
 
 
+def teacher_sums(batch: ScoredBatch) -> dict:
+    """Several teachers: this process's token count, KL, score and advantage sums over each teacher's valid tokens,
+    keyed name/what; {} with one teacher."""
+    out = {}
+    for k, name in enumerate(batch.teacher_names or ()):
+        mask = batch.response_mask.bool() & (batch.teacher_ids == k)[:, None]
+        scores, advantages = batch.scores[mask].double(), batch.advantages[mask].double()
+        out.update({f"{name}/tokens": float(mask.sum()),
+                    f"{name}/kl": (batch.student_logps[mask] - batch.teacher_logps[mask]).sum().item(),
+                    f"{name}/score_sum": scores.sum().item(), f"{name}/score_sq_sum": (scores**2).sum().item(),
+                    f"{name}/adv_sum": advantages.sum().item(), f"{name}/adv_sq_sum": (advantages**2).sum().item()})
+    return out
+
+
 def format_metrics(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
@@ -2224,6 +2441,9 @@ def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, l
                 f"  teacher           {summary['teacher_accuracy']:.3f}\n"
                 f"  student           {summary['student_accuracy_before']:.3f}   "
                 f"{summary['student_accuracy_after']:.3f}")
+            for name, after in summary.get("student_accuracy_after_per_teacher", {}).items():
+                log(f"  {name}: teacher {summary['teacher_accuracy_per_teacher'][name]:.3f}, student "
+                    f"{summary['student_accuracy_before_per_teacher'][name]:.3f} -> {after:.3f}")
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"the trained student, metrics.jsonl and summary.json in {os.path.dirname(summary_path)}")
@@ -2239,10 +2459,14 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
     parser = HfArgumentParser(Args)
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(os.path.abspath(argv[0]))[0]
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(os.path.abspath(argv[0]))[0]
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
+        import yaml  # JSON is YAML too
+
+        with open(argv[0]) as f:
+            values = yaml.safe_load(f)
+        if isinstance(values.get("teacher_model"), dict):  # several teachers as a mapping {name: path}
+            values["teacher_model"] = ",".join(f"{k}={v}" for k, v in values["teacher_model"].items())
+        return parser.parse_dict(values)[0]
     return parser.parse_args_into_dataclasses(argv)[0]
 
 # ---------------------------------------------------------------------------------------------
@@ -2697,8 +2921,9 @@ class PrefixSharing:
             self.decided["rollout"] = self.check("rollout", unwrap(models.student), rollout, models.ignore_ids,
                                                  args.temperature, held_back)
             resample = not self.decided["rollout"]
-        if self.decided["teacher"] is None:
-            self.decided["teacher"] = self.check("teacher", models.teacher, rollout, models.ignore_ids)
+        if self.decided["teacher"] is None:  # several teachers: shared only where every one passes
+            teachers = list(models.teachers.values()) if models.teachers else [models.teacher]
+            self.decided["teacher"] = all(self.check("teacher", t, rollout, models.ignore_ids) for t in teachers)
         if self.decided["student"] is None:
             self.decided["student"] = self.check("student", models.student, rollout, models.ignore_ids,
                                                  args.temperature)

@@ -1,7 +1,8 @@
 """One rank of the multi-process normalization check in test_distributed.py (run it with torchrun, gloo).
 
 Every rank rebuilds the same seeded global batch, keeps its own very uneven share of it, calls
-normalize_scores on that share in "global", "center", "scale" and "group" mode, counts the collective calls made, and
+normalize_scores on that share in "global", "center", "scale", "group" and "per_teacher" mode, counts the collective
+calls made, and
 saves what it got to OUT_DIR/rank<r>.pt for the test to compare with one process holding everything.
 """
 
@@ -25,7 +26,9 @@ def global_batch(seed: int = 0, G: int = 2) -> dict:
     scores = torch.randn(B, T, generator=gen) * torch.linspace(0.5, 4.0, B)[:, None] + torch.arange(B)[:, None] * 0.3
     scores = scores * mask  # (B, T), 0 off the mask
     group_ids = torch.arange(B) // G  # (B,): G consecutive responses share a prompt
-    return {"scores": scores, "mask": mask, "group_ids": group_ids}
+    # (B,) each row's teacher, of 3: rank 0's two rows have teacher 0 only, and teacher 2's rows are all on rank 1
+    teacher_ids = torch.tensor([0, 0, 1, 2, 0, 1, 2, 2, 1, 0, 1, 2])
+    return {"scores": scores, "mask": mask, "group_ids": group_ids, "teacher_ids": teacher_ids}
 
 
 # rank 0 holds 2 responses (3 valid tokens), rank 1 the other 10; both hold whole groups of G = 2
@@ -55,6 +58,10 @@ def main() -> None:
         calls.clear()
         out[name] = normalize_scores(mine["scores"], mask, mode, mine["group_ids"])
         out[name + "_calls"] = list(calls)
+    calls.clear()  # several teachers: each teacher's tokens on their own, all three teachers' sums in one call
+    out["per_teacher"] = normalize_scores(mine["scores"], mine["mask"], "per_teacher", teacher_ids=mine["teacher_ids"],
+                                          num_teachers=3)
+    out["per_teacher_calls"] = list(calls)
     dist.all_reduce = all_reduce
     torch.save(out, os.path.join(os.environ["OUT_DIR"], f"rank{rank}.pt"))
     dist.barrier()

@@ -40,7 +40,8 @@ def run(cmd: list[str], env: dict | None = None) -> str:
 def test_global_normalization_over_processes_equals_one_process(tmp_path):
     """Two ranks holding 3 and ~60 valid tokens (and, in a second call, 0 and ~60) get exactly the
     advantages that one process holding the whole batch computes, through one float64 all-reduce;
-    group mode with whole groups per rank needs no communication and matches too."""
+    group mode with whole groups per rank needs no communication and matches too; per_teacher with a teacher
+    that rank 0 does not hold takes one all-reduce of every teacher's sums and matches."""
     import dist_normalize_worker as worker
 
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -54,13 +55,14 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
 
     expected = {"global": normalize_scores(s, m, "global"), "global_empty_rank0": normalize_scores(s, empty0, "global"),
                 "group": normalize_scores(s, m, "group", g),
-                "center": normalize_scores(s, m, "center"), "scale": normalize_scores(s, m, "scale")}
+                "center": normalize_scores(s, m, "center"), "scale": normalize_scores(s, m, "scale"),
+                "per_teacher": normalize_scores(s, m, "per_teacher", teacher_ids=batch["teacher_ids"], num_teachers=3)}
     for name, want in expected.items():
         got = torch.cat([ranks[0][name], ranks[1][name]])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
     assert int(m[worker.SHARES[0]].sum()) == 3 and int(m[worker.SHARES[1]].sum()) > 40  # the shares are very uneven
     for r in ranks:
-        for name in ("global", "global_empty_rank0", "center", "scale"):  # one float64 all-reduce each
+        for name in ("global", "global_empty_rank0", "center", "scale", "per_teacher"):  # one float64 all-reduce each
             assert r[name + "_calls"] == ["torch.float64"], name
         assert r["group_calls"] == []
     # the reduction matters: rank 0 whitening its 3 tokens alone would give something else
@@ -69,6 +71,9 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
     for mode in ("center", "scale"):
         assert not torch.allclose(normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], mode), ranks[0][mode],
                                   atol=1e-3)
+    share = worker.SHARES[0]
+    alone = normalize_scores(s[share], m[share], "per_teacher", teacher_ids=batch["teacher_ids"][share], num_teachers=3)
+    assert not torch.allclose(alone, ranks[0]["per_teacher"], atol=1e-3)
 
 
 # --- prompt sharding ---------------------------------------------------------------------------

@@ -45,8 +45,15 @@ def argument_groups(text: str) -> list[tuple[str, list[tuple[list[str], str]]]]:
 
 
 def metric_keys(text: str) -> set[str]:
-    """The keys named (in backticks) in the first cell of the Metrics table's rows."""
-    return {key for cells in table_rows(section(text, "Metrics")) for key in re.findall(r"`([a-z0-9_]+)`", cells[0])}
+    """The keys named (in backticks) in the first cell of the Metrics table's rows; a pattern with a <name> part
+    (teacher/<name>/reverse_kl) counts as one key."""
+    return {key for cells in table_rows(section(text, "Metrics"))
+            for key in re.findall(r"`([a-z0-9_]+(?:/<name>/[a-z0-9_]+)?)`", cells[0])}
+
+
+def key_pattern(key: str) -> str:
+    """A written key as the page names it: teacher/color/reverse_kl -> teacher/<name>/reverse_kl."""
+    return re.sub(r"^teacher/[^/]+/", "teacher/<name>/", key)
 
 
 def args_groups() -> list[list[str]]:
@@ -178,19 +185,21 @@ def test_every_row_states_its_fields_default(page):
 # ---------------------------------------------------------------------------------------------
 
 
-def run_keys(untrained_models: str, out: str, **changes) -> list[set[str]]:
-    """The key set of each line of metrics.jsonl from main() on the tiny random models (4 prompts x G = 2)."""
-    args = g.Args(**{**dict(student_model=os.path.join(untrained_models, "student"),
-                            teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
-                            num_generations=2, micro_batch_size=8, max_new_tokens=6, max_train_samples=16,
-                            num_eval_samples=4, save_steps=0, logging_steps=0, output_dir=out), **changes})
+def run_keys(untrained_models: str, out: str, args: g.Args | None = None, **changes) -> list[set[str]]:
+    """The key set of each line of metrics.jsonl from main() on the tiny random models (4 prompts x G = 2), or with
+    `args`, as the page names them (key_pattern)."""
+    args = args or g.Args(**{**dict(student_model=os.path.join(untrained_models, "student"),
+                                    teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
+                                    num_generations=2, micro_batch_size=8, max_new_tokens=6, max_train_samples=16,
+                                    num_eval_samples=4, save_steps=0, logging_steps=0, output_dir=out), **changes})
     g.main(args)
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [set(json.loads(line)) for line in f]
+        return [{key_pattern(k) for k in json.loads(line)} for line in f]
 
 
 @pytest.mark.slow
-def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_written(untrained_models, tmp_path, page):
+def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_written(untrained_models, tmp_path, page,
+                                                                                   two_teacher_args):
     documented = metric_keys(page)
     assert {"reverse_kl", "score_std_floored"} <= documented  # the reader found the table
     # GNDPO with evaluation inside the run: every step's keys, and eval_* on the steps before the last
@@ -202,6 +211,11 @@ def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_writte
                       reward_weight=0.5, score_std_floor=0.1, score_type="power")
     assert {"reward_mean", "reward_groups_nonzero", "reward_no_answer", "score_std_floored"} <= beyond[0]
     assert "score_clamped_frac" not in beyond[0]
-    written = set().union(*plain, *beyond)
+    # several teachers: one set of keys per teacher, named by the page's pattern
+    teachers = run_keys(untrained_models, str(tmp_path / "teachers"),
+                        two_teacher_args(tmp_path, output_dir=str(tmp_path / "teachers"), max_steps=2, eval_steps=1,
+                                         num_eval_samples=8))
+    assert {"teacher/<name>/reverse_kl", "teacher/<name>/eval_accuracy"} <= teachers[0] - plain[0]
+    written = set().union(*plain, *beyond, *teachers)
     assert not sorted(written - documented), f"keys a run writes that the page lacks: {sorted(written - documented)}"
     assert not sorted(documented - written), f"keys the page names that no run wrote: {sorted(documented - written)}"

@@ -1,0 +1,225 @@
+"""Several teachers (--teacher_model name=path,...): each row scored by its own teacher and no other, per_teacher
+whitening against a slow oracle, the metrics and the accuracy per teacher's domain, the start-up errors; and one
+teacher sharded over two processes (--shard_teacher) against the unsharded one."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+from test_distributed import free_port
+
+import gndpo_minimal as g
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+       "HF_DATASETS_OFFLINE": "1"}
+QUIET = lambda msg: None  # noqa: E731
+
+
+# ---------------------------------------------------------------------------------------------
+# per_teacher whitening
+# ---------------------------------------------------------------------------------------------
+
+
+def oracle_per_teacher(scores, mask, teacher_ids, eps=1e-8):
+    """Token by token: each teacher's valid tokens, their mean and unbiased variance, then (s - mean) / std."""
+    out = torch.zeros_like(scores, dtype=torch.float64)
+    for k in teacher_ids.unique().tolist():
+        values = [float(scores[i, t]) for i in range(scores.shape[0]) for t in range(scores.shape[1])
+                  if teacher_ids[i] == k and mask[i, t]]
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+        for i in range(scores.shape[0]):
+            for t in range(scores.shape[1]):
+                if teacher_ids[i] == k and mask[i, t]:
+                    out[i, t] = (float(scores[i, t]) - mean) / (var + eps) ** 0.5
+    return out.float()
+
+
+def test_per_teacher_equals_the_oracle_and_differs_from_global():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(9, 7, generator=gen) * torch.tensor([0.2, 3.0, 1.0]).repeat(3)[:, None]  # 3 spreads
+    mask = (torch.rand(9, 7, generator=gen) > 0.25).long()
+    teacher_ids = torch.tensor([0, 1, 2] * 3)
+    adv = g.normalize_scores(scores, mask, "per_teacher", teacher_ids=teacher_ids, num_teachers=4)  # teacher 3: none
+    torch.testing.assert_close(adv, oracle_per_teacher(scores, mask, teacher_ids), rtol=1e-5, atol=1e-5)
+    for k in range(3):  # every teacher's advantages at unit spread, whatever its scores' spread
+        a = adv[teacher_ids == k][mask[teacher_ids == k].bool()]
+        assert abs(a.mean().item()) < 1e-5 and a.std().item() == pytest.approx(1.0, abs=1e-4)
+    assert (adv[~mask.bool()] == 0).all()
+    glob = g.normalize_scores(scores, mask, "global")
+    assert glob[teacher_ids == 0].abs().max() < 0.5 * adv[teacher_ids == 0].abs().max()  # global shrinks the narrow one
+    # with one teacher per_teacher is global
+    one = g.normalize_scores(scores, mask, "per_teacher", teacher_ids=torch.zeros(9, dtype=torch.long), num_teachers=1)
+    torch.testing.assert_close(one, glob)
+
+
+def test_per_teacher_needs_two_tokens_of_every_teacher_that_has_any():
+    scores, mask = torch.randn(2, 3), torch.tensor([[1, 0, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="every teacher"):
+        g.normalize_scores(scores, mask, "per_teacher", teacher_ids=torch.tensor([0, 1]), num_teachers=2)
+    with pytest.raises(ValueError, match="teacher_ids"):
+        g.normalize_scores(scores, mask, "per_teacher")
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments: name=path pairs, a recipe's mapping, the checks at start-up
+# ---------------------------------------------------------------------------------------------
+
+
+def test_teacher_model_pairs_and_a_recipe_mapping(tmp_path):
+    assert g.teacher_paths(g.Args(teacher_model="some/path")) == {"teacher": "some/path"}
+    assert g.teacher_paths(g.Args(teacher_model="color=a/b, shape=c/d")) == {"color": "a/b", "shape": "c/d"}
+    for bad in ("a=x,a=y", "=x,b=y"):
+        with pytest.raises(ValueError, match="distinct, non-empty names"):
+            g.teacher_paths(g.Args(teacher_model=bad))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("teacher_model:\n  color: a/b\n  shape: c/d\nadvantage_mode: per_teacher\n")
+    args = g.parse_args([str(recipe)])
+    assert args.teacher_model == "color=a/b,shape=c/d" and g.teacher_paths(args) == {"color": "a/b", "shape": "c/d"}
+    assert g.check_args(args, 1) >= 1
+    with pytest.raises(ValueError, match="per_teacher .* needs several teachers"):
+        g.check_args(g.Args(advantage_mode="per_teacher"), 1)
+    with pytest.raises(ValueError, match="cannot shard bitsandbytes"):
+        g.check_args(g.Args(shard_teacher=True), 1)
+    with pytest.raises(ValueError, match="single --teacher_model"):
+        g.check_args(dataclasses.replace(args, shard_teacher=True, teacher_4bit=False), 1)
+
+
+def test_a_row_without_a_known_teacher_stops_start_up(two_teacher_args, two_teacher_data, tmp_path):
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=os.path.join(two_teacher_data, "train.parquet"), split="train")
+    args = two_teacher_args(tmp_path)
+    with pytest.raises(ValueError, match=r"no column 'who' naming each row's teacher.*--teacher_column"):
+        g.check_teacher_column(ds, dataclasses.replace(args, teacher_column="who"), "train")
+    bad = ds.map(lambda row, i: {"teacher": "c" if i in (3, 5) else row["teacher"]}, with_indices=True)
+    with pytest.raises(ValueError, match=r"2 rows .*\(first: row 3; values and counts \{'c': 2\}.*\['a', 'b'\]"):
+        g.check_teacher_column(bad, args, "train")
+    g.check_teacher_column(ds, args, "train")  # the good rows pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Each row scored by its own teacher, end to end
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_each_row_is_scored_by_its_own_teacher_and_by_no_other(two_teacher_args, two_teacher_data, tmp_path):
+    """Two steps with two teachers through main()'s teacher_forward hook: every forward a teacher runs holds only
+    rows routed to it, every row of a step is scored exactly once, by its teacher, and micro-batches that mix the
+    two teachers were split; the metrics and summary report each teacher."""
+    import datasets
+
+    args = two_teacher_args(tmp_path, advantage_mode="per_teacher")
+    size = {}  # parameter count -> teacher name: the random teacher and the random student differ in size
+    for name, path in g.teacher_paths(args).items():
+        with open(os.path.join(path, "config.json")) as f:
+            size[json.load(f)["text_config"]["hidden_size"]] = name
+    calls, step = [], [0]
+
+    def hook(teacher, rollout, ignore_ids, temperature=1.0):
+        calls.append((step[0], size[teacher.config.text_config.hidden_size], list(rollout.teachers),
+                      rollout.response_ids.shape[0]))
+        return g.response_logps(teacher, rollout, ignore_ids, temperature)
+
+    summary = g.main(args, on_step=lambda s: step.__setitem__(0, s), teacher_forward=hook)
+    calls = [c for c in calls if c[0] > 0]  # the scoring calls of the two steps
+    for _, name, rows, _ in calls:
+        assert set(rows) == {name}  # no forward of a teacher holds another teacher's row
+    teachers = datasets.load_dataset("parquet", data_files=os.path.join(two_teacher_data, "train.parquet"),
+                                     split="train")["teacher"]
+    for s in (1, 2):
+        want = {}
+        for _, position in g.process_prompts(s - 1, len(teachers), args.prompts_per_step, args.seed, 1, 0):
+            want[teachers[position]] = want.get(teachers[position], 0) + args.num_generations
+        got = {}
+        for _, name, _, n in (c for c in calls if c[0] == s):
+            got[name] = got.get(name, 0) + n
+        assert got == want  # each row once, by its own teacher
+    assert any(n < args.micro_batch_size for *_, n in calls)  # a mixed micro-batch was split
+    metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
+    for m in metrics:
+        assert {"teacher/a/reverse_kl", "teacher/b/reverse_kl", "teacher/a/adv_std", "teacher/b/score_std"} <= set(m)
+        for name in ("a", "b"):  # per_teacher: each teacher's advantages have unit spread (population std here)
+            assert m[f"teacher/{name}/adv_std"] == pytest.approx(1.0, abs=0.1)
+        assert m["teacher/a/tokens"] + m["teacher/b/tokens"] == pytest.approx(m["response_length"] * 16, abs=0.5)
+    for key in ("student_accuracy_before_per_teacher", "student_accuracy_after_per_teacher",
+                "teacher_accuracy_per_teacher"):
+        assert set(summary[key]) == {"a", "b"}
+    # the overall figure is the rows' mean: the per-teacher figures weighted by each teacher's eval rows
+    test_teachers = datasets.load_dataset("parquet", data_files=os.path.join(two_teacher_data, "test.parquet"),
+                                          split="train")["teacher"][:16]
+    counts = {k: test_teachers.count(k) for k in ("a", "b")}
+    for key in ("student_accuracy_after", "teacher_accuracy"):
+        weighted = sum(summary[f"{key}_per_teacher"][k] * counts[k] for k in counts) / 16
+        assert summary[key] == pytest.approx(weighted)
+
+
+@pytest.mark.slow
+def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_teacher_data, tmp_path):
+    """teacher_logps_of on micro-batches that mix two teachers equals, row by row, each teacher's plain forward over
+    the whole micro-batch (other rows, other padding: equal within float32 rounding); sharing on and off."""
+    for share in (False, True):
+        args = two_teacher_args(tmp_path, share_prompt_prefix=share)
+        accelerator, _ = g.make_accelerator(args)
+        set_seed(0)
+        processor, student, teachers = g.load_models(args, accelerator, log=QUIET)
+        train_ds, keep, _, _ = g.load_data(args, processor, True, log=QUIET)
+        models = g.make_models(args, accelerator, processor, student, teachers, log=QUIET)
+        prompts = g.step_prompts(train_ds, keep, args, step=0)
+        assert len(set(prompts.teachers)) == 2
+        rollouts = g.sample_rollouts(models, prompts, args)
+        mixed = [r for r in rollouts if len(set(r.teachers)) == 2]
+        assert mixed
+        every_row = g.cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)  # every row's prompt
+        for r in g.route_to_teachers(processor, prompts, every_row, args):
+            got = models.teacher_logps_of(r)
+            for name, teacher in teachers.items():
+                rows = torch.tensor([i for i, t in enumerate(r.teachers) if t == name], dtype=torch.long)
+                if rows.numel():
+                    want = g.response_logps(teacher, r, models.ignore_ids)
+                    valid = r.response_mask[rows].bool()
+                    torch.testing.assert_close(got[rows][valid], want[rows][valid], rtol=1e-4, atol=1e-4)
+        batch = g.score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args)
+        assert batch.teacher_names == ["a", "b"]
+        assert batch.teacher_ids.tolist() == [["a", "b"].index(t) for t in prompts.teachers]
+
+
+# ---------------------------------------------------------------------------------------------
+# One teacher sharded over two processes (FSDP2)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_sharded_teacher_scores_as_the_whole_one(tmp_path):
+    """Over 2 gloo processes: the teacher sharded with --shard_teacher holds half its layers' weights on each
+    process and gives the unsharded teacher's log-probs (plain and lean forwards, and each prompt read once); then
+    a 2-step run with `--shard_teacher true --teacher_4bit false` completes and its teacher accuracy equals an
+    unsharded run's."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port())]
+    out = subprocess.run(launch + [os.path.join("tests", "shard_teacher_worker.py"), str(tmp_path)], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["sharded_layers"] > 0 and 0.4 < r["local_layer_fraction"] < 0.6
+        for path in ("plain", "lean", "shared"):
+            assert r[f"{path}_max_difference"] <= 1e-5, (rank, path, r)
+    flags = ["--max_steps", "2", "--num_eval_samples", "8", "--teacher_4bit", "false", "--logging_steps", "0"]
+    for name, extra in (("sharded", ["--shard_teacher", "true"]), ("whole", [])):
+        run = subprocess.run(launch + ["gndpo_minimal.py", *flags, *extra, "--output_dir", str(tmp_path / name)],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    sharded, whole = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sharded", "whole"))
+    assert sharded["teacher_accuracy"] == whole["teacher_accuracy"]
+    a, b = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("sharded", "whole"))
+    for x, y in zip(a, b):
+        assert x["reverse_kl"] == pytest.approx(y["reverse_kl"], rel=1e-5)
