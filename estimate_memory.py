@@ -1,32 +1,51 @@
-"""How much GPU memory a GNDPO run needs, from the models' config.json alone: no weights are loaded.
+"""How much GPU memory a GNDPO run needs, per process, from the models' config.json alone: no weights are loaded.
 
-    python estimate_memory.py recipes/geometry3k_qwen2.5vl_3b.yaml          # a recipe
-    python estimate_memory.py --student_model DIR --teacher_model DIR ...   # the run's flags (DIR holds config.json)
+    python estimate_memory.py recipes/geometry3k_qwen2.5vl_3b.yaml                  # a recipe, one process
+    python estimate_memory.py --num_processes 8 --sharding fsdp recipes/geometry3k_internvl3.5_1b_full.yaml
+    python estimate_memory.py --markdown recipes/geometry3k_*.yaml                  # docs/recipes.md's table
+    python estimate_memory.py --write_docs                                          # rewrite that table in place
+    python estimate_memory.py --student_model DIR --teacher_model DIR ...           # the run's flags
+
+Configs: a local folder with config.json, else the published config of a Hub id that ships in
+tests/fixtures/configs/<name> (no network needed), else the Hub; without it the script stops with one line.
 
 Both models are built on the meta device (shapes, no storage), so parameter counts are exact. The teacher is
-put through the same bitsandbytes replacement that a 4-bit load does, so the quantized layers are exactly the
-ones a real load quantizes. Everything after the weights is a bound at the longest lengths (every prompt
-max_prompt_length tokens, every response max_new_tokens), one micro-batch at a time, per process:
+put through the same bitsandbytes replacement that a 4-bit load does. Everything after the weights is a bound
+at the longest lengths (every prompt max_prompt_length tokens, every response max_new_tokens), one micro-batch at
+a time, per process, counting what today's code allocates:
 
-  rollout     the student's cache while generating a generation batch (--generation_batch_size rows, or all
-              of a process's rollouts when it is 0; teacher: while evaluating): keys and values of every
-              attention layer, and for hybrid models (layer_types with linear_attention layers, e.g. Qwen3.5's
-              gated delta nets) each such layer's fixed-size conv and recurrent state instead
-  scoring     the teacher's forward on prompt + response; logits only for the R + 1 kept positions
-  update      the student's forward/backward: saved activations (one hidden state per layer with gradient
-              checkpointing) and the kept logits with their gradient
+  resident    the student's weights (full fine-tuning on a GPU: float32 master weights, computed in bf16 through
+              Accelerate's mixed precision), the optimizer state (AdamW's two float32 moments of what trains; a
+              LoRA adapter's own float32 weights), the teacher (bf16 or nf4, one replica per process), the CUDA
+              context; under --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers
+  rollout     the student's cache while generating a generation batch (keys and values of every attention layer;
+              a hybrid model's linear-attention layers keep a fixed-size state), the prompt forward (once per
+              distinct prompt with --share_prompt_prefix) and the sampler's (n, V) float32 rows
+  teacher_eval the teacher's cache while it evaluates greedily before training
+  scoring     the teacher's forward on prompt + response; with --lean_logps no (n, R, V) logits: head_logps makes
+              them chunk by chunk; with --share_prompt_prefix the prompt once and its cache indexed to the rows
+  update      the student's forward/backward and its gradients: checkpointed activations (one hidden state per
+              layer) or all of them; with --share_prompt_prefix the prompt's forward runs outside gradient
+              checkpointing and keeps every activation, the vision tower's included (enable_input_require_grads
+              makes its output require grad); then the optimizer step
+  check       the start-up checks of --share_prompt_prefix (PrefixSharing.check on check_rollout): 2 prompts x G
+              rows with responses cut to 256 tokens, whatever the micro-batch size; the plain and the shared
+              forward, and for the student both gradients flattened to float32
 
 The per-token activation sizes are counts of the tensors a Qwen-style decoder layer keeps for backward (with
 q/k norms and an output gate where the attention has them), and for a gated delta net layer those of its
-torch implementation (tests/test_recipe.py checks them against what autograd really saves on tiny models: the
-flash-linear-attention kernels, when installed, keep less); the CUDA context and
-allocator slack are a rule of thumb. Real runs are usually lower: most micro-batches are shorter than the bound.
+torch implementation (tests/test_recipe.py checks them against what autograd really saves on tiny models; the
+flash-linear-attention kernels, when installed, keep less). bench/memory.py measures every phase against this
+estimate on CPU (docs/bench_results/memory.json). The CUDA context and allocator slack are a rule of thumb.
 """
 
 from __future__ import annotations
 
+import argparse
+import glob
 import math
 import os
+import re
 import sys
 
 import torch
@@ -42,16 +61,48 @@ CHUNK_COPIES_FORWARD, CHUNK_COPIES_BACKWARD, LOGIT_GRAD_COPIES = 3, 6, 3
 NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes 4-bit block sizes (weights, then the absmax constants)
 
 
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of --dtype on a GPU (auto = bf16 there)."""
-    return {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}[name]
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE_CONFIGS = os.path.join(HERE, "tests", "fixtures", "configs")  # published configs, named as the Hub id's tail
+GPU_GIB_80 = 79.2  # what an 80 GB H100 / A100 reports to torch
+CHECK_PROMPTS, CHECK_TOKENS = 2, 256  # check_rollout's defaults: the start-up checks' rows and response cut
+SAMPLER_COPIES = 6  # (n, V) float32 rows the sampling step holds at once (scores, z, probs, the -inf mask, ...)
+
+
+class ConfigNotFound(Exception):
+    """A model whose config.json is neither a local folder, nor shipped in tests/fixtures/configs, nor reachable."""
+
+
+def dtype_bytes(name: str, device: str = "cuda") -> int:
+    """Bytes per element of --dtype (auto: bf16 on a GPU, float32 on a CPU)."""
+    if name == "auto":
+        return 2 if device == "cuda" else 4
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
+
+
+def model_config(name_or_path: str):
+    """The config of a local folder, of a Hub id whose published config ships in tests/fixtures/configs (offline),
+    or from the Hub; ConfigNotFound names the way out when none is reachable."""
+    from transformers import AutoConfig
+
+    shipped = os.path.join(FIXTURE_CONFIGS, name_or_path.rstrip("/").rsplit("/", 1)[-1])
+    if os.path.isdir(name_or_path):
+        return AutoConfig.from_pretrained(name_or_path)
+    if os.path.isfile(os.path.join(shipped, "config.json")):
+        return AutoConfig.from_pretrained(shipped)
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except OSError as e:
+        raise ConfigNotFound(f"no config.json for {name_or_path!r}: not a local folder, not shipped in "
+                             f"tests/fixtures/configs/, and the Hub did not answer ({type(e).__name__}). Pass a "
+                             f"folder holding the model's config.json (e.g. --student_model path/to/dir), or put "
+                             f"it in tests/fixtures/configs/{os.path.basename(shipped)}/") from None
 
 
 def meta_model(name_or_path: str):
     """The model of a Hub id or a local folder with config.json, on the meta device (no memory, no weight download)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(name_or_path)
+    config = model_config(name_or_path)
     with torch.device("meta"):
         return AutoModelForImageTextToText.from_config(config)
 
@@ -129,8 +180,9 @@ def vision_shape(model) -> dict:
         patches_per_token, pixels = patches / tokens, round(3 * side**2 / tokens)
     # Idefics3/SmolVLM's processor also returns pixel_attention_mask: int64, one value per pixel of each tile
     mask = 8 * pixels // 3 if "pixel_attention_mask" in inspect.signature(model.forward).parameters else 0
+    layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None) or 1
     return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "pixel_bytes_per_token": 4 * pixels + mask,
-            "patches_per_token": patches_per_token}
+            "patches_per_token": patches_per_token, "layers": layers}
 
 
 def lora_layers(model, target_modules: str) -> list[tuple[str, int, int]]:
@@ -167,8 +219,11 @@ def nf4_weights(model, double_quant: bool = True, other_bytes: int = 2) -> dict:
             constants += 4 * 16  # the nf4 code book
     packed = {id(m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
     other = sum(p.numel() for p in model.parameters() if id(p) not in packed)
+    largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)),
+                  default=0)
     return {"quantized_params": quantized, "quantized_layers": layers, "other_params": other,
-            "bytes": math.ceil(quantized / 2) + constants + other * other_bytes}
+            "bytes": math.ceil(quantized / 2) + constants + other * other_bytes,
+            "largest_quantized": largest}
 
 
 # Bytes per token of one decoder layer (dtype size b), counting the tensors named in each comment.
@@ -230,88 +285,240 @@ def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], 
             + kinds.get("linear_attention", 0) * s["linear_layers"]) // layers + adapters
 
 
-def estimate(args, num_processes: int = 1) -> dict:
-    """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring."""
-    b = dtype_bytes(args.dtype)
-    P, R, mb = args.max_prompt_length, args.max_new_tokens, args.micro_batch_size
-    T = P + R
+def distinct_prompts_in(rows: int, G: int) -> int:
+    """The most distinct prompts `rows` consecutive rows can hold when each prompt has G rows next to each other
+    (step_prompts' order) and the rows start at a multiple of `rows` (micro-batches, generation batches)."""
+    if rows % G == 0 or G % rows == 0:
+        return max(1, rows // G)
+    return min(rows, rows // G + 2)
+
+
+def trainable_params(model, args) -> int:
+    """What trains: the LoRA adapters' parameters, or under full fine-tuning (--lora_r 0) everything but the vision
+    tower (freeze_vision_tower, run on the meta model)."""
+    from gndpo_minimal import freeze_vision_tower
+
+    if args.lora_r:
+        return sum(args.lora_r * (i + o) for _, i, o in lora_layers(model, args.lora_target_modules))
+    freeze_vision_tower(model)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def fsdp_units(model) -> tuple[int, int]:
+    """(parameters outside the wrapped blocks: the root unit FSDP2 gathers for the whole forward; the largest
+    block's), the blocks being the model's _no_split_modules (TRANSFORMER_BASED_WRAP)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    total = sum(p.numel() for p in model.parameters())
+    return total - sum(units), max(units, default=0)
+
+
+def vision_saved_per_patch(v: dict, b: int) -> int:
+    """What autograd keeps per patch in one vision block: the two norms' float32 inputs, q, k, v, the attention's
+    output and its projection's input, the MLP's input, its hidden activations and their product."""
+    return 8 * v["hidden"] + b * (6 * v["hidden"] + 3 * v["intermediate"])
+
+
+def estimate(args, num_processes: int = 1, sharding: str = "none", device: str = "cuda",
+             lengths: tuple[int, int] | None = None) -> dict:
+    """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring.
+
+    num_processes: N processes, each generating and scoring its B * G / N rollouts; sharding "fsdp" divides the
+    student's weights, gradients and optimizer state over them (and turns off the student's shared prompt, as the
+    script does). device "cpu": no CUDA context, the dtype auto means float32, and the processor's pixels, which
+    stay on the host, count too. lengths: (prompt, response) tokens in place of the args' bounds (a measured run's
+    own lengths). Each phase_* is what the phase adds above the resident bytes."""
+    if sharding not in ("none", "fsdp"):
+        raise ValueError(f"sharding must be none or fsdp, not {sharding!r}")
+    N, shard = num_processes, num_processes if sharding == "fsdp" else 1
+    cuda = device == "cuda"
+    b = dtype_bytes(args.dtype, device)
+    mixed = args.lora_r == 0 and args.dtype == "auto" and cuda  # float32 master weights, bf16 compute
+    param_b = 4 if mixed else b
+    P, R = lengths or (args.max_prompt_length, args.max_new_tokens)
+    T, mb, G = P + R, args.micro_batch_size, args.num_generations
     student, teacher = meta_model(args.student_model), meta_model(args.teacher_model)
     s, t = text_shape(student), text_shape(teacher)
     sv, tv = vision_shape(student), vision_shape(teacher)
-
+    lora = lora_layers(student, args.lora_target_modules) if args.lora_r else []
     student_params = sum(p.numel() for p in student.parameters())
-    lora = lora_layers(student, args.lora_target_modules)
-    lora_params = sum(args.lora_r * (i + o) for _, i, o in lora)
+    root_params, unit_params = fsdp_units(student)
+    trainable = trainable_params(student, args)
     teacher_params = sum(p.numel() for p in teacher.parameters())
     teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
+    dequantized = b * teacher_w.get("largest_quantized", 0)  # bitsandbytes dequantizes one layer at a time
+    share = args.share_prompt_prefix
+    student_shared = share and shard == 1  # sharded weights: every process runs one forward per sample
 
-    # rows per generate() call: rollouts, and the teacher's greedy evaluation before training
-    gen = args.generation_batch_size or args.prompts_per_step * args.num_generations // num_processes
-    evals = args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / num_processes))
-
-    def kv_cache(shape, rows):  # keys and values of every attention layer (rows x T tokens), linear layers' states
-        return rows * (T * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
-                       + shape["linear_layers"] * linear_state_bytes(shape, b))
-
-    def vision(shape, rows=mb):  # one vision layer over the patches of `rows` prompts (image tokens <= P)
-        return round(rows * shape["patches_per_token"] * P) * b * (6 * shape["hidden"] + 2 * shape["intermediate"])
-
+    rows = args.prompts_per_step * G // N  # this process's rollouts of a step
+    gen = args.generation_batch_size or rows
+    evals = args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / N))
     pixel_bytes = P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # one prompt's images
-    pixels = mb * pixel_bytes  # a micro-batch's images
-    chunk_forward = CHUNK_COPIES_FORWARD * CHUNK_ELEMENTS * 4
-    chunk_backward = CHUNK_COPIES_BACKWARD * CHUNK_ELEMENTS * 4
-    logits_s, logits_t = mb * (R + 1) * s["vocab"] * b, mb * (R + 1) * t["vocab"] * b
-    if args.gradient_checkpointing:  # one hidden state per layer kept; one layer recomputed, with its gradients
-        activations = mb * T * (s["layers"] * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, T,
-                                                                                             largest=True))
+    # pixels a forward moves to the GPU (on a CPU they are already there and counted where they are made)
+    device_pixels = (lambda n: n * pixel_bytes) if cuda else (lambda n: 0)  # noqa: E731
+    host_pixels = (lambda n: 0) if cuda else (lambda n: n * pixel_bytes)  # noqa: E731
+    patches = lambda v, n, tokens=P: round(n * v["patches_per_token"] * tokens)  # noqa: E731
+
+    def kv_cache(shape, n, tokens=T):  # keys and values of every attention layer, linear layers' states
+        return n * (tokens * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+                    + shape["linear_layers"] * linear_state_bytes(shape, b))
+
+    def vision_forward(v, n):  # one vision layer's working set over the patches of n prompts
+        return patches(v, n) * b * (6 * v["hidden"] + 2 * v["intermediate"])
+
+    def head_forward(vocab, n):  # head_logps / token_logps: one chunk's logits, its float32 copy, log-softmax
+        if not args.lean_logps:
+            return n * vocab * (b + 8)
+        return min(CHUNK_ELEMENTS, n * vocab) * (b + 8)
+
+    def no_grad_forward(shape, v, n, tokens, vision_rows):  # one forward, nothing kept but the residual stream
+        return (n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b) + vision_forward(v, vision_rows)
+                + device_pixels(vision_rows))
+
+    def scoring(shape, v, n, prompt, response, shared, weights_dequantized):
+        """A no-grad scoring forward of n rows: plain, or the distinct prompts once then the responses on the
+        cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention)."""
+        if not shared:
+            return (no_grad_forward(shape, v, n, prompt + response, n)
+                    + head_forward(shape["vocab"], n * (response + 1)) + weights_dequantized)
+        u = distinct_prompts_in(n, G)
+        prompt_pass = no_grad_forward(shape, v, u, prompt, u) + kv_cache(shape, u, prompt)
+        joined = n * (prompt + response) * 2 * shape["kv_heads"] * shape["head_dim"] * b  # one layer's cat
+        response_pass = (kv_cache(shape, n, prompt) + no_grad_forward(shape, v, n, response, 0) + joined
+                         + head_forward(shape["vocab"], n * response) + n * shape["vocab"] * b)
+        return max(prompt_pass, response_pass) + weights_dequantized
+
+    def full_inputs(tokens, layers):  # full fine-tuning: trained linear layers keep their inputs (2 norm outputs,
+        return tokens * layers * b * (2 * s["hidden"] + s["intermediate"]) if not args.lora_r else 0  # down's input)
+
+    def vision_kept(n, checkpointed):  # enable_input_require_grads (set with gradient checkpointing) makes the
+        if not args.gradient_checkpointing:  # vision tower's output require grad: it keeps its activations
+            return 0
+        per_patch = sv["layers"] * vision_saved_per_patch(sv, b)
+        if checkpointed:  # each block keeps its input; one block recomputed at a time
+            per_patch = sv["layers"] * sv["hidden"] * b + 2 * vision_saved_per_patch(sv, b)
+        return patches(sv, n) * per_patch
+
+    def head_backward(n_tokens):  # the head's chunked backward; a trainable head goes by blocks of the vocabulary
+        if not args.lean_logps:
+            return n_tokens * s["vocab"] * (b * (1 + LOGIT_GRAD_COPIES) + 8)
+        chunk = min(CHUNK_ELEMENTS, n_tokens * s["vocab"])
+        hidden = n_tokens * s["hidden"] * b * 2  # the kept last hidden states and their gradient
+        return hidden + chunk * (4 + 2 * b) + (n_tokens * s["hidden"] * 4 if not args.lora_r else 0)
+
+    def update_forward(n, prompt, response, shared):
+        """Activations and working set of one micro-batch's forward and backward (gradients apart)."""
+        L, tokens = s["layers"], prompt + response
+        if not shared:
+            if args.gradient_checkpointing:
+                kept = n * tokens * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r,
+                                                                                        tokens, largest=True))
+                kept += full_inputs(n * tokens, 2)
+            else:
+                kept = n * tokens * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
+                kept += full_inputs(n * tokens, L)
+            return kept + vision_kept(n, True) + head_backward(n * (response + 1)) + device_pixels(n)
+        u = distinct_prompts_in(n, G)
+        # the prompt's forward, outside gradient checkpointing: every layer keeps everything, the vision tower too
+        prompt_kept = (u * prompt * L * layer_saved_for_backward(s, b, lora, args.lora_r, prompt)
+                       + full_inputs(u * prompt, L) + vision_kept(u, False) + kv_cache(s, u, prompt))
+        cache = kv_cache(s, n, prompt)  # indexed to the n rows, read by every response layer
+        joined = n * tokens * 2 * s["heads"] * s["head_dim"] * b  # one layer's prompt + response keys and values
+        if args.gradient_checkpointing:
+            response_kept = n * response * (L * s["hidden"] * b + 2 * layer_saved_for_backward(
+                s, b, lora, args.lora_r, tokens, largest=True)) + 2 * joined + full_inputs(n * response, 2)
+        else:
+            response_kept = (n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
+                             + L * joined + full_inputs(n * response, L))
+        return (prompt_kept + cache + response_kept + head_backward(n * response) + n * s["vocab"] * (b + 8)
+                + device_pixels(u))
+
+    grad_b = 4 if args.lora_r else param_b
+    gradients = trainable * grad_b // shard
+    # the optimizer step: foreach AdamW on a GPU makes a float32 temporary of every moment (sqrt); on a CPU it
+    # goes parameter by parameter
+    largest_param = max(p.numel() for p in student.parameters() if p.requires_grad) if not args.lora_r else 0
+    optimizer_step = trainable * 4 // shard if cuda else 2 * 4 * max(largest_param, max((i * args.lora_r for _, i, _
+                                                                                           in lora), default=0))
+    # bf16 casts of the float32 weights, cached within autocast (FSDP2 gathers bf16 units instead: fsdp_gathered)
+    autocast_copies = 2 * trainable if mixed and shard == 1 else 0
+    update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared), optimizer_step)
+
+    # rollout: one generate() call (or the shared sampler) over gen rows
+    shared_rollout = share and shard == 1
+    u_gen = distinct_prompts_in(gen, G) if shared_rollout else gen
+    rollout = (kv_cache(s, gen) + no_grad_forward(s, sv, u_gen, P, u_gen) + gen * s["vocab"] * 4 * SAMPLER_COPIES
+               + autocast_copies + host_pixels(u_gen + (distinct_prompts_in(gen, G) if share else 0)))
+    teacher_eval = kv_cache(t, evals) + no_grad_forward(t, tv, evals, P, evals) + evals * t["vocab"] * 4 + dequantized
+    score = scoring(t, tv, mb, P, R, share, dequantized)
+
+    # the start-up checks: two prompts' rows, responses cut, whatever the micro-batch size
+    check = 0
+    if share:
+        n_c, R_c = CHECK_PROMPTS * G, min(R, CHECK_TOKENS)
+        roles = [scoring(t, tv, n_c, P, R_c, False, dequantized), scoring(t, tv, n_c, P, R_c, True, dequantized)]
+        if shared_rollout:
+            roles.append(scoring(s, sv, n_c, P, R_c, False, 0) + autocast_copies)
+        if student_shared:  # both forwards' gradients of every trainable parameter, flattened to float32
+            grads, flat = trainable * grad_b, 4 * trainable
+            roles.append(autocast_copies + max(update_forward(n_c, P, R_c, False) + grads,
+                                               flat + update_forward(n_c, P, R_c, True) + grads, 2 * flat + grads))
+        check = max(roles) + host_pixels(n_c + CHECK_PROMPTS)
+
+    if args.lora_r:
+        student_weights, train_state = student_params * b, trainable * 12  # float32 adapter and its two moments
     else:
-        activations = mb * T * s["layers"] * layer_saved_for_backward(s, b, lora, args.lora_r, T)
+        student_weights, train_state = student_params * param_b, trainable * 8  # AdamW's two float32 moments
+    student_weights, train_state = student_weights // shard, train_state // shard
+    gathered = (root_params + 2 * unit_params) * b if shard > 1 else 0  # FSDP2's unsharded units in a forward
 
     out = {
-        "student_params": student_params, "student_weights": student_params * b,
-        "lora_params": lora_params,
-        "lora_train_state": lora_params * 16,  # float32 weight, gradient and two AdamW moments
+        "num_processes": N, "sharding": sharding, "device": device, "prompt_tokens": P, "response_tokens": R,
+        "student_params": student_params, "trainable_params": trainable, "student_weights": student_weights,
+        "lora_params": trainable if args.lora_r else 0, "lora_train_state": train_state if args.lora_r else 0,
+        "train_state": train_state, "gradients": gradients, "fsdp_gathered": gathered,
         "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"],
         "teacher_quantized_params": teacher_w.get("quantized_params", 0),
-        "cuda_context": int(CUDA_CONTEXT_GIB * GiB),
+        "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if cuda else 0,
         "generation_rows": gen, "evaluation_rows": evals,
         "kv_cache_student": kv_cache(s, gen), "kv_cache_teacher": kv_cache(t, evals),
-        "logits_scoring": logits_t, "logits_update": logits_s * (1 + LOGIT_GRAD_COPIES),
-        "activations_update": activations,
-        "host_pixels_per_step": args.prompts_per_step * args.num_generations // num_processes * pixels // mb,
+        "logits_scoring": head_forward(t["vocab"], mb * (R + 1)), "logits_update": head_backward(mb * (R + 1)),
+        "activations_update": update_forward(mb, P, R, student_shared),
+        "host_pixels_per_step": rows * pixel_bytes,
+        "student_reads_prompt_once": student_shared,
     }
-    phases = {
-        "rollout": out["kv_cache_student"] + gen * P * layer_forward_peak(s, b) + vision(sv, gen) + gen * pixel_bytes,
-        "teacher_eval": out["kv_cache_teacher"] + evals * P * layer_forward_peak(t, b) + vision(tv, evals)
-                        + evals * pixel_bytes,
-        "scoring": mb * T * (layer_forward_peak(t, b) + 2 * t["hidden"] * b) + logits_t + chunk_forward + vision(tv)
-                   + pixels,
-        "update": activations + out["logits_update"] + chunk_backward + vision(sv) + pixels,
-    }
-    resident = out["student_weights"] + out["lora_train_state"] + out["teacher_weights"] + out["cuda_context"]
+    phases = {"rollout": rollout, "teacher_eval": teacher_eval, "scoring": score, "update": update, "check": check}
+    resident = student_weights + train_state + gathered + out["teacher_weights"] + out["cuda_context"]
     out.update({f"phase_{k}": v for k, v in phases.items()})
     out["peak_phase"] = max(phases, key=phases.get)
     out["resident"] = resident
     out["peak"] = resident + max(phases.values())
     out["fits_24gb"] = out["peak"] <= GPU_GIB * GiB
-    out["sequences_per_step"] = args.prompts_per_step * args.num_generations // num_processes
+    out["fits_80gb"] = out["peak"] <= GPU_GIB_80 * GiB
+    out["sequences_per_step"] = rows
     return out
 
 
-def print_estimate(args, num_processes: int = 1) -> dict:
+def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict:
     """Prints the estimate as a table (GiB) and returns it (bytes)."""
-    e = estimate(args, num_processes)
+    e = estimate(args, num_processes, sharding)
     g = lambda x: f"{x / GiB:7.2f} GiB"  # noqa: E731
     P, R, mb = args.max_prompt_length, args.max_new_tokens, args.micro_batch_size
     batch_flag = "generation_batch_size" if e["peak_phase"] in ("rollout", "teacher_eval") else "micro_batch_size"
+    state = (f"LoRA + AdamW state   {g(e['train_state'])}   {e['trainable_params'] / 1e6:.1f}M params, rank "
+             f"{args.lora_r}, float32" if args.lora_r else
+             f"AdamW moments        {g(e['train_state'])}   {e['trainable_params'] / 1e9:.2f}B trained params (full "
+             f"fine-tuning: all but the vision tower), float32")
+    where = f"one of {num_processes} processes" + (", student sharded (FSDP2)" if sharding == "fsdp" else "")
     lines = [
-        f"memory estimate, one process: micro-batch {mb}, prompt <= {P} + response <= {R} tokens, "
+        f"memory estimate, {where}: micro-batch {mb}, prompt <= {P} + response <= {R} tokens, "
         f"{e['sequences_per_step']} sequences per step, {args.dtype} (auto = bf16 on GPU), "
-        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}",
+        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, each prompt read once by the "
+        f"student: {'yes' if e['student_reads_prompt_once'] else 'no'}",
         f"  student weights      {g(e['student_weights'])}   {e['student_params'] / 1e9:.2f}B params "
-        f"({args.student_model})",
-        f"  LoRA + AdamW state   {g(e['lora_train_state'])}   {e['lora_params'] / 1e6:.1f}M params, "
-        f"rank {args.lora_r}, float32",
+        f"({args.student_model}{', float32 master weights' if not args.lora_r else ''})",
+        f"  {state}",
+        *([f"  FSDP2 gathered units {g(e['fsdp_gathered'])}"] if e["fsdp_gathered"] else []),
         f"  teacher weights      {g(e['teacher_weights'])}   {e['teacher_params'] / 1e9:.2f}B params"
         + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if args.teacher_4bit else "")
         + f" ({args.teacher_model})",
@@ -322,22 +529,140 @@ def print_estimate(args, num_processes: int = 1) -> dict:
         f"({e['generation_rows']} rows per generate call)",
         f"    teacher eval       {g(e['phase_teacher_eval'])}   teacher cache    {g(e['kv_cache_teacher'])} "
         f"({e['evaluation_rows']} rows per generate call)",
-        f"    scoring            {g(e['phase_scoring'])}   teacher logits {g(e['logits_scoring'])}",
-        f"    update             {g(e['phase_update'])}   logits + gradients {g(e['logits_update'])}, "
-        f"activations {g(e['activations_update'])}",
-        f"  = peak               {g(e['peak'])}   ({e['peak_phase']}); "
-        + (f"fits a 24 GB GPU ({GPU_GIB} GiB)" if e["fits_24gb"] else f"does NOT fit a 24 GB GPU ({GPU_GIB} GiB): "
-           f"lower --{batch_flag}"
-           " or --max_new_tokens"
-           + ("" if args.gradient_checkpointing else ", or turn on --gradient_checkpointing")),
+        f"    scoring            {g(e['phase_scoring'])}   log-prob chunks {g(e['logits_scoring'])}",
+        f"    update             {g(e['phase_update'])}   gradients {g(e['gradients'])}, activations "
+        f"{g(e['activations_update'])}",
+        f"    start-up check     {g(e['phase_check'])}   {CHECK_PROMPTS} prompts x {args.num_generations} rows, "
+        f"responses cut to {CHECK_TOKENS} tokens",
+        f"  = peak               {g(e['peak'])}   ({e['peak_phase']}); " + fit_text(e, args, batch_flag),
         f"  host memory for the step's images: up to {g(e['host_pixels_per_step'])}",
     ]
     print("\n".join(lines))
     return e
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+def fit_text(e: dict, args, batch_flag: str) -> str:
+    if e["fits_24gb"]:
+        return f"fits a 24 GB GPU ({GPU_GIB} GiB)"
+    if e["fits_80gb"]:
+        return f"fits an 80 GB GPU ({GPU_GIB_80} GiB), not a 24 GB one"
+    shared = e["peak_phase"] in ("check", "update") and args.share_prompt_prefix
+    hint = "--share_prompt_prefix false, " if shared else ""
+    return (f"does NOT fit an 80 GB GPU ({GPU_GIB_80} GiB): try {hint}a lower --{batch_flag} or --max_new_tokens"
+            + ("" if args.gradient_checkpointing else ", or --gradient_checkpointing"))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/recipes.md's table, generated
+# ---------------------------------------------------------------------------------------------
+
+RECIPES_PAGE = os.path.join(HERE, "docs", "recipes.md")
+TABLE_START, TABLE_END = "<!-- estimate_memory:table -->\n", "<!-- /estimate_memory:table -->"
+# a recipe that shards its student says how it launches on its first comment lines: --num_processes N and an FSDP
+# config (configs/fsdp*.yaml)
+LAUNCH = re.compile(r"accelerate launch (?:--config_file (\S+) )?--num_processes (\d+)")
+
+
+def recipe_launch(path: str) -> tuple[int, str]:
+    """(processes, sharding) of the launch command a recipe's comment gives; (1, none) without one."""
+    with open(path) as f:
+        m = LAUNCH.search(f.read())
+    if not m:
+        return 1, "none"
+    return int(m.group(2)), "fsdp" if m.group(1) and "fsdp" in m.group(1) else "none"
+
+
+def fits_text(e: dict) -> str:
+    if e["fits_24gb"]:
+        return "24 GB (RTX 3090/4090) and up"
+    return "80 GB (H100/A100 80GB)" if e["fits_80gb"] else "no single GPU"
+
+
+def markdown_table(paths: list[str]) -> str:
+    """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
     from gndpo_minimal import parse_args
 
-    print_estimate(parse_args())
+    lines = ["| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "
+             "| peak bound per GPU | fits |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path in paths:
+        args = parse_args([path])
+        n, sharding = recipe_launch(path)
+        e = estimate(args, n, sharding)
+        gib = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
+        student = (f"{os.path.basename(args.student_model)} ({'LoRA' if args.lora_r else 'full, float32 master'}), "
+                   f"{gib(e['student_weights'] + e['train_state'] + e['fsdp_gathered'])}")
+        teacher = f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'}), " \
+                  f"{gib(e['teacher_weights'])}"
+        where = f"{n}, FSDP2" if sharding == "fsdp" else str(n)
+        lines.append(f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
+                     f"{'yes' if args.share_prompt_prefix and e['student_reads_prompt_once'] else 'no'} | "
+                     f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
+                     f"{gib(e['peak'])} | {fits_text(e)} |")
+    return "\n".join(lines)
+
+
+def real_recipes() -> list[str]:
+    return sorted(glob.glob(os.path.join(HERE, "recipes", "geometry3k_*.yaml")))
+
+
+def write_docs(page: str = RECIPES_PAGE) -> str:
+    """Rewrites the table between docs/recipes.md's markers from the estimates; returns the page."""
+    with open(page) as f:
+        text = f.read()
+    start = text.index(TABLE_START) + len(TABLE_START)
+    end = text.index(TABLE_END, start)
+    text = text[:start] + markdown_table(real_recipes()) + "\n" + text[end:]
+    with open(page, "w") as f:
+        f.write(text)
+    return text
+
+
+def run_args(argv: list[str]):
+    """The run's Args from its flags, or from a recipe file followed by flags that override its values."""
+    import yaml
+
+    from gndpo_minimal import parse_args
+
+    recipe = next((a for a in argv if a.endswith((".yaml", ".yml"))), None)
+    if recipe is None or argv == [recipe]:
+        return parse_args(argv)
+    with open(recipe) as f:
+        values = yaml.safe_load(f)
+    flags = [x for k, v in values.items() for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+    return parse_args(flags + [a for a in argv if a != recipe])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Per-GPU memory of a GNDPO run; every other argument is the run's "
+                                "(a recipe file or flags).", add_help=False)
+    p.add_argument("--num_processes", type=int, default=None, help="Processes (GPUs) the run launches on "
+                   "(default: the recipe's launch comment, else 1).")
+    p.add_argument("--sharding", choices=("none", "fsdp"), default=None,
+                   help="fsdp: the student's weights, gradients and optimizer state divided over the processes "
+                   "(default: fsdp where the recipe launches with an FSDP config).")
+    p.add_argument("--markdown", action="store_true", help="Print docs/recipes.md's table for the recipes given.")
+    p.add_argument("--write_docs", action="store_true", help="Rewrite docs/recipes.md's table from every recipe.")
+    p.add_argument("-h", "--help", action="store_true")
+    own, rest = p.parse_known_args(argv)
+    if own.help:
+        p.print_help()
+        print("\nthe run's own flags: python gndpo_minimal.py --help")
+        return
+    try:
+        if own.write_docs:
+            write_docs()
+            print(f"rewrote the table in {os.path.relpath(RECIPES_PAGE)}")
+            return
+        if own.markdown:
+            print(markdown_table(rest or real_recipes()))
+            return
+        recipe = next((a for a in rest if a.endswith((".yaml", ".yml"))), None)
+        n, sharding = recipe_launch(recipe) if recipe else (1, "none")
+        print_estimate(run_args(rest), own.num_processes or n, own.sharding or sharding)
+    except ConfigNotFound as e:
+        sys.exit(f"estimate_memory.py: {e}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    main()
