@@ -16,8 +16,9 @@ a time, per process, counting what today's code allocates:
 
   resident    the student's weights (full fine-tuning on a GPU: float32 master weights, computed in bf16 through
               Accelerate's mixed precision), the optimizer state (AdamW's two float32 moments of what trains; a
-              LoRA adapter's own float32 weights), the teacher (bf16 or nf4, one replica per process), the CUDA
-              context; under --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers
+              LoRA adapter's own float32 weights), the teacher (bf16 or nf4, one replica per process; with
+              --shard_teacher 1 / N of its blocks plus its whole embeddings and head), the CUDA context; under
+              --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers
   rollout     the student's cache while generating a generation batch (keys and values of every attention layer;
               a hybrid model's linear-attention layers keep a fixed-size state), the prompt forward (once per
               distinct prompt with --share_prompt_prefix) and the sampler's (n, V) float32 rows
@@ -337,15 +338,30 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     param_b = 4 if mixed else b
     P, R = lengths or (args.max_prompt_length, args.max_new_tokens)
     T, mb, G = P + R, args.micro_batch_size, args.num_generations
-    student, teacher = meta_model(args.student_model), meta_model(args.teacher_model)
+    from gndpo_minimal import teacher_paths
+
+    # several teachers (name=path pairs): every process holds all of them; a phase's bound is the largest one's
+    teachers = [meta_model(path) for path in teacher_paths(args).values()]
+    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    student, teacher = meta_model(args.student_model), max(teachers, key=numel)
     s, t = text_shape(student), text_shape(teacher)
     sv, tv = vision_shape(student), vision_shape(teacher)
     lora = lora_layers(student, args.lora_target_modules) if args.lora_r else []
     student_params = sum(p.numel() for p in student.parameters())
     root_params, unit_params = fsdp_units(student)
     trainable = trainable_params(student, args)
-    teacher_params = sum(p.numel() for p in teacher.parameters())
+    teacher_params = numel(teacher)
     teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
+    for other in teachers:
+        if other is not teacher:
+            teacher_w["bytes"] += nf4_weights(other, other_bytes=b)["bytes"] if args.teacher_4bit else numel(other) * b
+    # --shard_teacher (16-bit only): shard_frozen divides the teacher's blocks over the N processes and keeps its
+    # embeddings and LM head whole; a forward gathers one block at a time (and prefetches the next)
+    teacher_gathered = 0
+    if args.shard_teacher and N > 1:
+        teacher_root, teacher_unit = fsdp_units(teacher)
+        teacher_w = {"bytes": (teacher_root + (teacher_params - teacher_root) // N) * b}
+        teacher_gathered = 2 * teacher_unit * b
     dequantized = b * teacher_w.get("largest_quantized", 0)  # bitsandbytes dequantizes one layer at a time
     share = args.share_prompt_prefix
     student_shared = share and shard == 1  # sharded weights: every process runs one forward per sample
@@ -449,14 +465,16 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     u_gen = distinct_prompts_in(gen, G) if shared_rollout else gen
     rollout = (kv_cache(s, gen) + no_grad_forward(s, sv, u_gen, P, u_gen) + gen * s["vocab"] * 4 * SAMPLER_COPIES
                + autocast_copies + host_pixels(u_gen + (distinct_prompts_in(gen, G) if share else 0)))
-    teacher_eval = kv_cache(t, evals) + no_grad_forward(t, tv, evals, P, evals) + evals * t["vocab"] * 4 + dequantized
-    score = scoring(t, tv, mb, P, R, share, dequantized)
+    teacher_eval = (kv_cache(t, evals) + no_grad_forward(t, tv, evals, P, evals) + evals * t["vocab"] * 4 + dequantized
+                    + teacher_gathered)
+    score = scoring(t, tv, mb, P, R, share, dequantized) + teacher_gathered
 
     # the start-up checks: two prompts' rows, responses cut, whatever the micro-batch size
     check = 0
     if share:
         n_c, R_c = CHECK_PROMPTS * G, min(R, CHECK_TOKENS)
-        roles = [scoring(t, tv, n_c, P, R_c, False, dequantized), scoring(t, tv, n_c, P, R_c, True, dequantized)]
+        roles = [scoring(t, tv, n_c, P, R_c, False, dequantized) + teacher_gathered,
+                 scoring(t, tv, n_c, P, R_c, True, dequantized) + teacher_gathered]
         if shared_rollout:
             roles.append(scoring(s, sv, n_c, P, R_c, False, 0) + autocast_copies)
         if student_shared:  # both forwards' gradients of every trainable parameter, flattened to float32
@@ -477,7 +495,7 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
         "student_params": student_params, "trainable_params": trainable, "student_weights": student_weights,
         "lora_params": trainable if args.lora_r else 0, "lora_train_state": train_state if args.lora_r else 0,
         "train_state": train_state, "gradients": gradients, "fsdp_gathered": gathered,
-        "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"],
+        "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"], "teacher_gathered": teacher_gathered,
         "teacher_quantized_params": teacher_w.get("quantized_params", 0),
         "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if cuda else 0,
         "generation_rows": gen, "evaluation_rows": evals,
@@ -521,6 +539,8 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
         *([f"  FSDP2 gathered units {g(e['fsdp_gathered'])}"] if e["fsdp_gathered"] else []),
         f"  teacher weights      {g(e['teacher_weights'])}   {e['teacher_params'] / 1e9:.2f}B params"
         + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if args.teacher_4bit else "")
+        + (f", sharded over {num_processes} (+{g(e['teacher_gathered']).strip()} gathered in its forwards)"
+           if e["teacher_gathered"] else "")
         + f" ({args.teacher_model})",
         f"  CUDA context, slack  {g(e['cuda_context'])}",
         f"  = resident           {g(e['resident'])}",

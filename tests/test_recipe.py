@@ -26,12 +26,19 @@ from estimate_memory import (
     CHUNK_COPIES_BACKWARD,
     CHUNK_COPIES_FORWARD,
     CHUNK_ELEMENTS,
+    GPU_GIB,
+    GPU_GIB_80,
     LOGIT_GRAD_COPIES,
+    TABLE_END,
+    TABLE_START,
     GiB,
     estimate,
     layer_saved_for_backward,
     lora_layers,
+    markdown_table,
     meta_model,
+    real_recipes,
+    recipe_launch,
     text_shape,
     vision_shape,
 )
@@ -125,37 +132,80 @@ def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
         if default is not None:
             assert type(value) is type(default), (f"{name}: {value!r} is {type(value).__name__}, "
                                                   f"not {type(default).__name__}")
-    # one update holds the whole rollout batch of one process
-    rows = args.prompts_per_step * args.num_generations
-    assert g.check_args(args, num_processes=1) * args.micro_batch_size == rows
+    # one update holds the whole rollout batch of one process (at the process count its launch comment gives)
+    processes, sharding = recipe_launch(recipe)
+    rows = args.prompts_per_step * args.num_generations // processes
+    assert g.check_args(args, num_processes=processes) * args.micro_batch_size == rows
     # the paper's setup (arXiv 2606.09091)
     assert (args.prompts_per_step, args.num_generations, args.temperature) == (32, 16, 1.0)
     assert (args.score_clip, args.max_grad_norm, args.weight_decay) == (5.0, 1.0, 0.01)
     assert (args.advantage_mode, args.loss_type, args.clip_low, args.clip_high) == ("global", "gspo", 0.2, 0.2)
-    assert 1e-5 <= args.learning_rate <= 1e-4  # LoRA: about 10x the paper's full fine-tuning 1e-6
-    # one 24 GB GPU
-    assert args.teacher_4bit and args.gradient_checkpointing and args.dtype == "auto"
-    assert args.lora_dropout == 0.0  # the training forward must be the sampling policy
+    if args.lora_r:
+        assert 1e-5 <= args.learning_rate <= 1e-4  # LoRA: about 10x the paper's full fine-tuning 1e-6
+        # one 24 GB GPU
+        assert args.teacher_4bit and args.gradient_checkpointing and args.dtype == "auto"
+        assert args.lora_dropout == 0.0  # the training forward must be the sampling policy
+        assert processes == 1 and sharding == "none"
+    else:  # the paper's own setting: full fine-tuning at 1e-6, constant, a bf16 teacher, FSDP2 over 8 GPUs
+        assert args.learning_rate == 1e-6 and args.warmup_steps == 0 and not args.teacher_4bit
+        assert args.gradient_checkpointing and args.dtype == "auto"
+        assert (processes, sharding) == (8, "fsdp")
+        assert os.path.isfile(os.path.join(ROOT, "configs", "fsdp2_full.yaml"))
     # Geometry3K
     assert args.dataset_name == "hiyouga/geometry3k"
     assert (args.train_split, args.eval_split) == ("train", "test")
     assert (args.image_column, args.question_column, args.answer_column) == ("images", "problem", "answer")
     assert "<think> </think>" in args.instruction and "\\boxed{}" in args.instruction and args.require_think
-    assert 1024 <= args.max_new_tokens <= 4096 and args.max_prompt_length >= 1024
+    assert 1024 <= args.max_new_tokens <= (4096 if args.lora_r else 16384) and args.max_prompt_length >= 1024
     # one epoch of whole steps: the rows left at its end are fewer than a step's (Geometry3K's train split: 2101 rows)
     assert args.max_steps * args.prompts_per_step <= 2101 < (args.max_steps + 1) * args.prompts_per_step
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
-def test_recipe_fits_24gb_and_its_micro_batch_is_the_largest_that_does(recipe):
+def test_recipe_fits_its_gpu_and_its_micro_batch_is_the_largest_that_does(recipe):
+    """A LoRA recipe fits one 24 GB GPU, the full fine-tuning one an 80 GB GPU per process at its own launch (8
+    processes, FSDP2); each batch size is the largest power of two that does, at full length."""
     args = with_fixture_configs(g.parse_args([recipe]))
-    e = estimate(args)
-    assert e["fits_24gb"], f"{os.path.basename(recipe)}: {e['peak'] / GiB:.2f} GiB"
-    assert not estimate(dataclasses.replace(args, micro_batch_size=2 * args.micro_batch_size))["fits_24gb"]
+    processes, sharding = recipe_launch(recipe)
+    gpu = GPU_GIB * GiB if args.lora_r else GPU_GIB_80 * GiB
+    peak = lambda **change: estimate(dataclasses.replace(args, **change), processes, sharding)["peak"]  # noqa: E731
+    assert peak() <= gpu, f"{os.path.basename(recipe)}: {peak() / GiB:.2f} GiB"
+    assert peak(micro_batch_size=2 * args.micro_batch_size) > gpu
     # generation runs in its own batches, the largest whose KV cache (student rollouts, teacher evaluation) fits
     assert args.generation_batch_size > 0
-    assert not estimate(dataclasses.replace(args, generation_batch_size=2 * args.generation_batch_size))["fits_24gb"]
-    assert not estimate(dataclasses.replace(args, gradient_checkpointing=False))["fits_24gb"]
+    assert peak(generation_batch_size=2 * args.generation_batch_size) > gpu
+    assert peak(gradient_checkpointing=False) > gpu
+    # reading each prompt once keeps the prompt forward's every activation: where the recipes turn it off, it
+    # does not fit
+    if not args.share_prompt_prefix and not sharding == "fsdp":
+        assert peak(share_prompt_prefix=True) > gpu
+
+
+def test_recipes_page_table_is_what_estimate_memory_prints():
+    """docs/recipes.md's memory table is estimate_memory.py's (python estimate_memory.py --write_docs)."""
+    with open(os.path.join(ROOT, "docs", "recipes.md")) as f:
+        page = f.read()
+    start = page.index(TABLE_START) + len(TABLE_START)
+    table = page[start:page.index(TABLE_END, start)].strip()
+    assert table == markdown_table(real_recipes()), "run: python estimate_memory.py --write_docs"
+    assert len(table.splitlines()) == 2 + len(RECIPES)
+
+
+def test_sharded_teacher_holds_a_share_of_its_blocks():
+    """--shard_teacher over N processes: each holds 1 / N of the teacher's blocks, its embeddings and head whole,
+    and gathers up to two blocks in a forward; one process holds the whole teacher."""
+    args = with_fixture_configs(g.parse_args([os.path.join(ROOT, "recipes", "geometry3k_internvl3.5_1b_full.yaml")]))
+    whole = estimate(args, 8, "fsdp")
+    sharded = estimate(dataclasses.replace(args, shard_teacher=True), 8, "fsdp")
+    from estimate_memory import fsdp_units, meta_model
+    root, unit = fsdp_units(meta_model(args.teacher_model))
+    assert whole["teacher_weights"] == whole["teacher_params"] * 2 and whole["teacher_gathered"] == 0
+    assert sharded["teacher_weights"] == (root + (whole["teacher_params"] - root) // 8) * 2
+    assert sharded["teacher_gathered"] == 2 * unit * 2
+    assert sharded["teacher_weights"] < whole["teacher_weights"] / 3  # the embeddings and head stay whole
+    assert sharded["peak"] < whole["peak"]
+    one = estimate(dataclasses.replace(args, shard_teacher=True), 1, "none")
+    assert one["teacher_weights"] == whole["teacher_weights"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,8 +225,12 @@ def test_estimate_of_the_qwen_recipe_in_the_expected_ranges():
     T = args.max_prompt_length + args.max_new_tokens
     # the rows of one generate() call
     assert e["kv_cache_student"] == args.generation_batch_size * T * 36 * 2 * 2 * 128 * 2
-    assert e["logits_update"] == ((1 + LOGIT_GRAD_COPIES) * args.micro_batch_size * (args.max_new_tokens + 1)
-                                  * 151936 * 2)
+    # head_logps: no (mb, R + 1, V) logits kept; the last hidden states and their gradient, one chunk at a time
+    n_tokens = args.micro_batch_size * (args.max_new_tokens + 1)
+    assert e["logits_update"] == 2 * n_tokens * h * 2 + CHUNK_ELEMENTS * (4 + 2 * 2)
+    naive = estimate(dataclasses.replace(args, lean_logps=False))
+    assert naive["logits_update"] == n_tokens * 151936 * (2 * (1 + LOGIT_GRAD_COPIES) + 8)
+    assert e["logits_update"] < naive["logits_update"] / 20
     assert e["peak"] > e["resident"] > e["student_weights"] + e["teacher_weights"]
 
 
@@ -203,7 +257,8 @@ def test_estimate_of_the_gemma3_configs_in_the_expected_ranges():
     assert shape["patches_per_token"] == 16 and shape["pixel_bytes_per_token"] == 4 * 3 * 896 * 896 // 256
     # four hidden-wide norms per layer (Gemma normalizes the attention and MLP outputs too) and q/k norms per head
     assert text_shape(meta_model(args.student_model))["norm_inputs"] == 4 * h + q + kv
-    assert e["logits_update"] == (1 + LOGIT_GRAD_COPIES) * (args.max_new_tokens + 1) * 262208 * 2
+    n_tokens = args.micro_batch_size * (args.max_new_tokens + 1)  # head_logps: hidden states, one chunk of logits
+    assert e["logits_update"] == 2 * n_tokens * h * 2 + CHUNK_ELEMENTS * (4 + 2 * 2)
 
 
 @pytest.mark.slow
@@ -485,7 +540,7 @@ def test_recipe_data_settings_run_one_step_end_to_end(geometry3k_dir, untrained_
     """One GNDPO step with the Qwen recipe's settings (LoRA + gradient checkpointing, 4-bit teacher, the
     think/boxed instruction, Geometry3K columns) on tiny models and the local Geometry3K-shaped data."""
     args = recipe_on(geometry3k_dir, untrained_models, str(tmp_path / "run"))
-    assert args.gradient_checkpointing and args.teacher_4bit and args.require_think
+    assert args.gradient_checkpointing and args.require_think and args.teacher_4bit == bool(args.lora_r)
     summary = g.main(args)
     printed = capsys.readouterr().out
     assert "skipping 1 train rows whose prompt is longer than --max_prompt_length 120" in printed
@@ -496,7 +551,11 @@ def test_recipe_data_settings_run_one_step_end_to_end(geometry3k_dir, untrained_
     assert all(math.isfinite(lines[0][k]) for k in ("loss", "reverse_kl", "grad_norm", "adv_std"))
     assert lines[0]["response_length"] > 0
     assert_eval_counts(summary, 2, require_think=True)
-    assert os.path.isfile(os.path.join(args.output_dir, "adapter", "adapter_config.json"))
+    if args.lora_r:
+        assert os.path.isfile(os.path.join(args.output_dir, "adapter", "adapter_config.json"))
+    else:  # full fine-tuning saves the whole model
+        assert os.path.isfile(os.path.join(args.output_dir, "model", "config.json"))
+        assert not os.path.exists(os.path.join(args.output_dir, "adapter"))
 
 
 RECIPE_FAMILY = {"qwen2.5vl": "qwen2_5_vl", "internvl3.5": "internvl", "gemma3": "gemma3", "qwen3vl": "qwen3_vl"}
@@ -505,22 +564,28 @@ RECIPE_FAMILY = {"qwen2.5vl": "qwen2_5_vl", "internvl3.5": "internvl", "gemma3":
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_every_recipe_runs_one_step_on_its_familys_stand_in(recipe, geometry3k_dir, tmp_path):
-    """Each recipe's settings (LoRA with gradient checkpointing, its micro-batch and generation batch, the
-    think/boxed instruction, 4-bit teacher, Geometry3K columns) run one step through main() on a tiny random
-    stand-in of the recipe's model family (worlds/tiny_families.py): no recipe is untested code."""
+    """Each recipe's settings (LoRA or full fine-tuning with gradient checkpointing, its micro-batch and generation
+    batch, the think/boxed instruction, its teacher's precision, Geometry3K columns) run one step through main() on a
+    tiny random stand-in of the recipe's model family (worlds/tiny_families.py): no recipe is untested code."""
     from worlds import tiny_families
 
     family = next(f for key, f in RECIPE_FAMILY.items() if key in os.path.basename(recipe))
     models = tiny_families.build(family, str(tmp_path / "models"))
-    args = dataclasses.replace(
-        g.parse_args([recipe]), dataset_name=geometry3k_dir, student_model=os.path.join(models, "student"),
+    recipe_args = g.parse_args([recipe])
+    args = dataclasses.replace(  # 2 x 2 rows: the recipe's micro-batch, at most those 4
+        recipe_args, micro_batch_size=min(recipe_args.micro_batch_size, 4), dataset_name=geometry3k_dir,
+        student_model=os.path.join(models, "student"),
         teacher_model=os.path.join(models, "teacher"), max_new_tokens=8, prompts_per_step=2, num_generations=2,
         num_eval_samples=2, max_steps=1, save_steps=0, output_dir=str(tmp_path / "run"))
-    assert args.gradient_checkpointing and args.teacher_4bit and args.require_think
+    assert args.gradient_checkpointing and args.require_think and args.teacher_4bit == bool(args.lora_r)
     summary = g.main(args)
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
         (m,) = [json.loads(line) for line in f]
     assert all(math.isfinite(m[k]) for k in ("loss", "reverse_kl", "grad_norm", "adv_std")) and m["grad_norm"] > 0
     assert m["logp_mismatch"] < 1e-4  # the recipe's batching keeps sampling and training log-probs equal
     assert_eval_counts(summary, 2, require_think=True)  # num_eval_samples 2 of the 4 test rows
-    assert os.path.isfile(os.path.join(args.output_dir, "adapter", "adapter_config.json"))
+    if args.lora_r:
+        assert os.path.isfile(os.path.join(args.output_dir, "adapter", "adapter_config.json"))
+    else:  # full fine-tuning saves the whole model
+        assert os.path.isfile(os.path.join(args.output_dir, "model", "config.json"))
+        assert not os.path.exists(os.path.join(args.output_dir, "adapter"))
