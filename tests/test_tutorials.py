@@ -44,9 +44,10 @@ def script_functions() -> set[str]:
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
-def test_the_six_tutorials_exist():
+def test_the_seven_tutorials_exist():
     expected = ["01_data_and_prompts.ipynb", "02_rollout.ipynb", "03_teacher_scoring.ipynb",
-                "04_global_normalization.ipynb", "05_training.ipynb", "06_trace_outliers.ipynb"]
+                "04_global_normalization.ipynb", "05_training.ipynb", "06_trace_outliers.ipynb",
+                "07_several_teachers.ipynb"]
     assert names(NOTEBOOKS) == expected
 
 
