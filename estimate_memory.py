@@ -639,17 +639,10 @@ def write_docs(page: str = RECIPES_PAGE) -> str:
 
 def run_args(argv: list[str]):
     """The run's Args from its flags, or from a recipe file followed by flags that override its values."""
-    import yaml
-
     from gndpo_minimal import parse_args
 
-    recipe = next((a for a in argv if a.endswith((".yaml", ".yml"))), None)
-    if recipe is None or argv == [recipe]:
-        return parse_args(argv)
-    with open(recipe) as f:
-        values = yaml.safe_load(f)
-    flags = [x for k, v in values.items() for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
-    return parse_args(flags + [a for a in argv if a != recipe])
+    recipe = next((a for a in argv if a.endswith((".yaml", ".yml", ".json"))), None)
+    return parse_args(argv if recipe is None else [recipe] + [a for a in argv if a != recipe])
 
 
 def main(argv: list[str] | None = None) -> None:

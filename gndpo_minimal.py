@@ -46,7 +46,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -2454,19 +2454,24 @@ def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, l
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    """Command line flags, or one YAML/JSON file of them."""
+    """Command line flags, or a YAML/JSON file of them first, with flags after it overriding its values."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(Args)
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         import yaml  # JSON is YAML too
 
         with open(argv[0]) as f:
-            values = yaml.safe_load(f)
+            values = yaml.safe_load(f) or {}
+        unknown = sorted(set(values) - {f.name for f in fields(Args)})
+        if unknown:
+            raise SystemExit(f"{argv[0]}: unknown setting(s) {unknown}; `python gndpo_minimal.py --help` lists "
+                             "the settings a recipe can hold")
         if isinstance(values.get("teacher_model"), dict):  # several teachers as a mapping {name: path}
             values["teacher_model"] = ",".join(f"{k}={v}" for k, v in values["teacher_model"].items())
-        return parser.parse_dict(values)[0]
+        parser.set_defaults(**values)  # the file's values stand where flags are absent
+        argv = argv[1:]
     return parser.parse_args_into_dataclasses(argv)[0]
 
 # ---------------------------------------------------------------------------------------------

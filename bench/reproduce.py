@@ -190,12 +190,13 @@ RESULTS = {
     "token_logps": (ONE_THREAD, bench_script("token_logps")),
     "vs_trl": (ONE_THREAD, bench_script("vs_trl")),
     "families": (ONE_THREAD, bench_script("families")),
+    "two_teachers": (ONE_THREAD, main_run("recipes/tiny_two_teachers.yaml")),
 }
 
 
 def rounds_of(name: str, result: dict) -> object:
     """Every round's raw values: per step, per run of a side, per repeat."""
-    if name == "default_run":
+    if name in ("default_run", "two_teachers"):
         return result["metrics"]
     if name == "equivalence":
         return {run: r["metrics"] for run, r in result.items()}

@@ -201,7 +201,7 @@ def test_script_two_processes_group_mode_keeps_prompts_whole(untrained_models, t
 # --- Accelerate config files -------------------------------------------------------------------
 
 EXPECTED_CONFIGS = {"single_gpu.yaml": "NO", "multi_gpu.yaml": "MULTI_GPU", "fsdp_lora.yaml": "FSDP",
-                    "deepspeed_zero2.yaml": "DEEPSPEED", "deepspeed_zero3.yaml": "DEEPSPEED",
+                    "fsdp2_full.yaml": "FSDP", "deepspeed_zero2.yaml": "DEEPSPEED", "deepspeed_zero3.yaml": "DEEPSPEED",
                     "multi_node.yaml": "MULTI_GPU"}
 
 

@@ -119,6 +119,22 @@ def test_the_tiny_full_fine_tuning_recipe_is_the_default_world_with_lora_r_0():
         assert os.path.isdir(os.path.join(ROOT, path)), path
 
 
+def test_flags_after_a_recipe_override_its_values_and_an_unknown_setting_is_named(tmp_path):
+    """`gndpo_minimal.py RECIPE --flag value`: the flag wins, every other value is the recipe's; a recipe key that
+    is no Args field stops with its name, not argparse's generic usage line."""
+    recipe = os.path.join(ROOT, "recipes", "tiny_full_finetune.yaml")
+    base = g.parse_args([recipe])
+    over = g.parse_args([recipe, "--max_steps", "3", "--learning_rate", "0.5", "--output_dir", str(tmp_path)])
+    assert (over.max_steps, over.learning_rate, over.output_dir) == (3, 0.5, str(tmp_path))
+    assert dataclasses.replace(over, max_steps=base.max_steps, learning_rate=base.learning_rate,
+                          output_dir=base.output_dir) == base
+    assert base.max_steps != 3 and base.learning_rate != 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 2\nlearnin_rate: 1.0e-3\n")
+    with pytest.raises(SystemExit, match="learnin_rate"):
+        g.parse_args([str(bad)])
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
     with open(recipe) as f:
