@@ -82,11 +82,14 @@ def test_trace_recipe_holds_the_trace_worlds_flags():
 
 
 def test_the_recipes_recorded_run_improved_the_student_on_both_domains():
-    """docs/bench_results/two_teachers.json: `python gndpo_minimal.py recipes/tiny_two_teachers.yaml` as recorded."""
+    """docs/bench_results/two_teachers.json (`python bench/reproduce.py --only two_teachers`): the recipe's own run,
+    at most 60 steps, raised the student's greedy accuracy on each domain by at least 0.25."""
     with open(os.path.join(ROOT, "docs", "bench_results", "two_teachers.json")) as f:
         run = json.load(f)
-    assert run["command"] == "python gndpo_minimal.py recipes/tiny_two_teachers.yaml" and run["steps"] <= 60
-    before, after = run["student_accuracy_before_per_teacher"], run["student_accuracy_after_per_teacher"]
+    assert run["command"].split()[1:4] == ["python", "gndpo_minimal.py", "recipes/tiny_two_teachers.yaml"]
+    summary, metrics = run["result"]["summary"], run["result"]["metrics"]
+    assert len(metrics) == metrics[-1]["step"] <= 60
+    before, after = summary["student_accuracy_before_per_teacher"], summary["student_accuracy_after_per_teacher"]
     assert set(before) == set(after) == set(two_teachers.DOMAINS)
     for domain in two_teachers.DOMAINS:
         assert after[domain] >= before[domain] + 0.25, (domain, before[domain], after[domain])
