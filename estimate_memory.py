@@ -66,6 +66,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_CONFIGS = os.path.join(HERE, "tests", "fixtures", "configs")  # published configs, named as the Hub id's tail
 GPU_GIB_80 = 79.2  # what an 80 GB H100 / A100 reports to torch
 CHECK_PROMPTS, CHECK_TOKENS = 2, 256  # check_rollout's defaults: the start-up checks' rows and response cut
+UPDATE_SIZE_COPIES = 6  # float64 chunks update_size holds at once (weight, moments, their quotient, ...)
 SAMPLER_COPIES = 6  # (n, V) float32 rows the sampling step holds at once (scores, z, probs, the -inf mask, ...)
 
 
@@ -382,10 +383,10 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     def vision_forward(v, n):  # one vision layer's working set over the patches of n prompts
         return patches(v, n) * b * (6 * v["hidden"] + 2 * v["intermediate"])
 
-    def head_forward(vocab, n):  # head_logps / token_logps: one chunk's logits, its float32 copy, log-softmax
-        if not args.lean_logps:
+    def head_forward(vocab, n):  # head_logps / token_logps without grad: a chunk's logits, then its float32 copy
+        if not args.lean_logps:  # and log-softmax (the logits are dropped once copied)
             return n * vocab * (b + 8)
-        return min(CHUNK_ELEMENTS, n * vocab) * (b + 8)
+        return min(CHUNK_ELEMENTS, n * vocab) * max(b + 4, 8)
 
     def no_grad_forward(shape, v, n, tokens, vision_rows):  # one forward, nothing kept but the residual stream
         return (n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b) + vision_forward(v, vision_rows)
@@ -394,9 +395,10 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     def scoring(shape, v, n, prompt, response, shared, weights_dequantized):
         """A no-grad scoring forward of n rows: plain, or the distinct prompts once then the responses on the
         cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention)."""
-        if not shared:
-            return (no_grad_forward(shape, v, n, prompt + response, n)
-                    + head_forward(shape["vocab"], n * (response + 1)) + weights_dequantized)
+        if not shared:  # the head's chunks come after the last layer: only the final hidden states outlive it
+            return max(no_grad_forward(shape, v, n, prompt + response, n),
+                       n * (prompt + response) * shape["hidden"] * b + head_forward(shape["vocab"], n * (response + 1))
+                       ) + weights_dequantized
         u = distinct_prompts_in(n, G)
         prompt_pass = no_grad_forward(shape, v, u, prompt, u) + kv_cache(shape, u, prompt)
         joined = n * (prompt + response) * 2 * shape["kv_heads"] * shape["head_dim"] * b  # one layer's cat
@@ -458,7 +460,11 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
                                                                                            in lora), default=0))
     # bf16 casts of the float32 weights, cached within autocast (FSDP2 gathers bf16 units instead: fsdp_gathered)
     autocast_copies = 2 * trainable if mixed and shard == 1 else 0
-    update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared), optimizer_step)
+    # update_norm after the step: float64 chunks of a parameter and its two moments (update_size)
+    from gndpo_minimal import UPDATE_SIZE_CHUNK
+
+    update_norm = UPDATE_SIZE_CHUNK * 8 * UPDATE_SIZE_COPIES
+    update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared), optimizer_step, update_norm)
 
     # rollout: one generate() call (or the shared sampler) over gen rows
     shared_rollout = share and shard == 1

@@ -2257,11 +2257,15 @@ def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
 
 
-def update_size(optimizer, accelerator) -> float:
+UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB
+
+
+def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float:
     """||theta_after - theta_before|| of the optimizer step just taken, from the optimizer's own state, with no copy
     of the parameters: torch's AdamW makes theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps), plain SGD theta
-    (1 - lr wd) - lr g, and both are inverted for theta_before, one parameter at a time. NaN for other optimizers
-    (DeepSpeed's, AMSGrad, momentum)."""
+    (1 - lr wd) - lr g, and both are inverted for theta_before, `chunk` elements of a parameter at a time (whole, a
+    full fine-tuning's embedding would take several float64 copies of the largest weight). NaN for other
+    optimizers (DeepSpeed's, AMSGrad, momentum)."""
     opt = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
     squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for group in opt.param_groups:
@@ -2270,16 +2274,23 @@ def update_size(optimizer, accelerator) -> float:
             if p.grad is None:
                 continue
             state = opt.state.get(p, {})
-            if type(opt) is torch.optim.AdamW and not group["amsgrad"] and "exp_avg" in state:
+            adam = type(opt) is torch.optim.AdamW and not group["amsgrad"] and "exp_avg" in state
+            if adam:
                 step, (beta1, beta2) = float(state["step"]), group["betas"]
-                denom = _local_values(state["exp_avg_sq"]).double().sqrt() / math.sqrt(1 - beta2**step) + group["eps"]
-                move = lr / (1 - beta1**step) * _local_values(state["exp_avg"]).double() / denom
+                parts = [_local_values(state["exp_avg"]), _local_values(state["exp_avg_sq"])]
             elif type(opt) is torch.optim.SGD and not group["momentum"]:
-                move = lr * _local_values(p.grad).double()
+                parts = [_local_values(p.grad)]
             else:
                 return float("nan")
-            after = _local_values(p.detach()).double()
-            squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
+            flat = [t.reshape(-1) for t in (_local_values(p.detach()), *parts)]  # views of contiguous tensors
+            for i in range(0, flat[0].numel(), chunk):
+                after, *rest = (t[i:i + chunk].double() for t in flat)  # (c,) float64 each
+                if adam:
+                    m, v = rest
+                    move = lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + group["eps"])
+                else:
+                    move = lr * rest[0]
+                squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
     if any(hasattr(p, "to_local") or hasattr(p, "ds_tensor") for g in opt.param_groups for p in g["params"]):
         squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
     return math.sqrt(float(squares))

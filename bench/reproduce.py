@@ -191,6 +191,7 @@ RESULTS = {
     "vs_trl": (ONE_THREAD, bench_script("vs_trl")),
     "families": (ONE_THREAD, bench_script("families")),
     "two_teachers": (ONE_THREAD, main_run("recipes/tiny_two_teachers.yaml")),
+    "memory": (ONE_THREAD, bench_script("memory")),
 }
 
 
@@ -210,6 +211,9 @@ def rounds_of(name: str, result: dict) -> object:
                 for mode in ("no autograd", "with backward")}
     if name == "families":
         return {family: r["steps_seconds"] for family, r in result.items()}
+    if name == "memory":  # one step a workload: the measured bytes of each phase
+        return {w: {phase: v["measured_bytes"] for phase, v in r["phases"].items()}
+                for w, r in result["workloads"].items()}
     raise ValueError(name)
 
 
@@ -433,6 +437,20 @@ def render_equivalence(r: dict) -> str:
                 provenance=provenance(r))
 
 
+def render_memory(r: dict) -> str:
+    rows, whys = [], []
+    for name, w in r["result"]["workloads"].items():
+        for phase, v in w["phases"].items():
+            rows.append([name, phase, f"{w['student_params'] / 1e6:.1f}M",
+                         f"{w['prompt_tokens']} / {w['response_tokens']}", f"{v['estimated_bytes'] / 2**20:.1f}",
+                         f"{v['measured_bytes'] / 2**20:.1f}", f"{v['ratio']:.2f}"])
+            if "why" in v:
+                whys.append(f"- {name}, {phase} ({v['ratio']:.2f}): {v['why']}")
+    return fill("memory", table=table(["workload", "phase", "student parameters", "longest prompt / response tokens",
+                                       "estimated MiB", "measured MiB", "estimate / measured"], rows),
+                whys="\n".join(whys) or "Every stand-in phase is within 0.75-1.25.", provenance=provenance(r))
+
+
 def render_times(*records: dict) -> str:
     rows = []
     for r in records:
@@ -453,7 +471,8 @@ RENDERS = {"README.md": {"default_run": (render_default_run, ["default_run"]),
                "paper_parts": (render_paper_parts, ["paper_shape", "paper_shape_gc"]),
                "token_logps": (render_token_logps, ["token_logps"]),
                "vs_trl": (render_vs_trl, ["vs_trl"]),
-               "equivalence": (render_equivalence, ["equivalence"])}}
+               "equivalence": (render_equivalence, ["equivalence"]),
+               "memory": (render_memory, ["memory"])}}
 
 
 def block(page_text: str, name: str) -> tuple[int, int]:

@@ -1,0 +1,121 @@
+"""bench/memory.py: how it measures a phase's memory, what docs/bench_results/memory.json holds, and
+estimate_memory.py's error for a model it cannot read."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import memory  # noqa: E402
+
+MiB = 2**20
+PHASES_SHARED, PHASES_PLAIN = set(memory.PHASES), set(memory.PHASES) - {"check"}
+
+
+def test_a_phase_counts_the_bytes_it_adds_at_its_highest_not_their_sum_nor_what_was_there():
+    """live_peak: 8 MiB allocated and freed three times peaks at 8 MiB, not 24; a tensor resident before the phase
+    does not count; a tensor the phase keeps counts."""
+    resident = torch.ones(4 * MiB // 4)
+
+    def three_times():
+        for _ in range(3):
+            x = torch.ones(8 * MiB // 4)
+            del x
+
+    _, peak = memory.live_peak(three_times)
+    assert 8 * MiB <= peak < 9 * MiB
+    kept, peak = memory.live_peak(lambda: [torch.ones(2 * MiB // 4), torch.ones(3 * MiB // 4)])
+    assert 5 * MiB <= peak < 6 * MiB
+    assert resident.numel() and kept
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_update_size_holds_a_few_chunks_not_float64_copies_of_the_largest_weight(optimizer):
+    """update_norm under full fine-tuning: a 16 MiB weight (a float64 copy would be 32 MiB) is measured in chunks of
+    65,536 elements, adding at most 8 float64 chunks (4 MiB), and gives the distance the weight moved, which a copy
+    taken before the step measures."""
+    import types
+
+    import gndpo_minimal as g
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(1024, 4096))
+    opt = optimizer([weight], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):  # AdamW's moments and step count past their first values
+        before = weight.detach().clone()
+        weight.grad = torch.randn_like(weight)
+        opt.step()
+    moved = (weight.detach().double() - before.double()).norm().item()
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    size, peak = memory.live_peak(lambda: g.update_size(opt, cpu, chunk=2**16))
+    assert size == pytest.approx(moved, rel=1e-6) and size > 0
+    assert peak <= 8 * 8 * 2**16
+    assert g.update_size(opt, cpu, chunk=weight.numel()) == pytest.approx(size, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_reading_each_prompt_once_holds_less_in_rollout_and_scoring_on_the_tiny_models():
+    """One step of the tiny LoRA workloads, measured here: the start-up check shows only where prompts are shared,
+    and sharing the prompt's forward and cache among its G samples lowers what rollout and scoring add."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = memory.workloads(quick=True, tmp=tmp)
+        shared, plain = memory.measure(runs["tiny_lora_shared"]), memory.measure(runs["tiny_lora_plain"])
+    assert set(shared["phases"]) == PHASES_SHARED and set(plain["phases"]) == PHASES_PLAIN
+    for phase in ("rollout", "scoring"):
+        assert shared["phases"][phase]["measured_bytes"] < plain["phases"][phase]["measured_bytes"], phase
+        assert shared["phases"][phase]["estimated_bytes"] < plain["phases"][phase]["estimated_bytes"], phase
+
+
+def load_record() -> dict:
+    with open(os.path.join(ROOT, "docs", "bench_results", "memory.json")) as f:
+        return json.load(f)
+
+
+def test_memory_json_has_both_figures_for_every_phase_of_every_workload():
+    record = load_record()
+    assert record["command"].endswith("python bench/memory.py --json <tmp>/out.json")  # the whole run, not --quick
+    assert record["commit"] and record["machine"] and record["rounds"]
+    workloads = record["result"]["workloads"]
+    expected = {f"{m}_{t}_{s}" for m in ("tiny", "stand_in") for t in ("lora", "full") for s in ("shared", "plain")}
+    assert set(workloads) == expected
+    for name, w in workloads.items():
+        assert set(w["phases"]) == (PHASES_SHARED if name.endswith("shared") else PHASES_PLAIN), name
+        for phase, v in w["phases"].items():
+            assert v["estimated_bytes"] > 0 and v["measured_bytes"] > 0, (name, phase)
+            assert v["ratio"] == pytest.approx(v["estimated_bytes"] / v["measured_bytes"], abs=1e-3)
+        assert record["rounds"][name] == {p: v["measured_bytes"] for p, v in w["phases"].items()}
+
+
+def test_the_stand_in_is_large_with_long_prompts_and_responses_and_each_phase_is_in_band_or_says_why():
+    """At least 50M student parameters, a prompt of at least 256 image tokens, 128-token responses; a phase whose
+    estimate / measured is outside 0.75-1.25 carries its reason."""
+    workloads = load_record()["result"]["workloads"]
+    for name in (n for n in workloads if n.startswith("stand_in")):
+        w = workloads[name]
+        assert w["student_params"] >= 50e6 and w["prompt_tokens"] >= 256 and w["response_tokens"] >= 128, name
+        for phase, v in w["phases"].items():
+            if not memory.WHY_BAND[0] <= v["ratio"] <= memory.WHY_BAND[1]:
+                assert len(v.get("why", "")) > 40, (name, phase, v["ratio"])
+    for name in (n for n in workloads if "tiny" in n):
+        assert all("why" not in v for v in workloads[name]["phases"].values())
+
+
+@pytest.mark.slow
+def test_estimate_memory_names_the_way_out_for_a_hub_id_it_cannot_reach():
+    """Offline, with a Hub id that is neither a folder nor a shipped config: one line naming the model and the two
+    ways out (a local folder, tests/fixtures/configs/), exit status 1, no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "estimate_memory.py", "--student_model", "nobody/no-such-model",
+                        "--teacher_model", "assets/tiny/teacher"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'nobody/no-such-model'" in lines[0]
+    assert "--student_model path/to/dir" in lines[0] and "tests/fixtures/configs/no-such-model/" in lines[0]
