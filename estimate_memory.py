@@ -463,7 +463,8 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     # update_norm after the step: float64 chunks of a parameter and its two moments (update_size)
     from gndpo_minimal import UPDATE_SIZE_CHUNK
 
-    update_norm = UPDATE_SIZE_CHUNK * 8 * UPDATE_SIZE_COPIES
+    largest_trainable = largest_param or max((max(i, o) * args.lora_r for _, i, o in lora), default=0)
+    update_norm = min(UPDATE_SIZE_CHUNK, largest_trainable) * 8 * UPDATE_SIZE_COPIES
     update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared), optimizer_step, update_norm)
 
     # rollout: one generate() call (or the shared sampler) over gen rows
