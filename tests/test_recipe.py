@@ -177,6 +177,7 @@ def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
     assert args.max_steps * args.prompts_per_step <= 2101 < (args.max_steps + 1) * args.prompts_per_step
 
 
+@pytest.mark.slow  # builds both models on the meta device for a dozen estimates per recipe
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_recipe_fits_its_gpu_and_its_micro_batch_is_the_largest_that_does(recipe):
     """A LoRA recipe fits one 24 GB GPU, the full fine-tuning one an 80 GB GPU per process at its own launch (8
