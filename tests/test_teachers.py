@@ -12,6 +12,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from test_distributed import free_port
+from test_fsdp import untimed, write_config
 
 import gndpo_minimal as g
 
@@ -201,7 +202,8 @@ def test_a_sharded_teacher_scores_as_the_whole_one(tmp_path):
     """Over 2 gloo processes: the teacher sharded with --shard_teacher holds half its layers' weights on each
     process and gives the unsharded teacher's log-probs (plain and lean forwards, and each prompt read once); then
     a 2-step run with `--shard_teacher true --teacher_4bit false` completes and its teacher accuracy equals an
-    unsharded run's."""
+    unsharded run's. The same run with the student sharded by FSDP2 too (test_fsdp.py's launch) gives the whole
+    teacher's metrics: the teacher is sharded whatever wraps the student."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]
@@ -223,3 +225,18 @@ def test_a_sharded_teacher_scores_as_the_whole_one(tmp_path):
     a, b = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("sharded", "whole"))
     for x, y in zip(a, b):
         assert x["reverse_kl"] == pytest.approx(y["reverse_kl"], rel=1e-5)
+
+    fsdp = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           write_config(tmp_path), "--main_process_port", str(free_port()),
+                           os.path.join("tests", "fsdp_cpu_launch.py"), "gndpo_minimal.py", *flags,
+                           "--shard_teacher", "true", "--output_dir", str(tmp_path / "fsdp")],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert fsdp.returncode == 0, fsdp.stdout[-3000:] + fsdp.stderr[-6000:]
+    log = fsdp.stdout + fsdp.stderr
+    assert "layers sharded over 2 processes" in log and "the weights are sharded: each forward gathers them" in log
+    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["teacher_accuracy"] == whole["teacher_accuracy"]
+    c = [json.loads(line) for line in open(tmp_path / "fsdp" / "metrics.jsonl")]
+    assert [m["step"] for m in c] == [m["step"] for m in b] == [1, 2]
+    for x, y in zip(c, b):  # FSDP2 reduce-scatters the student's gradients where DDP all-reduces: float32 rounding
+        for k in untimed([y])[0]:
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), (x["step"], k, x[k], y[k])
