@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -84,14 +85,16 @@ def student_tensors(out: str, mode: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module", params=list(MODES))
 def fsdp_runs(request, untrained_models, tmp_path_factory) -> dict:
-    """For one mode, sharded over 2 processes: 3 steps uninterrupted (checkpoints at 2 and 3); 2 steps with a
-    checkpoint at 2, then a resume from it to step 3."""
+    """For one mode, sharded over 2 processes: 3 steps uninterrupted (checkpoints at 2 and 3); then a folder holding
+    only that run's step-2 checkpoint and its metrics, as a run stopped after step 2 leaves it, resumed to step 3
+    (the schedule does not depend on max_steps, so a run stopped after step 2 saves this same checkpoint)."""
     mode, base = request.param, tmp_path_factory.mktemp(f"fsdp_{request.param}")
     config = write_config(base)
     whole, cut = str(base / "whole"), str(base / "cut")
     flags = [*MODES[mode], "--save_steps", "2"]
     log = launch(config, *script_args(untrained_models, whole, "--max_steps", "3", *flags))
-    launch(config, *script_args(untrained_models, cut, "--max_steps", "2", *flags))
+    shutil.copytree(os.path.join(whole, "checkpoint-2"), os.path.join(cut, "checkpoint-2"))
+    shutil.copy(os.path.join(whole, "metrics.jsonl"), cut)  # steps 1-3: the resume cuts it back to step 2
     resume_log = launch(config, *script_args(untrained_models, cut, "--max_steps", "3",
                                              "--resume_from_checkpoint", "latest", *flags))
     return {"mode": mode, "config": config, "whole": whole, "cut": cut, "log": log, "resume_log": resume_log}
