@@ -1,9 +1,11 @@
 """The house around the script: the tiny worlds in one package with one tokenizer builder, the project importable
-from any directory, tutorials that never touch sys.path, and one lint style for worlds/, tutorials/ and studies/."""
+from any directory, tutorials that never touch sys.path, one lint style for worlds/, tutorials/ and studies/, and a
+row in docs/tests.md for every test file."""
 
 import ast
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +105,15 @@ def test_worlds_tutorials_and_studies_pass_ruff():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "worlds", "tutorials", "studies"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_docs_tests_page_has_a_row_for_every_test_file_and_no_other():
+    """docs/tests.md's table says what each test file proves: a new file without a row, or a row left behind by a
+    removed file, fails here."""
+    with open(os.path.join(ROOT, "docs", "tests.md")) as f:
+        rows = [line for line in f if line.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`(test_\w+\.py)`", row.split(" | ")[0])}
+    files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "tests", "test_*.py"))}
+    assert len(files) > 20 and named, (files, named)
+    assert files - named == set(), f"test files without a row in docs/tests.md: {sorted(files - named)}"
+    assert named - files == set(), f"rows in docs/tests.md naming no test file: {sorted(named - files)}"
