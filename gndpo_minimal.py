@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import functools
 import io
 import json
@@ -163,6 +164,8 @@ class Args:
                                            "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation).")
     max_consecutive_skips: int = arg(3, "Stop after this many non-finite steps in a row.")
     seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
+    process_timeout_minutes: int = arg(120, "How long a process waits for the others at a collective before the run "
+                                       "stops (torch's default is 10: a long generation on one GPU outlasts it).")
     cpu_threads: int = arg(0, "Threads of each process on a CPU; 0 = torch's own choice (OMP_NUM_THREADS where set), "
                            "except under accelerate launch's default of one: then the cores shared among the "
                            "machine's processes.")
@@ -654,7 +657,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     models = make_models(args, accelerator, processor, student, teacher, log, teacher_forward)
     policy = unwrap(models.student)
     greedy_config = generation_configs(processor.tokenizer, policy, args)[1]
-    mismatch = MismatchWatch(logps_tolerance(policy), log=log)
+    mismatch = MismatchWatch(logps_tolerance(policy, compute_dtype(accelerator)), log=log)
     evaluate_policy = lambda: evaluate(policy, processor, eval_rows, args, accelerator, greedy_config,  # noqa: E731
                                        synced_gpus=models.sampling.synced_gpus)
 
@@ -821,7 +824,7 @@ def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generato
 
 
 def unwrap(model):
-    """The model inside DDP / DeepSpeed wrappers (FSDP2 shards in place and wraps nothing): the one with generate()."""
+    """The model inside a DDP wrapper (FSDP2 shards in place and wraps nothing): the one with generate()."""
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -1189,9 +1192,10 @@ def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str
 def shard_frozen(model, device_type: str, num_processes: int) -> int:
     """Shards a frozen model's layers over the processes with FSDP2 (fully_shard), in place: each process keeps 1/N
     of every decoder layer and vision block (the classes the model names in _no_split_modules) and gathers a layer's
-    weights for its forward only. The embeddings and the LM head stay whole (head_logps reads the head's weight
-    outside any forward). Every process must then run the model's forward as many times as the others. Returns the
-    number of modules sharded."""
+    weights for its forward only. The embeddings and the LM head stay whole. Each layer is its own FSDP root, and a
+    root keeps its gathered weights after a forward by default: reshard_after_forward=True frees them after every
+    forward. Every process must then run the model's forward as many times as the others (the teacher's scoring
+    reads every row's prompt for that: PrefixSharing.for_run). Returns the number of modules sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -1202,7 +1206,7 @@ def shard_frozen(model, device_type: str, num_processes: int) -> int:
                          f"shard; run without --shard_teacher")
     mesh = init_device_mesh(device_type, (num_processes,))
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     return len(layers)
 
 
@@ -1275,7 +1279,7 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
 
 def language_model(model):
     """The text decoder inside a (LoRA-wrapped, Accelerate-wrapped) vision-language model."""
-    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+    while hasattr(model, "module"):  # the DDP wrapper
         model = model.module
     return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
 
@@ -1874,13 +1878,10 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def weights_are_sharded(accelerator) -> bool:
-    """True when no process holds the student's whole weights: FSDP, or DeepSpeed ZeRO-3."""
+    """True when no process holds the student's whole weights (FSDP)."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return True
-    return (accelerator.distributed_type == DistributedType.DEEPSPEED
-            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def student_folder(args) -> str:
@@ -2067,6 +2068,21 @@ def check_args(args: Args, num_processes: int) -> int:
     return accum
 
 
+def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
+    """Stops where an NVIDIA driver is installed but torch cannot use CUDA (a torch build for a newer CUDA than the
+    driver's, a CPU build), instead of training on the CPU without a word. A CPU run on such a machine is asked for
+    with accelerate launch --cpu (or CUDA_VISIBLE_DEVICES='')."""
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if available or not os.path.exists(driver_file) or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return
+    with open(driver_file) as f:
+        driver = re.search(r"Kernel Module\s+(\S+)", f.read())
+    raise RuntimeError(f"an NVIDIA driver is installed (version {driver.group(1) if driver else 'unreadable'}, "
+                       f"{driver_file}) but torch {torch.__version__} cannot use CUDA (built for CUDA "
+                       f"{torch.version.cuda or 'none: a CPU build'}): install a torch build whose CUDA this driver "
+                       f"supports, or train on the CPU on purpose with accelerate launch --cpu")
+
+
 def make_accelerator(args: Args):
     """(Accelerator, micro-batches per update), after checking the launch and the arguments."""
     from accelerate import Accelerator, PartialState
@@ -2076,7 +2092,15 @@ def make_accelerator(args: Args):
     # a machine without GPUs (accelerate launch --multi_gpu, torchrun) would each train alone, all of them
     # writing the same output_dir.
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
-    state = PartialState(cpu=cpu)
+    if not cpu:
+        # the caching allocator's fixed-size segments fragment under generate()'s growing KV caches
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    elif not parse_flag_from_env("ACCELERATE_USE_CPU"):
+        check_cuda()
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        raise ValueError("DeepSpeed is not supported: shard the student with FSDP2 instead (configs/fsdp_lora.yaml, "
+                         "configs/fsdp2_full.yaml; docs/scaling.md)")
+    state = PartialState(cpu=cpu, timeout=datetime.timedelta(minutes=args.process_timeout_minutes))
     if state.num_processes != int(os.environ.get("WORLD_SIZE", state.num_processes)):
         raise RuntimeError(f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
                            f"{state.num_processes} ({state.distributed_type}): check the launch command")
@@ -2109,7 +2133,6 @@ def make_accelerator(args: Args):
 def load_models(args: Args, accelerator, log=print) -> tuple:
     """(processor, student, frozen teacher; {name: teacher} for several) after checking that every teacher shares the
     student's tokenizer and makes the same inputs from a prompt and image (only the student's processor encodes)."""
-    from accelerate.utils import DistributedType
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
@@ -2128,12 +2151,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     dtype = resolve_dtype(args.dtype, accelerator.device)
     # full fine-tuning on a GPU: float32 master weights, bf16 compute through Accelerate's mixed precision
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    ds_plugin = accelerator.state.deepspeed_plugin if deepspeed else None
-    # Under ZeRO-3, from_pretrained would partition the teacher too (zero.Init), and only models passed to
-    # prepare() get the hooks that gather partitions back: load it as one whole replica per process.
-    with ds_plugin.zero3_init_context_manager(enable=False) if ds_plugin else contextlib.nullcontext():
-        teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
+    teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
     if args.shard_teacher and accelerator.num_processes > 1:
         sharded = shard_frozen(next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes)
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
@@ -2168,27 +2186,32 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     The scheduler is stepped by hand once per optimizer update and only registered for checkpointing: through
     prepare() Accelerate would step it once per process at every update, N times too fast on N processes.
     """
-    from accelerate.utils import DistributedType
-
     params = [p for p in student.parameters() if p.requires_grad]
     if args.optimizer == "sgd":  # plain SGD: the update is the gradient itself, scale included
         optimizer = torch.optim.SGD(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
-    # DeepSpeed reads its micro-batch size from a DataLoader: there is none here
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
-        if ds_config.get("gradient_clipping", "auto") == "auto":  # the engine clips, not us
-            ds_config["gradient_clipping"] = args.max_grad_norm
     student, optimizer = accelerator.prepare(student, optimizer)  # the teacher is never prepared
     accelerator.register_for_checkpointing(scheduler)
-    if accelerator.gradient_accumulation_steps != accum:  # e.g. a DeepSpeed config that sets its own value
-        raise ValueError(f"the Accelerate/DeepSpeed config sets gradient_accumulation_steps="
-                         f"{accelerator.gradient_accumulation_steps}, but one update here is {accum} micro-batches: "
-                         f"remove it from the config (this script derives it)")
     return student, optimizer, scheduler
+
+
+def startup_line(args: Args, accelerator, student) -> str:
+    """Where and how the run computes, e.g. 'device cpu, student float32, teacher 4-bit nf4, mixed precision no,
+    2 threads': a GPU run that fell back to the CPU, or bf16 weights where float32 was meant, show here first."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
+    teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, accelerator.device)).removeprefix(
+        "torch.")
+    device = accelerator.device
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    return (f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
+            f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads")
+
+
+def compute_dtype(accelerator) -> torch.dtype | None:
+    """The dtype Accelerate's mixed precision computes the student's forward in (autocast), None without it."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
 def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
@@ -2215,15 +2238,18 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     sampling = Sampling(sample_config, draw_tokens if args.fast_sampler else multinomial, accelerator.device,
                         synced_gpus, sharing, precision)
     teachers = teacher if isinstance(teacher, dict) else None  # several teachers: {name: model}
+    log(startup_line(args, accelerator, student))
+    first_teacher = next(iter(teachers.values())) if teachers else teacher
+    log("log-probs: " + ", ".join(f"{role} {head_path(m) if args.lean_logps else 'full logits (--lean_logps false)'}"
+                                  for role, m in (("student", student), ("teacher", first_teacher))))
     return Models(student, next(iter(teachers.values())) if teachers else teacher, processor, ignore_ids,
                   teacher_forward or (sharing.forward("teacher") if sharing else plain),
                   sharing.forward("student") if sharing else plain, sampling, teachers)
 
 
 def _local_values(p: torch.Tensor) -> torch.Tensor:
-    """The values this process holds of a parameter or of its optimizer state: its DeepSpeed ZeRO-3 partition, its
-    FSDP2 shard, or the whole tensor."""
-    p = getattr(p, "ds_tensor", p)
+    """The values this process holds of a parameter or of its optimizer state: its FSDP2 shard, or the whole
+    tensor."""
     return p.to_local() if hasattr(p, "to_local") else p
 
 
@@ -2250,9 +2276,7 @@ def sequence_counts(accelerator, parts: list[tuple], K: int) -> list[float]:
 
 def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     """True when the update's loss and pre-clip gradient norm are finite on every process. One NaN would poison the
-    weights for good, and every process must take the same decision, or the replicas drift apart. Under DeepSpeed
-    the engine already clipped and stepped inside the last backward (grad_norm is what it saw): a non-finite update
-    is counted but can no longer be dropped."""
+    weights for good, and every process must take the same decision, or the replicas drift apart."""
     ok = math.isfinite(loss) and grad_norm is not None and math.isfinite(float(grad_norm))
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
 
@@ -2265,7 +2289,7 @@ def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float
     of the parameters: torch's AdamW makes theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps), plain SGD theta
     (1 - lr wd) - lr g, and both are inverted for theta_before, `chunk` elements of a parameter at a time (whole, a
     full fine-tuning's embedding would take several float64 copies of the largest weight). NaN for other
-    optimizers (DeepSpeed's, AMSGrad, momentum)."""
+    optimizers (AMSGrad, momentum)."""
     opt = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
     squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for group in opt.param_groups:
@@ -2291,7 +2315,7 @@ def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float
                 else:
                     move = lr * rest[0]
                 squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
-    if any(hasattr(p, "to_local") or hasattr(p, "ds_tensor") for g in opt.param_groups for p in g["params"]):
+    if any(hasattr(p, "to_local") for g in opt.param_groups for p in g["params"]):
         squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
     return math.sqrt(float(squares))
 
@@ -2585,16 +2609,17 @@ class _HeadTokenLogps(torch.autograd.Function):
     that each block of the weight's gradient, d^T @ hidden, is written once."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk):
-        flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
-        out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(out)
+    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk, dtype):
+        flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
+        # (B, T), written through a flat view: the output itself is no view (FSDP2's backward hook needs that)
+        out = torch.empty(token_ids.shape, dtype=torch.float32, device=hidden.device)
+        logps, lse = out.view(-1), torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
         for r in range(0, len(ids), per_chunk):
-            out[r:r + per_chunk], lse[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk] @ weight.T,
-                                                                      ids[r:r + per_chunk], ignore_ids, temperature)
+            logps[r:r + per_chunk], lse[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T,
+                                                                        ids[r:r + per_chunk], ignore_ids, temperature)
         ctx.save_for_backward(hidden, weight, token_ids, lse)
-        ctx.ignore_ids, ctx.temperature, ctx.per_chunk = ignore_ids, temperature, per_chunk
-        return out.view(token_ids.shape)
+        ctx.ignore_ids, ctx.temperature, ctx.per_chunk, ctx.dtype = ignore_ids, temperature, per_chunk, dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -2602,28 +2627,29 @@ class _HeadTokenLogps(torch.autograd.Function):
         flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
         if ctx.needs_input_grad[1]:
             grad, grad_weight = _head_backward_by_vocab(flat, weight, ids, lse, grad_out, ctx.ignore_ids,
-                                                        ctx.temperature, ctx.per_chunk * weight.shape[0])
-            return grad.view_as(hidden), grad_weight, None, None, None, None
+                                                        ctx.temperature, ctx.per_chunk * weight.shape[0], ctx.dtype)
+            return grad.view_as(hidden), grad_weight, None, None, None, None, None
         grad = torch.empty_like(flat)
-        c = ctx.per_chunk
+        c, w = ctx.per_chunk, weight.to(ctx.dtype)
         for r in range(0, len(ids), c):
             g = grad_out[r:r + c, None].float()  # (c, 1)
-            logits = _float_logits(flat[r:r + c] @ weight.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
+            logits = _float_logits(flat[r:r + c].to(ctx.dtype) @ w.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
             logits.sub_(lse[r:r + c, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + c, None], g)
             if ctx.temperature != 1.0:
                 logits.div_(ctx.temperature)
-            grad[r:r + c] = logits.to(weight.dtype) @ weight  # (c, H)
-        return grad.view_as(hidden), None, None, None, None, None
+            grad[r:r + c] = logits.to(ctx.dtype) @ w  # (c, H)
+        return grad.view_as(hidden), None, None, None, None, None, None
 
 
 def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
                             grad_out: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-                            chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            chunk_elements: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainable head's backward, one block of the vocabulary at a time over all N rows: the block's logits
     made again, d = (onehot(y) - softmax) / tau times the incoming gradient, then the hidden states' gradient
     (summed over blocks, float32) and the block's rows of the weight's gradient, each written once.
-    flat: (N, H); weight: (V, H); ids, lse, grad_out: (N,). Returns ((N, H) in flat's dtype, (V, H) in weight's)."""
-    N, V = len(ids), weight.shape[0]
+    flat: (N, H); weight: (V, H); ids, lse, grad_out: (N,); dtype: the matmuls'. Returns ((N, H) in flat's dtype,
+    (V, H) in weight's)."""
+    N, V, x = len(ids), weight.shape[0], flat.to(dtype)
     g = grad_out.float()[:, None]  # (N, 1)
     grad = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
     grad_weight = torch.empty_like(weight)
@@ -2631,78 +2657,104 @@ def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch
     for v0 in range(0, V, block):
         v1 = min(v0 + block, V)
         local = None if ignore_ids is None else ignore_ids[(ignore_ids >= v0) & (ignore_ids < v1)] - v0
-        logits = _float_logits(flat @ weight[v0:v1].T, local, temperature)  # (N, b)
+        w = weight[v0:v1].to(dtype)  # (b, H)
+        logits = _float_logits(x @ w.T, local, temperature)  # (N, b)
         d = logits.sub_(lse[:, None]).exp_().mul_(-g)  # -g softmax, 0 at the ignored ids
         rows = ((ids >= v0) & (ids < v1)).nonzero().squeeze(1)
         d[rows, ids[rows] - v0] += g[rows, 0]  # + g at the token
         if temperature != 1.0:
             d.div_(temperature)
-        d = d.to(weight.dtype)
-        grad.add_(d @ weight[v0:v1])  # (N, b) @ (b, H)
-        grad_weight[v0:v1] = d.T @ flat  # (b, N) @ (N, H)
+        d = d.to(dtype)
+        grad.add_(d @ w)  # (N, b) @ (b, H)
+        grad_weight[v0:v1] = d.T @ x  # (b, N) @ (N, H)
     return grad.to(flat.dtype), grad_weight
 
 
 def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
                ignore_ids: torch.Tensor | None = None, temperature: float = 1.0,
-               chunk_elements: int = 2**24) -> torch.Tensor:
+               chunk_elements: int = 2**24, dtype: torch.dtype | None = None) -> torch.Tensor:
     """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
     (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
     logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden`, and the head's
     weight where it trains (full fine-tuning; a LoRA student keeps it frozen).
 
-    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T). Returns (B, T) float32.
+    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T); dtype: the dtype the head's
+    matmuls run in (None: the weight's), bf16 under mixed precision as an autocast nn.Linear would: the same
+    precision as the sampler's logits. Returns (B, T) float32.
     """
+    dtype = dtype or weight.dtype
     per_chunk = max(1, chunk_elements // weight.shape[0])  # hidden-state rows per chunk
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, per_chunk)
-    flat, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, per_chunk, dtype)
+    flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
     out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
     for r in range(0, len(ids), per_chunk):
-        out[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk] @ weight.T, ids[r:r + per_chunk], ignore_ids,
-                                            temperature)[0]
+        out[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T, ids[r:r + per_chunk],
+                                            ignore_ids, temperature)[0]
     return out.view(token_ids.shape)
 
 
-@contextlib.contextmanager
-def without_lm_head(model):
-    """Within it, the model's forward returns its last hidden states where it returned logits, and this yields
-    the LM head's weight, for head_logps (which also gives a trainable head its gradient). Yields None, leaving
-    the model as it is, where the head is not a plain bias-free Linear holding its whole weight (sharded under FSDP
-    or ZeRO-3) or its logits are changed (a hook on it, final-logit soft-capping)."""
-    while hasattr(model, "module"):  # DDP / DeepSpeed wrappers: the head is swapped inside, the wrapper still runs
-        model = model.module
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in here (Accelerate's mixed precision runs the model's forward in it),
+    or None outside autocast."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def head_path(model) -> str:
+    """"chunked head" where chunked_head can run the LM head as head_logps: a bias-free Linear, plain or sharded
+    by FSDP2 (whose unit gathers the weight for the head's own forward), whose logits nothing changes (no hook of
+    another kind, no final-logit soft-capping); else "full logits" (scoring goes through the (n, T, V) logits)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = unwrap(model)
     head = model.get_output_embeddings()
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    swappable = (type(head) is torch.nn.Linear and head.bias is None
-             and type(head.weight.data) is torch.Tensor and head.weight.numel() > 0
-             and not (head._forward_hooks or head._forward_pre_hooks)  # something changes its logits
-             and getattr(text_config, "final_logit_softcapping", None) is None)
-    name = next((n for n, m in model.named_modules() if m is head), None) if swappable else None
-    if name is None:
-        yield None
+    fsdp = isinstance(head, FSDPModule)  # FSDP2's hooks gather and free the weight around the forward
+    ok = (isinstance(head, torch.nn.Linear) and (type(head) is torch.nn.Linear or fsdp) and head.bias is None
+          and (fsdp or not (head._forward_hooks or head._forward_pre_hooks))  # a hook that changes its logits
+          and getattr(text_config, "final_logit_softcapping", None) is None)
+    return "chunked head" if ok else "full logits"
+
+
+@contextlib.contextmanager
+def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+                 drop_last: bool):
+    """Within it the LM head's forward returns head_logps of `token_ids` (n, T) instead of (n, keep, V) logits, so
+    model(...).logits is (n, T) float32 log-probs; yields whether it did (head_path). The head's own forward is
+    replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
+    precision (head_logps then computes in that dtype, as the sampler's nn.Linear does), and under FSDP2 inside
+    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient."""
+    head = unwrap(model).get_output_embeddings()
+    if head_path(model) != "chunked head":
+        yield False
         return
-    parent, attr = (model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model), name.rsplit(".", 1)[-1]
-    setattr(parent, attr, torch.nn.Identity())
+
+    def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
+        hidden = hidden[:, :-1] if drop_last else hidden
+        return head_logps(hidden, head.weight, token_ids, ignore_ids, temperature,
+                          dtype=autocast_dtype(hidden.device.type))
+
+    head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
     try:
-        yield head.weight
+        yield True
     finally:
-        setattr(parent, attr, head)
+        del head.forward
 
 
 def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
                keep: int, drop_last: bool, lean: bool = True) -> torch.Tensor:
     """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
-    log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where without_lm_head allows, else
+    log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where chunked_head allows, else
     through the logits and token_logps; not lean: the plain gather_logps over the logits."""
-    with without_lm_head(model) if lean else contextlib.nullcontext() as weight:
-        out = model(**inputs, logits_to_keep=keep).logits  # (n, keep, H or V)
+    with chunked_head(model, token_ids, ignore_ids, temperature, drop_last) if lean else contextlib.nullcontext(
+            False) as chunked:
+        out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
+    if chunked:
+        return out.float()
     out = out[:, :-1] if drop_last else out
     if not lean:
         return gather_logps(out, token_ids, ignore_ids, temperature)
-    if weight is None:
-        return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
-    return head_logps(out, weight, token_ids, ignore_ids, temperature)
+    return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
 
 
 def lean_response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None,
@@ -2857,14 +2909,15 @@ class SharedPrefix:
         return torch.stack(tokens, 1)
 
 
-def logps_tolerance(model) -> float:
-    """How far SharedPrefix.logps may be from response_logps and still count as equal (the largest difference
-    over valid tokens, in nats; the relative difference of the gradients): float32 rounding (1e-4) when the model
-    computes in float32. 16-bit weights, and 4-bit ones (bitsandbytes' CPU kernel computes in bf16 whatever the
-    compute dtype, and its rounding changes with the batch's shape), round logits to about 3 significant digits:
-    there the tolerance is 0.05 (a wrong position or mask moves a trained model's log-probs by whole nats)."""
+def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
+    """How far two forwards' log-probs may differ and still count as equal (the largest difference over valid
+    tokens, in nats; the relative difference of the gradients): float32 rounding (1e-4) when the model computes in
+    float32. 16-bit compute (16-bit weights, or float32 weights under mixed precision's autocast: compute_dtype),
+    and 4-bit weights (bitsandbytes' CPU kernel computes in bf16 whatever the compute dtype, and its rounding changes
+    with the batch's shape), round logits to about 3 significant digits: there the tolerance is 0.05 (a wrong
+    position or mask moves a trained model's log-probs by whole nats)."""
     quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {compute_dtype or torch.float32}
     return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
 
 
@@ -2898,8 +2951,9 @@ class PrefixSharing:
     ROLES = ("rollout", "teacher", "student")
 
     def __init__(self, log=print, agree=lambda ok: ok, reasons: dict | None = None, plain: Callable | None = None,
-                 lean: bool = True):
+                 lean: bool = True, compute_dtype: torch.dtype | None = None):
         self.log, self.agree = log, agree
+        self.compute_dtype = compute_dtype  # the student's autocast dtype under mixed precision (the teacher has none)
         self.plain = plain or response_logps  # the forward a role falls back to, and the one checks compare with
         self.lean = lean  # SharedPrefix.logps's own log-probs through the lean kernels (--lean_logps)
         self.decided = dict.fromkeys(self.ROLES)
@@ -2918,7 +2972,10 @@ class PrefixSharing:
         agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
                                               reduction="sum").item() == n
         reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
-        sharing = cls(log, agree, {"student": reason, "rollout": reason}, plain, args.lean_logps)
+        teacher_reason = ("the teacher is sharded: each forward gathers its layers" if args.shard_teacher
+                          and accelerator.num_processes > 1 else None)
+        sharing = cls(log, agree, {"student": reason, "rollout": reason, "teacher": teacher_reason}, plain,
+                      args.lean_logps, compute_dtype(accelerator))
         if teacher_replaced:
             sharing.decided["teacher"] = False
         return sharing
@@ -2975,10 +3032,10 @@ class PrefixSharing:
         teacher / student: both forwards' log-probs, and for a trainable model the gradient of every trainable
         parameter for a loss that weights each response token differently (a cache updated in place, as hybrid
         linear-attention layers do, gives the right values and a wrong gradient through the prompt).
-        The check calls the module inside DDP / DeepSpeed wrappers: its gradient must not start their all-reduce."""
+        The check calls the module inside a DDP wrapper: its gradient must not start DDP's all-reduce."""
         while hasattr(model, "module"):
             model = model.module
-        tolerance = logps_tolerance(model)
+        tolerance = logps_tolerance(model, None if role == "teacher" else self.compute_dtype)
         valid = rollout.response_mask.bool()
         try:
             if rollout.prompt_index is None:

@@ -9,7 +9,8 @@ gradient the optimizer applied (after the all-reduce), read on the main process.
 
 LORA_R (comma-separated, default 16) makes one update per LoRA rank listed, 0 being full fine-tuning, each with a
 fresh student; GRAD_NAME names their files ({processes} and {lora_r} filled in). Under FSDP2 (tests/test_fsdp.py)
-the gradient is gathered from the shards.
+the gradient is gathered from the shards. LEAN=1 makes the update's forward the lean one (lean_response_logps: the
+chunked head, which must then be the path taken), else the plain log-softmax gather.
 """
 
 import dataclasses
@@ -71,7 +72,11 @@ def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
         return step(*a, **k)
 
     optimizer.step = record
-    models = g.Models(student, None, processor, torch.tensor(config.suppress_tokens))
+    lean = os.environ.get("LEAN") == "1"
+    if lean:  # under FSDP2 the head is sharded: the chunked head must run on its unit's gathered weight
+        assert g.head_path(student) == "chunked head", type(g.unwrap(student).get_output_embeddings())
+    models = g.Models(student, None, processor, torch.tensor(config.suppress_tokens),
+                      student_forward=g.lean_response_logps if lean else g.response_logps)
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda m: None)
     assert update["skipped_updates"] == 0 and len(grads) == 1
     return grads[0]

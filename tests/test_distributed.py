@@ -201,17 +201,16 @@ def test_script_two_processes_group_mode_keeps_prompts_whole(untrained_models, t
 # --- Accelerate config files -------------------------------------------------------------------
 
 EXPECTED_CONFIGS = {"single_gpu.yaml": "NO", "multi_gpu.yaml": "MULTI_GPU", "fsdp_lora.yaml": "FSDP",
-                    "fsdp2_full.yaml": "FSDP", "deepspeed_zero2.yaml": "DEEPSPEED", "deepspeed_zero3.yaml": "DEEPSPEED",
-                    "multi_node.yaml": "MULTI_GPU"}
+                    "fsdp2_full.yaml": "FSDP", "multi_node.yaml": "MULTI_GPU"}
 
 
 def test_accelerate_configs_load_and_give_the_intended_launch_settings():
     """Each file loads with accelerate's own loader, passes `accelerate launch`'s validation, and the
-    environment that launch would hand the processes builds the intended FSDP / DeepSpeed plugin."""
+    environment that launch would hand the processes builds the intended FSDP plugin."""
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
 
     found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
     assert found == sorted(EXPECTED_CONFIGS)
@@ -220,7 +219,7 @@ def test_accelerate_configs_load_and_give_the_intended_launch_settings():
         config = load_config_from_file(path)
         assert config.distributed_type.value == kind, name
         extra = ["--main_process_ip", "10.0.0.1"] if config.num_machines > 1 else []
-        args, defaults, mp_from_config = _validate_launch_command(
+        args, _, _ = _validate_launch_command(
             launch_command_parser().parse_args(["--config_file", path, *extra, "gndpo_minimal.py"]))
         assert args.num_processes == config.num_processes
         if kind == "FSDP":
@@ -228,21 +227,17 @@ def test_accelerate_configs_load_and_give_the_intended_launch_settings():
                 plugin = FullyShardedDataParallelPlugin()
             assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # the script needs FSDP2
             assert plugin.cpu_ram_efficient_loading is False  # True would leave the teacher unloaded off rank 0
-        if kind == "DEEPSPEED":
-            # what `accelerate launch` itself sets before building the DeepSpeed environment
-            fields = list(defaults.deepspeed_config) + ["mixed_precision"] * mp_from_config
-            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-            _, env = prepare_deepspeed_cmd_env(args)
-            with mock.patch.dict(os.environ, env):
-                plugin = DeepSpeedPlugin()
-            # the script derives accumulation and clips with --max_grad_norm: the config must leave both open
-            assert plugin.deepspeed_config["gradient_accumulation_steps"] == "auto"
-            assert plugin.deepspeed_config["gradient_clipping"] == "auto"
-            stage = plugin.deepspeed_config["zero_optimization"]["stage"]
-            assert stage == (3 if "zero3" in name else 2)
-            if stage == 3:  # the adapter is saved from gathered weights
-                assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert load_config_from_file(os.path.join(ROOT, "configs", "multi_node.yaml")).num_machines > 1
+
+
+def test_a_deepspeed_launch_stops_at_start_up_naming_fsdp2(monkeypatch):
+    """No DeepSpeed config ships and no test trains with one: a launch that asks for DeepSpeed stops before anything
+    loads, naming FSDP2 and its configs."""
+    import gndpo_minimal as g
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match=r"DeepSpeed is not supported: shard the student with FSDP2.*fsdp2_full.yaml"):
+        g.make_accelerator(g.Args())
 
 
 def test_scaling_doc_gives_a_launch_command_for_every_config():

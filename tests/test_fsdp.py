@@ -2,7 +2,7 @@
 student and for full fine-tuning (--lora_r 0).
 
 Accelerate runs FSDP on GPUs only: with CPU processes it trains whole replicas (DDP) instead, so the script refuses an
-FSDP launch there (the first test). The other tests launch through tests/fsdp_cpu_launch.py, which gives the
+FSDP launch there (the first test). The other tests launch through bench/fsdp_cpu_launch.py, which gives the
 Accelerate state the FSDP type on CPU and leaves the rest to Accelerate and PyTorch (fully_shard in prepare(), sharded
 checkpoints, the gather of the trained student). The Accelerate config is CONFIG below, written next to each run.
 """
@@ -52,7 +52,7 @@ def write_config(folder) -> str:
 def launch(config: str, *script_and_args: str) -> str:
     """`accelerate launch --config_file config` of a script, through fsdp_cpu_launch.py."""
     return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-                "--main_process_port", str(free_port()), os.path.join("tests", "fsdp_cpu_launch.py"),
+                "--main_process_port", str(free_port()), os.path.join("bench", "fsdp_cpu_launch.py"),
                 *script_and_args])
 
 
@@ -145,6 +145,8 @@ def test_fsdp2_samples_on_the_sharded_student_what_whole_replicas_sample(fsdp_ru
     assert re.search(r"^rollout: each sample reads its prompt itself \(the weights are sharded", fsdp_runs["log"],
                      flags=re.M)
     assert summary["steps"] == 3 and "student_accuracy_after" in summary
+    # the head is its own FSDP2 unit: the chunked head runs on its gathered weight, no (n, R + 1, V) logits
+    assert re.search(r"^log-probs: student chunked head, teacher chunked head$", fsdp_runs["log"], flags=re.M)
     fsdp = read_metrics(whole)
     for m in fsdp:
         assert all(math.isfinite(v) for v in m.values()), m
@@ -189,14 +191,16 @@ def test_fsdp2_update_gradient_equals_one_process(untrained_models, tmp_path):
     """dist_update_worker.py's update (8 fixed rollouts, one with no valid token) with the student sharded over two
     processes applies the gradient that one process with the whole batch and whole weights applies, LoRA and full
     fine-tuning (where the sharded parameters include the embeddings and the tied LM head), at test_distributed.py's
-    tolerance."""
+    tolerance. The sharded run goes through the chunked head (head_logps on the head unit's gathered weight), the
+    single process through the plain log-softmax over the logits: the chunked head under FSDP2 gives the plain
+    path's gradient, the LM head's included."""
     env = {**ENV, "OUT_DIR": str(tmp_path), "MODELS_DIR": untrained_models, "LORA_R": "16,0"}
     worker = os.path.join("tests", "dist_update_worker.py")
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), worker], env={**env, "GRAD_NAME": "one_r{lora_r}.pt"})
+         "--master_port", str(free_port()), worker], env={**env, "GRAD_NAME": "one_r{lora_r}.pt", "LEAN": "0"})
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", write_config(tmp_path),
-         "--main_process_port", str(free_port()), os.path.join("tests", "fsdp_cpu_launch.py"), worker],
-        env={**env, "GRAD_NAME": "fsdp_r{lora_r}.pt"})
+         "--main_process_port", str(free_port()), os.path.join("bench", "fsdp_cpu_launch.py"), worker],
+        env={**env, "GRAD_NAME": "fsdp_r{lora_r}.pt", "LEAN": "1"})
     for lora_r in (16, 0):
         one, fsdp = torch.load(tmp_path / f"one_r{lora_r}.pt"), torch.load(tmp_path / f"fsdp_r{lora_r}.pt")
         assert one.shape == fsdp.shape and one.norm() > 0

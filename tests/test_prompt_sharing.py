@@ -233,22 +233,27 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
                 assert on[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
-def test_without_lm_head_gives_hidden_states_and_puts_the_head_back(pair):
+def test_chunked_head_returns_the_log_probs_and_puts_the_head_back(pair):
+    """Within chunked_head the model's forward returns head_logps of the given tokens, equal to the gather over its
+    logits; after it the head's own forward is back. A hook that changes the logits keeps the full logits."""
     teacher, rollout = pair["teacher"], pair["rollout"]
     head = teacher.get_output_embeddings()
     inputs = g.sequence_inputs(rollout)
+    ids = rollout.response_ids[:, :3]
     with torch.no_grad():
-        with g.without_lm_head(teacher) as weight:
-            hidden = teacher(**inputs, logits_to_keep=3).logits
+        with g.chunked_head(teacher, ids, None, 1.0, drop_last=False) as chunked:
+            logps = teacher(**inputs, logits_to_keep=3).logits
         logits = teacher(**inputs, logits_to_keep=3).logits
-    assert weight is head.weight and teacher.get_output_embeddings() is head
-    assert hidden.shape[-1] == weight.shape[1] and logits.shape[-1] == weight.shape[0]
-    torch.testing.assert_close(hidden @ weight.T, logits, atol=1e-5, rtol=1e-5)
+    assert chunked and "forward" not in vars(head) and teacher.get_output_embeddings() is head
+    assert logps.shape == ids.shape and logits.shape[-1] == head.weight.shape[0]
+    torch.testing.assert_close(logps, g.gather_logps(logits, ids), atol=1e-5, rtol=1e-5)
+    assert g.head_path(teacher) == "chunked head"
     # a hook on the head changes its logits: the head stays, and scoring goes through the logits
     hook = head.register_forward_hook(lambda module, args, out: out + 1.0)
     try:
-        with g.without_lm_head(teacher) as weight:
-            assert weight is None and teacher.get_output_embeddings() is head
+        assert g.head_path(teacher) == "full logits"
+        with g.chunked_head(teacher, ids, None, 1.0, drop_last=False) as chunked:
+            assert not chunked and "forward" not in vars(head)
     finally:
         hook.remove()
 

@@ -1,5 +1,5 @@
-"""Runs a script (gndpo_minimal.py, a test worker) with FSDP on CPU processes, for tests/test_fsdp.py:
-`accelerate launch --config_file <FSDP config with use_cpu: true> tests/fsdp_cpu_launch.py SCRIPT ARGS...`.
+"""Runs a script (gndpo_minimal.py, a test worker) with FSDP on CPU processes, for the tests and bench/memory.py:
+`accelerate launch --config_file <FSDP config with use_cpu: true> bench/fsdp_cpu_launch.py SCRIPT ARGS...`.
 
 Accelerate turns ACCELERATE_USE_FSDP into FSDP only for GPU-like process groups; with CPU processes it keeps
 MULTI_CPU (DDP), and gndpo_minimal.py refuses that launch. PyTorch's FSDP2 itself runs on CPU over gloo, so this
