@@ -1,6 +1,7 @@
 """Several teachers (--teacher_model name=path,...): each row scored by its own teacher and no other, per_teacher
 whitening against a slow oracle, the metrics and the accuracy per teacher's domain, the start-up errors; and one
-teacher sharded over two processes (--shard_teacher) against the unsharded one."""
+teacher sharded over two processes (--shard_teacher): its log-probs and runs against the unsharded one's, the share of
+its weights each process holds after every kind of forward, and as many forwards on every process."""
 
 import dataclasses
 import json
@@ -198,42 +199,110 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
 # ---------------------------------------------------------------------------------------------
 
 
+# the runs' flags: 5 eval rows, 2 per generate(): 3 rows and 2 generate() calls on one process, 2 rows on the other
+# (evaluate() tops it up to 2 calls); a stuck collective (a forward one process runs and the other does not) stops the
+# run after 2 minutes instead of hanging it
+SHARD_FLAGS = ["--max_steps", "2", "--num_eval_samples", "5", "--generation_batch_size", "2", "--teacher_4bit",
+               "false", "--logging_steps", "0", "--process_timeout_minutes", "2"]
+
+
+def two_processes() -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port())]
+
+
+@pytest.fixture(scope="module")
+def shard_worker(tmp_path_factory) -> dict:
+    """tests/shard_teacher_worker.py on 2 gloo processes (its forwards, then two sharded-teacher runs of main() with
+    SHARD_FLAGS), and the same 2-step run with the whole teacher: {"rank0", "rank1": the workers' results, "log": their
+    output, "out": the folder, "whole": the whole teacher's run's folder}."""
+    out = tmp_path_factory.mktemp("shard_teacher")
+    run = subprocess.run(two_processes() + [os.path.join("tests", "shard_teacher_worker.py"), str(out), *SHARD_FLAGS,
+                                            "--shard_teacher", "true"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    whole = subprocess.run(two_processes() + ["gndpo_minimal.py", *SHARD_FLAGS, "--output_dir", str(out / "whole")],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-6000:]
+    return {**{f"rank{r}": json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}, "log": run.stdout,
+            "out": out, "whole": out / "whole"}
+
+
 @pytest.mark.slow
-def test_a_sharded_teacher_scores_as_the_whole_one(tmp_path):
-    """Over 2 gloo processes: the teacher sharded with --shard_teacher holds half its layers' weights on each
-    process and gives the unsharded teacher's log-probs (plain and lean forwards, and each prompt read once); then
-    a 2-step run with `--shard_teacher true --teacher_4bit false` completes and its teacher accuracy equals an
-    unsharded run's. The same run with the student sharded by FSDP2 too (test_fsdp.py's launch) gives the whole
-    teacher's metrics: the teacher is sharded whatever wraps the student."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(free_port())]
-    out = subprocess.run(launch + [os.path.join("tests", "shard_teacher_worker.py"), str(tmp_path)], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+def test_a_sharded_teacher_scores_as_the_whole_one(shard_worker, tmp_path):
+    """Over 2 gloo processes the teacher sharded by shard_frozen gives the unsharded teacher's log-probs (plain and
+    lean forwards, and each prompt read once) and its greedy evaluation; a 2-step run of main() with
+    `--shard_teacher true --teacher_4bit false` gives the whole teacher's teacher accuracy and reverse KL. The same run
+    with the student sharded by FSDP2 too (test_fsdp.py's launch) gives the whole teacher's metrics: the teacher is
+    sharded whatever wraps the student."""
     for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        r = shard_worker[f"rank{rank}"]
         assert r["sharded_layers"] > 0 and 0.4 < r["local_layer_fraction"] < 0.6
         for path in ("plain", "lean", "shared"):
             assert r[f"{path}_max_difference"] <= 1e-5, (rank, path, r)
-    flags = ["--max_steps", "2", "--num_eval_samples", "8", "--teacher_4bit", "false", "--logging_steps", "0"]
-    for name, extra in (("sharded", ["--shard_teacher", "true"]), ("whole", [])):
-        run = subprocess.run(launch + ["gndpo_minimal.py", *flags, *extra, "--output_dir", str(tmp_path / name)],
-                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    sharded, whole = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sharded", "whole"))
-    assert sharded["teacher_accuracy"] == whole["teacher_accuracy"]
-    a, b = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("sharded", "whole"))
+        assert r["eval_rows"] == 5 and r["eval_sharded"] == r["eval_whole"]
+    whole = json.loads((shard_worker["whole"] / "summary.json").read_text())
+    b = [json.loads(line) for line in open(shard_worker["whole"] / "metrics.jsonl")]
+    sharded = shard_worker["rank0"]["hooked"]["summary"]
+    assert sharded == json.loads((shard_worker["out"] / "hooked" / "summary.json").read_text())
+    assert sharded["teacher_accuracy"] == whole["teacher_accuracy"] and whole["eval_rows"] == 5
+    a = [json.loads(line) for line in open(shard_worker["out"] / "hooked" / "metrics.jsonl")]
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
     for x, y in zip(a, b):
         assert x["reverse_kl"] == pytest.approx(y["reverse_kl"], rel=1e-5)
 
-    log = fsdp_launch(write_config(tmp_path), "gndpo_minimal.py", *flags, "--shard_teacher", "true",
+    log = fsdp_launch(write_config(tmp_path), "gndpo_minimal.py", *SHARD_FLAGS, "--shard_teacher", "true",
                       "--output_dir", str(tmp_path / "fsdp"))
     assert "layers sharded over 2 processes" in log and "the weights are sharded: each forward gathers them" in log
     assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["teacher_accuracy"] == whole["teacher_accuracy"]
     c = [json.loads(line) for line in open(tmp_path / "fsdp" / "metrics.jsonl")]
-    assert [m["step"] for m in c] == [m["step"] for m in b] == [1, 2]
+    assert [m["step"] for m in c] == [1, 2]
     for x, y in zip(untimed(c), untimed(b)):  # FSDP2 reduce-scatters the student's gradients, DDP all-reduces them
         assert x.keys() == y.keys()
         for k in x:
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), (x["step"], k, x[k], y[k])
+
+
+@pytest.mark.slow
+def test_a_sharded_teacher_stays_sharded_after_its_forwards(shard_worker):
+    """Each process holds at most 0.6 of the sharded layers' weights, counted from the parameters the layers have
+    registered at that moment (FSDP2 registers a gathered layer's whole weights as plain tensors, while a DTensor's
+    to_local() still reports its shard): before any forward, after a plain, a lean and a prompt-once forward and a
+    synced generate(), after every forward of the teacher in a 2-step run of main() (scoring through its
+    teacher_forward hook, and the teacher's evaluation) and after main() returns. Why it can fail: a copy sharded as
+    the script did before (fully_shard without reshard_after_forward, each layer a root that keeps its gathered
+    weights) is counted holding the whole teacher after one forward."""
+    for rank in (0, 1):
+        r = shard_worker[f"rank{rank}"]
+        assert set(r["held_fraction"]) == {"before", "plain", "lean", "shared", "generate"}
+        for when, fraction in r["held_fraction"].items():
+            assert 0.4 < fraction <= 0.6, (rank, when, fraction)
+        old = r["old_held_fraction"]  # the counter sees the old sharding gather the whole teacher back
+        assert old["before"] <= 0.6 and old["plain"] > 0.99, (rank, old)
+        run = r["hooked"]
+        assert len(run["scoring_held_fractions"]) == 4  # 2 steps x 2 micro-batches, each scored through the hook
+        assert max(run["scoring_held_fractions"]) <= 0.6 and run["held_fraction_after_main"] <= 0.6, (rank, run)
+        assert run["model_forwards"] > 4 and run["largest_held_fraction"] <= 0.6, (rank, run)
+        assert r["one_token"]["largest_held_fraction"] <= 0.6 and r["one_token"]["held_fraction_after_main"] <= 0.6
+
+
+@pytest.mark.slow
+def test_every_process_runs_as_many_sharded_teacher_forwards(shard_worker):
+    """Each sharded layer's forward all-gathers its weights, so every process must run as many as the others: the
+    forward counts of every sharded layer (a pre-hook on each) are equal on both processes in the worker's own forwards
+    (5 eval rows, 3 and 2 per process, 2 per generate(): evaluate() tops the short share up), in a 2-step run with
+    those uneven eval rows, and in one whose responses are one token long (--max_new_tokens 1) with
+    --share_prompt_prefix true: there the sharded teacher still reads every row's prompt (summary.json's
+    share_prompt_prefix["teacher"] is False, and the log says why), as reading each prompt once could run a different
+    number of forwards on each process. A process left waiting would stop its run after --process_timeout_minutes."""
+    r0, r1 = shard_worker["rank0"], shard_worker["rank1"]
+    assert r0["forwards"] == r1["forwards"] and min(r0["forwards"]) > 0
+    for name in ("hooked", "one_token"):
+        assert r0[name]["forwards"] == r1[name]["forwards"] and min(r0[name]["forwards"]) > 0, name
+        assert r0[name]["model_forwards"] == r1[name]["model_forwards"], name
+        assert r0[name]["summary"]["share_prompt_prefix"]["teacher"] is False
+    one_token = json.loads((shard_worker["out"] / "one_token" / "summary.json").read_text())
+    assert one_token["share_prompt_prefix"]["teacher"] is False and one_token["eval_rows"] == 5
+    assert ("teacher: each sample reads its prompt itself (the teacher is sharded: each forward gathers its layers)"
+            in r0["one_token"]["log"])
