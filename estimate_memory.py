@@ -2,8 +2,9 @@
 
     python estimate_memory.py recipes/geometry3k_qwen2.5vl_3b.yaml                  # a recipe, one process
     python estimate_memory.py --num_processes 8 --sharding fsdp recipes/geometry3k_internvl3.5_1b_full.yaml
-    python estimate_memory.py --markdown recipes/geometry3k_*.yaml                  # docs/recipes.md's table
-    python estimate_memory.py --write_docs                                          # rewrite that table in place
+    python estimate_memory.py --time recipes/geometry3k_qwen2.5vl_3b.yaml           # and the time of a step
+    python estimate_memory.py --markdown recipes/geometry3k_*.yaml                  # docs/recipes.md's tables
+    python estimate_memory.py --write_docs                                          # rewrite them in place
     python estimate_memory.py --student_model DIR --teacher_model DIR ...           # the run's flags
 
 Configs: a local folder with config.json, else the published config of a Hub id that ships in
@@ -18,17 +19,23 @@ a time, per process, counting what today's code allocates:
               Accelerate's mixed precision), the optimizer state (AdamW's two float32 moments of what trains; a
               LoRA adapter's own float32 weights), the teacher (bf16 or nf4, one replica per process; with
               --shard_teacher 1 / N of its blocks plus its whole embeddings and head), the CUDA context; under
-              --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers
+              --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers: two blocks and, whole,
+              everything outside the blocks (the embeddings; the LM head, whose unit stays gathered from a forward
+              to its backward)
   rollout     the student's cache while generating a generation batch (keys and values of every attention layer;
               a hybrid model's linear-attention layers keep a fixed-size state), the prompt forward (once per
-              distinct prompt with --share_prompt_prefix) and the sampler's (n, V) float32 rows
+              distinct prompt with --share_prompt_prefix) and the sampler's (n, V) float32 rows; under FSDP2 the
+              all-gather buffer of the largest unit a forward gathers
   teacher_eval the teacher's cache while it evaluates greedily before training
   scoring     the teacher's forward on prompt + response; with --lean_logps no (n, R, V) logits: head_logps makes
               them chunk by chunk; with --share_prompt_prefix the prompt once and its cache indexed to the rows
   update      the student's forward/backward and its gradients: checkpointed activations (one hidden state per
               layer) or all of them; with --share_prompt_prefix the prompt's forward runs outside gradient
               checkpointing and keeps every activation, the vision tower's included (enable_input_require_grads
-              makes its output require grad); then the optimizer step
+              makes its output require grad); then the optimizer step. Under FSDP2 also the unsharded gradients:
+              the LM head's whole gradient (its unit stays gathered through the backward) and the reduce-
+              scatter's copy of it, and with several micro-batches per update every unit's whole gradient, which
+              no_sync keeps until the last micro-batch
   check       the start-up checks of --share_prompt_prefix (PrefixSharing.check on check_rollout): 2 prompts x G
               rows with responses cut to 256 tokens, whatever the micro-batch size; the plain and the shared
               forward, and for the student both gradients flattened to float32
@@ -38,12 +45,17 @@ q/k norms and an output gate where the attention has them), and for a gated delt
 torch implementation (tests/test_recipe.py checks them against what autograd really saves on tiny models; the
 flash-linear-attention kernels, when installed, keep less). bench/memory.py measures every phase against this
 estimate on CPU (docs/bench_results/memory.json). The CUDA context and allocator slack are a rule of thumb.
+
+step_time() estimates the time of a step the same way, from the configs and a GPU's spec-sheet figures (decode steps
+bounded by the bytes they read, forwards and backwards by their FLOPs); docs/recipes.md shows its arithmetic.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
+import inspect
 import math
 import os
 import re
@@ -51,10 +63,18 @@ import sys
 
 import torch
 
+from gndpo_minimal import UPDATE_SIZE_CHUNK, check_rollout, head_logps
+
+
+def script_default(fn, name: str):
+    """The default of one of the script's keyword arguments: read where the script sets it, never copied."""
+    return inspect.signature(fn).parameters[name].default
+
+
 GiB = 2**30
 GPU_GIB = 23.6  # what an RTX 3090/4090 (24 GB) reports to torch; L4 and A10G (also "24 GB") report ~22 GiB
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS workspaces, allocator fragmentation: a rule of thumb
-CHUNK_ELEMENTS = 2**24  # token_logps' default chunk: float32 copies of this many logits at a time
+CHUNK_ELEMENTS = script_default(head_logps, "chunk_elements")  # float32 copies of this many logits at a time
 # token_logps holds float32 chunks: up to 3 at once in a forward (copy, exp, ...), up to 6 when its backward
 # recomputes one and builds its gradient. The gradient of the logits arrives as full-size tensors that are
 # summed: 2 of them alive at once (live tensor bytes, measured in the tests), 3 allowed for allocator slack.
@@ -65,7 +85,8 @@ NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes 4-bit block sizes (weights, th
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE_CONFIGS = os.path.join(HERE, "tests", "fixtures", "configs")  # published configs, named as the Hub id's tail
 GPU_GIB_80 = 79.2  # what an 80 GB H100 / A100 reports to torch
-CHECK_PROMPTS, CHECK_TOKENS = 2, 256  # check_rollout's defaults: the start-up checks' rows and response cut
+# the start-up checks' prompts (G rows each) and the length their responses are cut to
+CHECK_PROMPTS, CHECK_TOKENS = script_default(check_rollout, "n_prompts"), script_default(check_rollout, "max_tokens")
 UPDATE_SIZE_COPIES = 6  # float64 chunks update_size holds at once (weight, moments, their quotient, ...)
 SAMPLER_COPIES = 6  # (n, V) float32 rows the sampling step holds at once (scores, z, probs, the -inf mask, ...)
 
@@ -461,17 +482,30 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     # bf16 casts of the float32 weights, cached within autocast (FSDP2 gathers bf16 units instead: fsdp_gathered)
     autocast_copies = 2 * trainable if mixed and shard == 1 else 0
     # update_norm after the step: float64 chunks of a parameter and its two moments (update_size)
-    from gndpo_minimal import UPDATE_SIZE_CHUNK
-
     largest_trainable = largest_param or max((max(i, o) * args.lora_r for _, i, o in lora), default=0)
     update_norm = min(UPDATE_SIZE_CHUNK, largest_trainable) * 8 * UPDATE_SIZE_COPIES
-    update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared), optimizer_step, update_norm)
+    # FSDP2's unsharded gradients, in the gathered weights' dtype (the compute dtype; a LoRA adapter's float32).
+    # Accelerate gives the final norm and the LM head a unit of their own that stays gathered from the forward to
+    # the backward, so the head's gradient is made whole on every process, then copied whole into the reduce-
+    # scatter's input. Micro-batches before an update's last run under no_sync (set_requires_gradient_sync(False)):
+    # every unit keeps its whole gradient until the last micro-batch reduce-scatters them.
+    fsdp_unsharded_grads = 0
+    if shard > 1:
+        head = 0 if args.lora_r else s["vocab"] * s["hidden"]
+        micro_batches = max(1, math.ceil(rows / mb) // max(args.steps_per_generation, 1))
+        whole = trainable if micro_batches > 1 else head
+        fsdp_unsharded_grads = (whole + max(head, trainable // s["layers"])) * (4 if args.lora_r else b)
+    update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared) + fsdp_unsharded_grads,
+                                               optimizer_step, update_norm)
 
     # rollout: one generate() call (or the shared sampler) over gen rows
     shared_rollout = share and shard == 1
     u_gen = distinct_prompts_in(gen, G) if shared_rollout else gen
+    # FSDP2 gathers a unit into a flat all-gather buffer, then copies it out to the unit's parameters: the buffer
+    # of the largest unit a sampling forward gathers (the LM head's, the input embedding's) comes on top for a time
+    gather_buffer = max(s["vocab"] * s["hidden"], unit_params) * b if shard > 1 else 0
     rollout = (kv_cache(s, gen) + no_grad_forward(s, sv, u_gen, P, u_gen) + gen * s["vocab"] * 4 * SAMPLER_COPIES
-               + autocast_copies + host_pixels(u_gen + (distinct_prompts_in(gen, G) if share else 0)))
+               + autocast_copies + host_pixels(u_gen + (distinct_prompts_in(gen, G) if share else 0)) + gather_buffer)
     teacher_eval = (kv_cache(t, evals) + no_grad_forward(t, tv, evals, P, evals) + evals * t["vocab"] * 4 + dequantized
                     + teacher_gathered)
     score = scoring(t, tv, mb, P, R, share, dequantized) + teacher_gathered
@@ -502,6 +536,7 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
         "student_params": student_params, "trainable_params": trainable, "student_weights": student_weights,
         "lora_params": trainable if args.lora_r else 0, "lora_train_state": train_state if args.lora_r else 0,
         "train_state": train_state, "gradients": gradients, "fsdp_gathered": gathered,
+        "fsdp_unsharded_grads": fsdp_unsharded_grads, "fsdp_gather_buffer": gather_buffer,
         "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"], "teacher_gathered": teacher_gathered,
         "teacher_quantized_params": teacher_w.get("quantized_params", 0),
         "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if cuda else 0,
@@ -558,7 +593,8 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
         f"({e['evaluation_rows']} rows per generate call)",
         f"    scoring            {g(e['phase_scoring'])}   log-prob chunks {g(e['logits_scoring'])}",
         f"    update             {g(e['phase_update'])}   gradients {g(e['gradients'])}, activations "
-        f"{g(e['activations_update'])}",
+        f"{g(e['activations_update'])}"
+        + (f", FSDP2 unsharded gradients {g(e['fsdp_unsharded_grads']).strip()}" if e["fsdp_unsharded_grads"] else ""),
         f"    start-up check     {g(e['phase_check'])}   {CHECK_PROMPTS} prompts x {args.num_generations} rows, "
         f"responses cut to {CHECK_TOKENS} tokens",
         f"  = peak               {g(e['peak'])}   ({e['peak_phase']}); " + fit_text(e, args, batch_flag),
@@ -573,10 +609,205 @@ def fit_text(e: dict, args, batch_flag: str) -> str:
         return f"fits a 24 GB GPU ({GPU_GIB} GiB)"
     if e["fits_80gb"]:
         return f"fits an 80 GB GPU ({GPU_GIB_80} GiB), not a 24 GB one"
-    shared = e["peak_phase"] in ("check", "update") and args.share_prompt_prefix
+    shared = args.share_prompt_prefix and (e["peak_phase"] == "check" or (e["peak_phase"] == "update"
+                                                                          and e["student_reads_prompt_once"]))
     hint = "--share_prompt_prefix false, " if shared else ""
     return (f"does NOT fit an 80 GB GPU ({GPU_GIB_80} GiB): try {hint}a lower --{batch_flag} or --max_new_tokens"
             + ("" if args.gradient_checkpointing else ", or --gradient_checkpointing"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Time per step, estimated: a roofline of each part of a step at full length
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """A GPU's spec-sheet figures: memory (as torch reports it), memory bandwidth, dense bf16 tensor-core peak
+    (FP32 accumulation, as torch's bf16 matmuls run) and one direction of its link to the other GPUs."""
+    name: str
+    memory_gib: float
+    bandwidth: float  # bytes/s
+    bf16_flops: float  # FLOP/s
+    link: float  # bytes/s
+    link_name: str
+
+
+RTX_4090 = GPU("RTX 4090", GPU_GIB, 1008e9, 165.2e12, 32e9, "PCIe 4.0 x16 (no NVLink)")
+H100_SXM = GPU("H100 SXM 80GB", GPU_GIB_80, 3.35e12, 989e12, 450e9, "NVLink")
+# Fractions of those peaks a run reaches: decoding streams weights and cache at most of the bandwidth; the eager
+# forwards and backwards of transformers models, micro-batches of a few sequences, reach about a third of the
+# tensor-core peak; NCCL's all-gathers most of NVLink's.
+BANDWIDTH_FRACTION, COMPUTE_FRACTION, LINK_FRACTION = 0.7, 0.35, 0.7
+# generate() runs the model eagerly: tens of kernels per decoder layer and token, each with its Python and launch
+# cost on the host, which bounds a decode step from below when the weights and cache are small (a rule of thumb)
+HOST_SECONDS_PER_LAYER = 0.4e-3
+
+
+def gpu_for(args) -> GPU:
+    """The GPU a recipe is sized for: one of 24 GB for a LoRA run, the 80 GB class for full fine-tuning."""
+    return RTX_4090 if args.lora_r else H100_SXM
+
+
+def flop_shape(model) -> dict:
+    """Parameter counts the time of a forward scales with: the language model's body (its blocks and norms; the
+    embedding table is a lookup), the LM head (run only where logits are kept), the vision tower with its
+    projector (run over the image patches), the decoder blocks' linear weights (the ones bitsandbytes packs in
+    4 bits) and what FSDP2 gathers again at every forward: the decoder blocks and an untied input embedding, each a
+    unit of its own (a tied one shares the head's unit, which stays gathered)."""
+    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    decoder = model.get_decoder()
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return {"body": numel(decoder) - embed.numel(), "head": head.numel(),
+            "vision": numel(model) - numel(decoder) - (0 if head is embed else head.numel()),
+            "block_linear": sum(m.weight.numel() for m in decoder.layers.modules() if isinstance(m, torch.nn.Linear)),
+            "gathered": numel(decoder.layers) + (0 if head is embed else embed.numel())}
+
+
+def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | None = None) -> dict:
+    """Seconds of one step of the run `args` describes, on each of num_processes GPUs, at full length (every
+    prompt max_prompt_length tokens, every response max_new_tokens: generate() runs until a batch's last row
+    ends), and of the evaluation before training. An estimate from the models' configs and the GPU's figures:
+
+      rollout    generate() calls per process: prompts_per_step x num_generations / processes /
+                 generation_batch_size, each max_new_tokens decode steps plus a prefill over its prompts. A decode
+                 step's latency is the largest of: the bytes it reads (the weights once, the KV cache of every row at
+                 the mean length, the sampler's rows) over the memory bandwidth, which bounds small-batch
+                 decoding; its FLOPs; the host's launches (HOST_SECONDS_PER_LAYER per layer); under FSDP2 the
+                 all-gather of the student's blocks (and an untied input embedding) over the GPU link (the config
+                 reshards after each forward).
+      scoring    the teacher's forward over prompt + response: 2 x params x tokens plus attention and vision FLOPs
+      update     the student's forward and backward: 2x for the forward, 4x for full fine-tuning's backward (input and
+                 weight gradients; 2x for LoRA, whose frozen weights get none), 2x more where gradient checkpointing
+                 recomputes the forward; the chunked LM head makes its logits again in the backward
+      evaluation the teacher's, then the student's greedy generate() calls over num_eval_samples / processes rows
+    FLOPs run at COMPUTE_FRACTION of the bf16 peak, bytes at BANDWIDTH_FRACTION of the bandwidth. Attention counts
+    4 x query width x context FLOPs per token and layer (causal), the vision tower 2 x its params per patch."""
+    gpu = gpu or gpu_for(args)
+    N = num_processes
+    b = dtype_bytes(args.dtype)
+    P, R, G = args.max_prompt_length, args.max_new_tokens, args.num_generations
+    rate, bandwidth = gpu.bf16_flops * COMPUTE_FRACTION, gpu.bandwidth * BANDWIDTH_FRACTION
+    from gndpo_minimal import teacher_paths
+
+    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    student = meta_model(args.student_model)
+    teacher = max((meta_model(path) for path in teacher_paths(args).values()), key=numel)
+    s, t = text_shape(student), text_shape(teacher)
+    fs, ft = flop_shape(student), flop_shape(teacher)
+    sv, tv = vision_shape(student), vision_shape(teacher)
+    lora = trainable_params(student, args) if args.lora_r else 0  # float32 adapter weights, read every step
+
+    rows = args.prompts_per_step * G // N
+    gen = args.generation_batch_size or rows
+    calls = math.ceil(rows / gen)
+    share = args.share_prompt_prefix
+    student_sharded = sharding == "fsdp" and N > 1
+    distinct = lambda n: distinct_prompts_in(n, G) if share else n  # noqa: E731  (rows whose prompt is read)
+
+    def attention(shape, n, tokens, start=0):  # n sequences of `tokens` more tokens after `start` of context
+        return 4 * shape["heads"] * shape["head_dim"] * shape["kv_layers"] * n * tokens * (start + tokens / 2)
+
+    def forward_flops(shape, f, v, n, prompt, response, prompts_read, head_tokens):
+        """n rows of prompt + response, the prompts of prompts_read of them read (the others' taken from them)."""
+        tokens = prompts_read * prompt + n * response
+        vision = 2 * f["vision"] * v["patches_per_token"] * prompt * prompts_read
+        return (2 * f["body"] * tokens + 2 * f["head"] * head_tokens + vision + attention(shape, prompts_read, prompt)
+                + attention(shape, n, response, prompt))
+
+    def weight_bytes(f, nf4, n):
+        """The weights a decode step of n rows reads: a 4-bit layer at n > 1 is dequantized to a 16-bit copy
+        (written, then read by the matmul), at n = 1 read packed by bitsandbytes' matrix-vector kernel."""
+        packed = f["block_linear"] if nf4 else 0
+        return (f["body"] + f["head"] - packed) * b + packed * (0.5 + (2 * b if n > 1 else 0))
+
+    def decode_step(shape, f, n, nf4, adapters, sharded):
+        context = P + R / 2  # the cache's mean length over the response
+        memory = (weight_bytes(f, nf4, n) + adapters * 4 + n * shape["vocab"] * 4 * SAMPLER_COPIES
+                  + n * (context * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+                         + shape["linear_layers"] * 2 * linear_state_bytes(shape, b)))
+        bounds = {"memory": memory / bandwidth,
+                  "compute": n * (2 * (f["body"] + f["head"]) + 4 * shape["heads"] * shape["head_dim"]
+                                  * shape["kv_layers"] * context) / rate,
+                  "host": shape["layers"] * HOST_SECONDS_PER_LAYER}
+        if sharded:  # every block gathered again at every step, prefetched while the previous one computes
+            bounds["all-gather"] = f["gathered"] * b * (N - 1) / N / (gpu.link * LINK_FRACTION)
+        bound = max(bounds, key=bounds.get)
+        return bounds[bound], bound, memory, bounds
+
+    latency, bound, decode_bytes, decode_bounds = decode_step(s, fs, gen, False, lora, student_sharded)
+    rollout_decode = R * latency * calls
+    prefill = forward_flops(s, fs, sv, rows, P, 0, distinct(gen) * calls if share and not student_sharded
+                            else rows, rows) / rate
+    # scoring: the teacher's no-grad forward, each prompt once where --share_prompt_prefix reads it once; a 4-bit
+    # teacher dequantizes every layer once per micro-batch
+    mb = args.micro_batch_size
+    forwards = math.ceil(rows / mb)
+    score_flops = forward_flops(t, ft, tv, rows, P, R, distinct(mb) * forwards, rows * (R + 1))
+    scoring = max(score_flops / rate, forwards * weight_bytes(ft, args.teacher_4bit, mb) / bandwidth)
+    # update: the student's forward and backward, per weight FLOP of the forward
+    recompute = 1 if args.gradient_checkpointing else 0
+    body = 1 + (2 if not args.lora_r else 1) + recompute
+    head = 1 + 1 + (2 if not args.lora_r else 1)  # forward, its logits again in backward, its gradients
+    vision = 1 + 2 * recompute  # frozen; its output requires grad under checkpointing (enable_input_require_grads)
+    prompts_read = distinct(mb) * forwards if share and not student_sharded else rows
+    tokens = prompts_read * P + rows * R
+    update_flops = (body * 2 * fs["body"] * tokens + head * 2 * fs["head"] * rows * (R + 1)
+                    + vision * 2 * fs["vision"] * sv["patches_per_token"] * P * prompts_read
+                    + (3 + recompute) * (attention(s, prompts_read, P) + attention(s, rows, R, P)))
+    update = update_flops / rate
+    # the evaluation before training: the teacher's generate() calls, then the student's, greedy, at full length
+    eval_rows = math.ceil(args.num_eval_samples / N) if args.num_eval_samples else 0
+    eval_batch = args.generation_batch_size or eval_rows
+    eval_calls = math.ceil(eval_rows / eval_batch) if eval_rows else 0
+    teacher_step = decode_step(t, ft, eval_batch, args.teacher_4bit, 0, args.shard_teacher and N > 1)[0]
+    student_step = decode_step(s, fs, eval_batch, False, lora, student_sharded)[0]
+    eval_prefill = lambda shape, f, v: forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows) / rate  # noqa: E731
+    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv)
+    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv)
+    step = rollout_decode + prefill + scoring + update
+    return {"gpu": gpu, "layers": s["layers"], "rows": rows, "generation_batch_size": gen, "generate_calls": calls,
+            "decode_steps": R, "decode_bytes": decode_bytes, "decode_latency": latency, "decode_bound": bound,
+            "decode_bounds": decode_bounds, "rollout_decode": rollout_decode, "rollout_prefill": prefill,
+            "scoring_flops": score_flops, "scoring": scoring, "update_flops": update_flops, "update": update,
+            "step": step, "eval_rows": eval_rows, "eval_calls": eval_calls, "eval_teacher_step": teacher_step,
+            "eval_student_step": student_step, "eval_teacher": teacher_eval, "eval_student": student_eval,
+            "evaluation": teacher_eval + student_eval,
+            # the run: every step, the evaluation before training, and the student's after
+            "run": args.max_steps * step + teacher_eval + 2 * student_eval}
+
+
+def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dict:
+    """Prints step_time's estimate with its arithmetic and returns it (seconds)."""
+    t = step_time(args, num_processes, sharding)
+    d, rate = duration, f"{t['gpu'].bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
+    bounds = ", ".join(f"{k} {d(v)}" for k, v in t["decode_bounds"].items())
+    print("\n".join([
+        f"time estimate, one of {num_processes} processes on an {t['gpu'].name}, at full length "
+        f"(every response {t['decode_steps']} tokens): {time_assumptions()}",
+        f"  rollout            {d(t['rollout_decode'] + t['rollout_prefill'])}   {t['decode_steps']} decode steps x "
+        f"{d(t['decode_latency'])} x {t['generate_calls']} generate() calls of {t['generation_batch_size']} rows "
+        f"(a step: {bounds}), + prefill {d(t['rollout_prefill'])}",
+        f"  teacher scoring    {d(t['scoring'])}   {flops(t['scoring_flops'])} FLOP / {rate}",
+        f"  student update     {d(t['update'])}   {flops(t['update_flops'])} FLOP / {rate}",
+        f"  = step             {d(t['step'])}",
+        f"  evaluation before training, once: {d(t['evaluation'])} ({t['eval_calls']} generate() calls each of the "
+        f"teacher, {d(t['eval_teacher_step'])} a decode step, and the student, {d(t['eval_student_step'])}); "
+        f"{args.max_steps} steps and the evaluations: {d(t['run'])}",
+    ]))
+    return t
+
+
+def flops(x: float) -> str:
+    return f"{x:.2g}".replace("e+", "e")
+
+
+def duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 2 * 3600 else f"{seconds / 3600:.1f} h"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,12 +836,17 @@ def fits_text(e: dict) -> str:
     return "80 GB (H100/A100 80GB)" if e["fits_80gb"] else "no single GPU"
 
 
+def headroom_text(e: dict, gpu: GPU) -> str:
+    room, share = headroom(e, gpu)
+    return f"{room:.2f} GiB ({share:.1%}) of {gpu.memory_gib} GiB ({gpu.name})"
+
+
 def markdown_table(paths: list[str]) -> str:
     """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
     from gndpo_minimal import parse_args
 
     lines = ["| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "
-             "| peak bound per GPU | fits |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| peak bound per GPU | fits | headroom |", "|" + " --- |" * 10]
     for path in paths:
         args = parse_args([path])
         n, sharding = recipe_launch(path)
@@ -624,21 +860,80 @@ def markdown_table(paths: list[str]) -> str:
         lines.append(f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
                      f"{'yes' if args.share_prompt_prefix and e['student_reads_prompt_once'] else 'no'} | "
                      f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
-                     f"{gib(e['peak'])} | {fits_text(e)} |")
+                     f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, gpu_for(args))} |")
     return "\n".join(lines)
+
+
+def headroom(e: dict, gpu: GPU) -> tuple[float, float]:
+    """(GiB, fraction) of the GPU's memory above the peak bound; negative where the bound does not fit."""
+    room = gpu.memory_gib - e["peak"] / GiB
+    return room, room / gpu.memory_gib
+
+
+TIME_START, TIME_END = "<!-- estimate_memory:time -->\n", "<!-- /estimate_memory:time -->"
+
+
+def time_assumptions() -> str:
+    """The figures step_time() assumes, as docs/recipes.md lists them above its time table."""
+    gpus = "; ".join(f"{g.name}: {g.bandwidth / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s dense bf16"
+                     + f", {g.link / 1e9:,.0f} GB/s each way over {g.link_name}" for g in (RTX_4090, H100_SXM))
+    return (f"Assumed: {gpus} (spec sheets); a run reaches {BANDWIDTH_FRACTION:.0%} of the bandwidth, "
+            f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link; generate() costs the host "
+            f"{HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and token at least.")
+
+
+def time_table(paths: list[str]) -> str:
+    """docs/recipes.md's time table: one row per recipe at its own launch, each figure with its arithmetic."""
+    from gndpo_minimal import parse_args
+
+    lines = ["| recipe | GPU | generate() calls per step, per process | one decode step | rollout | teacher scoring "
+             "| student update | step | evaluation before training | run |",
+             "|" + " --- |" * 10]
+    for path in paths:
+        args = parse_args([path])
+        n, sharding = recipe_launch(path)
+        t = step_time(args, n, sharding)
+        gpu, bounds = t["gpu"], t["decode_bounds"]
+        rate = f"{gpu.bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
+        step = (f"{bounds['memory'] * gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.1f} GB / "
+                f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; host "
+                f"{t['layers']} x {HOST_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['host'])}"
+                + (f"; all-gather {duration(bounds['all-gather'])}" if "all-gather" in bounds else "")
+                + f": **{duration(t['decode_latency'])}** ({t['decode_bound']})")
+        calls = (f"{args.prompts_per_step} x {args.num_generations} / {n} / {t['generation_batch_size']} = "
+                 f"{t['generate_calls']}")
+        rollout = (f"{t['decode_steps']} x {duration(t['decode_latency'])} x {t['generate_calls']} = "
+                   f"{duration(t['rollout_decode'])}, + prefill {duration(t['rollout_prefill'])}")
+        evaluation = (f"{t['eval_calls']} x {t['decode_steps']} x ({duration(t['eval_teacher_step'])} teacher + "
+                      f"{duration(t['eval_student_step'])} student), + prefill = {duration(t['evaluation'])}")
+        lines.append(f"| `recipes/{os.path.basename(path)}` | {gpu.name} | {calls} | {step} | {rollout} | "
+                     f"{flops(t['scoring_flops'])} FLOP / {rate} = {duration(t['scoring'])} | "
+                     f"{flops(t['update_flops'])} FLOP / {rate} = {duration(t['update'])} | "
+                     f"**{duration(t['step'])}** | {evaluation} | {args.max_steps} steps + evaluations = "
+                     f"{duration(t['run'])} |")
+    return time_assumptions() + "\n\n" + "\n".join(lines)
 
 
 def real_recipes() -> list[str]:
     return sorted(glob.glob(os.path.join(HERE, "recipes", "geometry3k_*.yaml")))
 
 
+def between(text: str, start_marker: str, end_marker: str) -> str:
+    """What docs/recipes.md holds between two of its markers, stripped."""
+    start = text.index(start_marker) + len(start_marker)
+    return text[start:text.index(end_marker, start)].strip()
+
+
 def write_docs(page: str = RECIPES_PAGE) -> str:
-    """Rewrites the table between docs/recipes.md's markers from the estimates; returns the page."""
+    """Rewrites the memory table and the time table between docs/recipes.md's markers; returns the page."""
     with open(page) as f:
         text = f.read()
-    start = text.index(TABLE_START) + len(TABLE_START)
-    end = text.index(TABLE_END, start)
-    text = text[:start] + markdown_table(real_recipes()) + "\n" + text[end:]
+    recipes = real_recipes()
+    for (start_marker, end_marker), table in (((TABLE_START, TABLE_END), markdown_table(recipes)),
+                                              ((TIME_START, TIME_END), time_table(recipes))):
+        start = text.index(start_marker) + len(start_marker)
+        end = text.index(end_marker, start)
+        text = text[:start] + table + "\n" + text[end:]
     with open(page, "w") as f:
         f.write(text)
     return text
@@ -660,8 +955,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sharding", choices=("none", "fsdp"), default=None,
                    help="fsdp: the student's weights, gradients and optimizer state divided over the processes "
                    "(default: fsdp where the recipe launches with an FSDP config).")
-    p.add_argument("--markdown", action="store_true", help="Print docs/recipes.md's table for the recipes given.")
-    p.add_argument("--write_docs", action="store_true", help="Rewrite docs/recipes.md's table from every recipe.")
+    p.add_argument("--time", action="store_true", help="Also print the estimated time of a step, on the GPU the "
+                   "run is sized for (one of 24 GB for LoRA, the 80 GB class for full fine-tuning).")
+    p.add_argument("--markdown", action="store_true", help="Print docs/recipes.md's memory and time tables for the "
+                   "recipes given.")
+    p.add_argument("--write_docs", action="store_true", help="Rewrite docs/recipes.md's tables from every recipe.")
     p.add_argument("-h", "--help", action="store_true")
     own, rest = p.parse_known_args(argv)
     if own.help:
@@ -671,14 +969,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if own.write_docs:
             write_docs()
-            print(f"rewrote the table in {os.path.relpath(RECIPES_PAGE)}")
+            print(f"rewrote the memory and time tables in {os.path.relpath(RECIPES_PAGE)}")
             return
         if own.markdown:
-            print(markdown_table(rest or real_recipes()))
+            print(markdown_table(rest or real_recipes()) + "\n\n" + time_table(rest or real_recipes()))
             return
         recipe = next((a for a in rest if a.endswith((".yaml", ".yml"))), None)
         n, sharding = recipe_launch(recipe) if recipe else (1, "none")
-        print_estimate(run_args(rest), own.num_processes or n, own.sharding or sharding)
+        args = run_args(rest)
+        print_estimate(args, own.num_processes or n, own.sharding or sharding)
+        if own.time:
+            print_step_time(args, own.num_processes or n, own.sharding or sharding)
     except ConfigNotFound as e:
         sys.exit(f"estimate_memory.py: {e}")
 

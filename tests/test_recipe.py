@@ -21,25 +21,38 @@ from summary_checks import assert_eval_counts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import estimate_memory
 import gndpo_minimal as g
 from estimate_memory import (
+    CHECK_PROMPTS,
+    CHECK_TOKENS,
     CHUNK_COPIES_BACKWARD,
     CHUNK_COPIES_FORWARD,
     CHUNK_ELEMENTS,
     GPU_GIB,
     GPU_GIB_80,
     LOGIT_GRAD_COPIES,
+    RTX_4090,
+    SAMPLER_COPIES,
     TABLE_END,
     TABLE_START,
+    TIME_END,
+    TIME_START,
     GiB,
+    between,
     estimate,
+    flop_shape,
+    headroom,
     layer_saved_for_backward,
     lora_layers,
     markdown_table,
     meta_model,
     real_recipes,
     recipe_launch,
+    step_time,
     text_shape,
+    time_table,
+    trainable_params,
     vision_shape,
 )
 
@@ -199,13 +212,118 @@ def test_recipe_fits_its_gpu_and_its_micro_batch_is_the_largest_that_does(recipe
 
 
 def test_recipes_page_table_is_what_estimate_memory_prints():
-    """docs/recipes.md's memory table is estimate_memory.py's (python estimate_memory.py --write_docs)."""
+    """docs/recipes.md's memory table (with each recipe's headroom) and its time table are estimate_memory.py's
+    (python estimate_memory.py --write_docs)."""
     with open(os.path.join(ROOT, "docs", "recipes.md")) as f:
         page = f.read()
-    start = page.index(TABLE_START) + len(TABLE_START)
-    table = page[start:page.index(TABLE_END, start)].strip()
+    table = between(page, TABLE_START, TABLE_END)
     assert table == markdown_table(real_recipes()), "run: python estimate_memory.py --write_docs"
     assert len(table.splitlines()) == 2 + len(RECIPES)
+    times = between(page, TIME_START, TIME_END)
+    assert times == time_table(real_recipes()), "run: python estimate_memory.py --write_docs"
+    assert len([line for line in times.splitlines() if line.startswith("| `recipes/")]) == len(RECIPES)
+
+
+def test_headroom_is_the_gpus_memory_above_the_peak_bound():
+    args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
+    e = estimate(args)
+    room, share = headroom(e, RTX_4090)
+    assert room == pytest.approx(GPU_GIB - e["peak"] / GiB) and share == pytest.approx(room / GPU_GIB)
+    assert 0 < room < GPU_GIB  # the recipe fits its 24 GB GPU
+    assert headroom(estimate(dataclasses.replace(args, micro_batch_size=8)), RTX_4090)[0] < 0
+
+
+def test_estimate_memory_reads_the_scripts_own_defaults():
+    """The chunk of the lean log-prob kernels and the start-up checks' size come from the script's signatures."""
+    import inspect
+
+    default = lambda fn, name: inspect.signature(fn).parameters[name].default  # noqa: E731
+    assert CHUNK_ELEMENTS == default(g.head_logps, "chunk_elements") == default(g.token_logps, "chunk_elements")
+    assert (CHECK_PROMPTS, CHECK_TOKENS) == (default(g.check_rollout, "n_prompts"),
+                                             default(g.check_rollout, "max_tokens"))
+    assert estimate_memory.UPDATE_SIZE_CHUNK is g.UPDATE_SIZE_CHUNK
+
+
+def test_fsdp2_update_holds_the_whole_head_gradient_and_no_syncs_unsharded_gradients():
+    """Full fine-tuning over 8 FSDP2 processes: the LM head's unit stays gathered, so its whole (V, H) gradient is
+    made (the gathered weight's bf16) and copied whole into the reduce-scatter's input; with several micro-batches
+    per update, no_sync keeps every unit's whole bf16 gradient until the last. LoRA trains no head; one process
+    shards nothing."""
+    args = with_fixture_configs(g.parse_args([os.path.join(ROOT, "recipes", "geometry3k_internvl3.5_1b_full.yaml")]))
+    rows = args.prompts_per_step * args.num_generations // 8
+    one = estimate(dataclasses.replace(args, micro_batch_size=rows), 8, "fsdp")  # one micro-batch per update
+    many = estimate(args, 8, "fsdp")
+    assert rows // args.micro_batch_size > 1
+    s = text_shape(meta_model(args.student_model))
+    head = s["vocab"] * s["hidden"]
+    assert one["fsdp_unsharded_grads"] == 2 * head * 2
+    assert many["fsdp_unsharded_grads"] == (many["trainable_params"] + head) * 2
+    for e in (one, many):  # they come on top of the activations (the head's backward runs with them)
+        assert e["phase_update"] >= e["gradients"] + e["fsdp_unsharded_grads"] + e["activations_update"]
+    assert estimate(args, 1, "none")["fsdp_unsharded_grads"] == 0
+    lora = estimate(dataclasses.replace(args, lora_r=16, micro_batch_size=rows), 8, "fsdp")
+    assert lora["fsdp_unsharded_grads"] == (lora["trainable_params"] // s["layers"]) * 4  # a block's adapters
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate_memory.step_time: the time of a step, estimated
+# ---------------------------------------------------------------------------------------------
+
+
+def test_step_time_of_the_qwen_recipe_by_hand(monkeypatch):
+    """The 24 GB Qwen recipe's step: 512 rows through generate() 16 at a time on one GPU = 32 calls of 2048 decode
+    steps; a decode step reads the bf16 weights, the float32 adapter and every row's cache at its mean length; the
+    update is 6x (full fine-tuning; 4x LoRA) the body's parameters x tokens, plus the head, the frozen vision tower
+    and attention; a step is its parts' sum and lasts tens of minutes."""
+    args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
+    t = step_time(args)
+    P, R, gen = args.max_prompt_length, args.max_new_tokens, args.generation_batch_size
+    assert t["gpu"] == RTX_4090 and t["generate_calls"] == 32 * 16 // 16 == 32
+    model = meta_model(args.student_model)
+    f, shape = flop_shape(model), text_shape(model)
+    assert f["head"] == 151936 * 2048 and f["body"] + f["head"] == sum(p.numel() for p in model.get_decoder()
+                                                                      .parameters())  # the head is tied
+    cache = gen * (P + R / 2) * 36 * 2 * 2 * 128 * 2  # 36 layers of 2 KV heads of 128, bf16
+    adapter = trainable_params(model, args) * 4
+    assert t["decode_bytes"] == pytest.approx((f["body"] + f["head"]) * 2 + adapter + cache
+                                              + gen * 151936 * 4 * SAMPLER_COPIES)
+    bandwidth = RTX_4090.bandwidth * estimate_memory.BANDWIDTH_FRACTION
+    assert t["decode_bounds"]["memory"] == pytest.approx(t["decode_bytes"] / bandwidth)
+    assert t["decode_latency"] == max(t["decode_bounds"].values())
+    assert t["rollout_decode"] == pytest.approx(R * t["decode_latency"] * 32)
+    assert t["step"] == pytest.approx(t["rollout_decode"] + t["rollout_prefill"] + t["scoring"] + t["update"])
+    assert 10 * 60 < t["step"] < 100 * 60
+    # the update's FLOPs: full fine-tuning without checkpointing, by hand
+    full = step_time(dataclasses.replace(args, lora_r=0, gradient_checkpointing=False))
+    rows, T = 512, P + R
+    vision = 2 * f["vision"] * vision_shape(model)["patches_per_token"] * P * rows
+    attention = rows * 2 * shape["heads"] * shape["head_dim"] * 36 * T**2  # causal, forward
+    assert full["update_flops"] == pytest.approx(6 * f["body"] * rows * T + 8 * f["head"] * rows * (R + 1)
+                                                 + vision + 3 * attention)
+
+
+def test_step_time_scales_with_the_settings_that_shorten_a_step(monkeypatch):
+    """Halving generation_batch_size doubles the generate() calls; doubling max_new_tokens doubles the decode term
+    where the host's launches bound a decode step, and more than doubles it where the bytes read do (the cache
+    grows); the teacher's evaluation goes with num_eval_samples; more processes share the rows."""
+    args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
+    base = step_time(args)
+    half = step_time(dataclasses.replace(args, generation_batch_size=args.generation_batch_size // 2))
+    assert half["generate_calls"] == 2 * base["generate_calls"]
+    assert half["decode_latency"] <= base["decode_latency"] and half["rollout_decode"] > 1.2 * base["rollout_decode"]
+    longer = dataclasses.replace(args, max_new_tokens=2 * args.max_new_tokens)
+    monkeypatch.setattr(estimate_memory, "HOST_SECONDS_PER_LAYER", 1.0)  # host-bound
+    assert step_time(longer)["rollout_decode"] == pytest.approx(2 * step_time(args)["rollout_decode"])
+    monkeypatch.setattr(estimate_memory, "HOST_SECONDS_PER_LAYER", 0.0)  # bound by the bytes read
+    short, long = step_time(args), step_time(longer)
+    assert short["decode_bound"] == long["decode_bound"] == "memory"
+    assert 2 < long["rollout_decode"] / short["rollout_decode"] < 4
+    assert long["update"] > 1.5 * short["update"] and long["scoring"] > 1.5 * short["scoring"]
+    fewer = step_time(dataclasses.replace(args, num_eval_samples=100))
+    assert fewer["eval_calls"] == math.ceil(100 / args.generation_batch_size) < base["eval_calls"]
+    two = step_time(args, num_processes=2)
+    assert two["generate_calls"] == base["generate_calls"] // 2
+    assert two["update"] == pytest.approx(base["update"] / 2)
 
 
 def test_sharded_teacher_holds_a_share_of_its_blocks():
