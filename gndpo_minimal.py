@@ -160,8 +160,6 @@ class Args:
     micro_batch_size: int = arg(32, "Sequences per training and scoring forward pass on each process.")
     generation_batch_size: int = arg(0, "Rows per generate() call, rollouts and evaluation, on each process; 0 = all "
                                      "of this process's rollouts of a step at once.")
-    gradient_accumulation_steps: int = arg(0, "Micro-batches per optimizer update; 0 = derived: "
-                                           "prompts_per_step*G / (processes*micro_batch_size*steps_per_generation).")
     max_consecutive_skips: int = arg(3, "Stop after this many non-finite steps in a row.")
     seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
     process_timeout_minutes: int = arg(120, "How long a process waits for the others at a collective before the run "
@@ -1279,8 +1277,7 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
 
 def language_model(model):
     """The text decoder inside a (LoRA-wrapped, Accelerate-wrapped) vision-language model."""
-    while hasattr(model, "module"):  # the DDP wrapper
-        model = model.module
+    model = unwrap(model)
     return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
 
 # ---------------------------------------------------------------------------------------------
@@ -1796,9 +1793,9 @@ def is_well_formed(response: str, require_think: bool = False) -> bool:
 
 @torch.no_grad()
 def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, accelerator, gen_config,
-             batch_size: int = 0, synced_gpus: bool = False) -> dict:
-    """Greedy decoding on (question, images, answer) rows, sharded over processes, batch_size rows per
-    generate() (0 = args.generation_batch_size, the batch whose KV cache the memory budget allows, or all).
+             synced_gpus: bool = False) -> dict:
+    """Greedy decoding on (question, images, answer) rows, sharded over processes, args.generation_batch_size rows
+    per generate() (the batch whose KV cache the memory budget allows; 0: all).
 
     Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows; rows of several teachers
     ((prompt, images, answer, teacher name)) add accuracy_per_teacher, {name: accuracy on that teacher's rows}.
@@ -1812,7 +1809,7 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
     # shorter shares are topped up with a repeated row whose answer is not counted.
     mine = mine + rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)
     counts = torch.zeros(3 + 2 * len(names), device=accelerator.device)  # correct, well-formed, total; by teacher
-    batch_size = batch_size or args.generation_batch_size or len(mine)
+    batch_size = args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
         part = mine[s:s + batch_size]
         inputs = encode_prompts(processor, [row[:2] for row in part], args.instruction).to(accelerator.device)
@@ -2058,14 +2055,9 @@ def check_args(args: Args, num_processes: int) -> int:
         problems.append(f"each process holds {micro_batches} micro-batches per step, which --steps_per_generation "
                         f"{args.steps_per_generation} does not divide (every update gets whole micro-batches): "
                         f"change --micro_batch_size or --steps_per_generation")
-    accum = micro_batches // args.steps_per_generation if not problems else 0
-    if not problems and args.gradient_accumulation_steps not in (0, accum):
-        problems.append(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} contradicts "
-                        f"prompts_per_step*G/(processes*micro_batch_size*steps_per_generation) = {accum}; "
-                        f"leave it at 0")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
-    return accum
+    return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
 
 
 def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
@@ -3033,8 +3025,7 @@ class PrefixSharing:
         parameter for a loss that weights each response token differently (a cache updated in place, as hybrid
         linear-attention layers do, gives the right values and a wrong gradient through the prompt).
         The check calls the module inside a DDP wrapper: its gradient must not start DDP's all-reduce."""
-        while hasattr(model, "module"):
-            model = model.module
+        model = unwrap(model)
         tolerance = logps_tolerance(model, None if role == "teacher" else self.compute_dtype)
         valid = rollout.response_mask.bool()
         try:

@@ -107,9 +107,9 @@ def forwards(flags: list[str]) -> dict:
         eval_rows = g.load_eval_rows(args, processor, None)
         greedy = g.generation_configs(processor.tokenizer, whole, args)[1]
         result["eval_rows"] = len(eval_rows)
-        result["eval_whole"] = g.evaluate(whole, processor, eval_rows, args, accelerator, greedy, batch_size=2)
-        result["eval_sharded"] = g.evaluate(sharded, processor, eval_rows, args, accelerator, greedy, batch_size=2,
-                                            synced_gpus=True)
+        two = dataclasses.replace(args, generation_batch_size=2)  # 5 rows: 3 and 2 per process, 2 calls each
+        result["eval_whole"] = g.evaluate(whole, processor, eval_rows, two, accelerator, greedy)
+        result["eval_sharded"] = g.evaluate(sharded, processor, eval_rows, two, accelerator, greedy, synced_gpus=True)
         result["held_fraction"]["generate"] = held_fraction(layers)
         result["forwards"] = list(counts)
 

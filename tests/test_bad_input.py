@@ -266,8 +266,6 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
     (dict(prompts_per_step=5, micro_batch_size=4), 2,
      "--prompts_per_step 5 does not divide across 2 processes: use a multiple of 2"),
     (dict(prompts_per_step=8, num_generations=3, micro_batch_size=16), 1, "holds 24 sequences .*--micro_batch_size 16"),
-    (dict(prompts_per_step=8, micro_batch_size=8, gradient_accumulation_steps=3), 1,
-     "contradicts .* = 4; leave it at 0"),
     (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
     (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
     (dict(temperature=0.0), 1, "--temperature must be > 0"),
