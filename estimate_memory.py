@@ -8,7 +8,7 @@
     python estimate_memory.py --student_model DIR --teacher_model DIR ...           # the run's flags
 
 Configs: a local folder with config.json, else the published config of a Hub id that ships in
-tests/fixtures/configs/<name> (no network needed), else the Hub; without it the script stops with one line.
+assets/configs/<name> (no network needed), else the Hub; without it the script stops with one line.
 
 Both models are built on the meta device (shapes, no storage), so parameter counts are exact. The teacher is
 put through the same bitsandbytes replacement that a 4-bit load does. Everything after the weights is a bound
@@ -83,7 +83,7 @@ NF4_BLOCK, NESTED_BLOCK = 64, 256  # bitsandbytes 4-bit block sizes (weights, th
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURE_CONFIGS = os.path.join(HERE, "tests", "fixtures", "configs")  # published configs, named as the Hub id's tail
+SHIPPED_CONFIGS = os.path.join(HERE, "assets", "configs")  # published configs, named as the Hub id's tail
 GPU_GIB_80 = 79.2  # what an 80 GB H100 / A100 reports to torch
 # the start-up checks' prompts (G rows each) and the length their responses are cut to
 CHECK_PROMPTS, CHECK_TOKENS = script_default(check_rollout, "n_prompts"), script_default(check_rollout, "max_tokens")
@@ -92,7 +92,7 @@ SAMPLER_COPIES = 6  # (n, V) float32 rows the sampling step holds at once (score
 
 
 class ConfigNotFound(Exception):
-    """A model whose config.json is neither a local folder, nor shipped in tests/fixtures/configs, nor reachable."""
+    """A model whose config.json is neither a local folder, nor shipped in assets/configs, nor reachable."""
 
 
 def dtype_bytes(name: str, device: str = "cuda") -> int:
@@ -103,11 +103,11 @@ def dtype_bytes(name: str, device: str = "cuda") -> int:
 
 
 def model_config(name_or_path: str):
-    """The config of a local folder, of a Hub id whose published config ships in tests/fixtures/configs (offline),
+    """The config of a local folder, of a Hub id whose published config ships in assets/configs (offline),
     or from the Hub; ConfigNotFound names the way out when none is reachable."""
     from transformers import AutoConfig
 
-    shipped = os.path.join(FIXTURE_CONFIGS, name_or_path.rstrip("/").rsplit("/", 1)[-1])
+    shipped = os.path.join(SHIPPED_CONFIGS, name_or_path.rstrip("/").rsplit("/", 1)[-1])
     if os.path.isdir(name_or_path):
         return AutoConfig.from_pretrained(name_or_path)
     if os.path.isfile(os.path.join(shipped, "config.json")):
@@ -116,9 +116,9 @@ def model_config(name_or_path: str):
         return AutoConfig.from_pretrained(name_or_path)
     except OSError as e:
         raise ConfigNotFound(f"no config.json for {name_or_path!r}: not a local folder, not shipped in "
-                             f"tests/fixtures/configs/, and the Hub did not answer ({type(e).__name__}). Pass a "
+                             f"assets/configs/, and the Hub did not answer ({type(e).__name__}). Pass a "
                              f"folder holding the model's config.json (e.g. --student_model path/to/dir), or put "
-                             f"it in tests/fixtures/configs/{os.path.basename(shipped)}/") from None
+                             f"it in assets/configs/{os.path.basename(shipped)}/") from None
 
 
 def meta_model(name_or_path: str):

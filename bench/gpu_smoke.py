@@ -14,7 +14,7 @@ On the lent GPU machine, whose own stack lacks bitsandbytes, datasets and this t
 It runs, in this order, writing the JSON after each section so that a run cut short keeps what it measured:
 
   models   random-init Qwen2.5-VL-3B (student) and 7B (teacher) from the shipped config.json files
-           (tests/fixtures/configs/), saved with save_pretrained and loaded by the script's own set-up
+           (assets/configs/), saved with save_pretrained and loaded by the script's own set-up
            (bench/step_breakdown.py's setup_step) as real ones would be: LoRA student, 4-bit teacher. Only configs
            ship, so the tokenizer and processor are the tiny world's (assets/tiny/student), and the configs'
            special-token ids are set to the ids the tiny tokenizer gives the same tokens; the vocabulary stays the
@@ -67,7 +67,7 @@ import gndpo_minimal as g  # noqa: E402
 from estimate_memory import CHECK_PROMPTS, CHECK_TOKENS, GPU_GIB, GiB, estimate  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "geometry3k_qwen2.5vl_3b.yaml")
-CONFIGS = os.path.join(ROOT, "tests", "fixtures", "configs")
+CONFIGS = os.path.join(ROOT, "assets", "configs")
 STUDENT_CONFIG = os.path.join(CONFIGS, "Qwen2.5-VL-3B-Instruct")
 TEACHER_CONFIG = os.path.join(CONFIGS, "Qwen2.5-VL-7B-Instruct")
 DEFAULT_JSON = os.path.join(ROOT, "docs", "bench_results", "gpu_smoke.json")

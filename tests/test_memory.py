@@ -162,11 +162,11 @@ def test_a_sharded_tiny_step_measures_both_processes_and_holds_a_share(tmp_path)
 @pytest.mark.slow
 def test_estimate_memory_names_the_way_out_for_a_hub_id_it_cannot_reach():
     """Offline, with a Hub id that is neither a folder nor a shipped config: one line naming the model and the two
-    ways out (a local folder, tests/fixtures/configs/), exit status 1, no traceback."""
+    ways out (a local folder, assets/configs/), exit status 1, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "estimate_memory.py", "--student_model", "nobody/no-such-model",
                         "--teacher_model", "assets/tiny/teacher"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     line = p.stderr.strip().splitlines()[-1]  # the script's own output ends stderr (libraries may warn before it)
     assert line.startswith("estimate_memory.py: ") and "'nobody/no-such-model'" in line
-    assert "--student_model path/to/dir" in line and "tests/fixtures/configs/no-such-model/" in line
+    assert "--student_model path/to/dir" in line and "assets/configs/no-such-model/" in line

@@ -1,6 +1,6 @@
 """The real-model recipes (recipes/*.yaml) and what they rely on, checked offline on stand-ins of the same shape:
 the Geometry3K grader, data in Geometry3K's exact layout run end to end through the recipe's data settings,
-gradient checkpointing under LoRA, and estimate_memory.py on the published configs (tests/fixtures/configs)
+gradient checkpointing under LoRA, and estimate_memory.py on the published configs (assets/configs)
 and against what the tiny models really allocate.
 """
 
@@ -58,7 +58,7 @@ from estimate_memory import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "geometry3k_*.yaml")))  # the real-model recipes
-CONFIGS = os.path.join(ROOT, "tests", "fixtures", "configs")
+CONFIGS = os.path.join(ROOT, "assets", "configs")
 QWEN_RECIPE = os.path.join(ROOT, "recipes", "geometry3k_qwen2.5vl_3b.yaml")
 GB = 1e9
 
