@@ -350,9 +350,6 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
 # Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
 # ---------------------------------------------------------------------------------------------
 
-SCORE_TYPES = ("log_ratio", "power")
-
-
 def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                  alpha: float = 5.0) -> torch.Tensor:
     """PowerOPD's bounded per-token score s = p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), from
@@ -361,6 +358,12 @@ def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, respo
     models find unlikely score about 0 whatever their log-ratio."""
     scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+# --score_type: (teacher_logps, student_logps, response_mask, args) -> (B, T) scores, read once by score_rollouts
+SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
+          "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}  # PowerOPD's bounded score
+SCORE_TYPES = tuple(SCORES)
 
 
 
@@ -521,16 +524,13 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
     t_generate = time.time() - t0
     batch = score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args, log)
     t0 = time.time()
-    # BEYOND THE PAPER: PowerOPD's bounded score (--score_type power), then whitening that only centers scores
-    # spread less than a floor (--score_std_floor: noise, as when the student is its own teacher)
+    # BEYOND THE PAPER: whitening that only centers scores spread less than a floor (--score_std_floor: noise, as
+    # when the student is its own teacher)
     mask = batch.response_mask
-    if args.score_type == "power":
-        batch.scores = power_scores(batch.teacher_logps, batch.student_logps, mask, args.power_alpha)
     if args.score_std_floor > 0 and args.advantage_mode == "global":
         batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
-    if args.score_type == "power" or batch.std_floored:
-        mode = "center" if batch.std_floored else args.advantage_mode
-        batch.advantages = whiten_or_skip(batch.scores, mask, mode, batch.group_ids, batch.nonfinite_tokens, log,
+    if batch.std_floored:
+        batch.advantages = whiten_or_skip(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log,
                                           batch.teacher_ids, len(batch.teacher_names or ()))
     # BEYOND THE PAPER (--reward_weight w): the graded answer's task reward, normalized over the G samples of its
     # prompt, added to every token's advantage after the distillation advantages were normalized
@@ -561,8 +561,8 @@ def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Ten
     finite = torch.isfinite(teacher_logps) & torch.isfinite(student_logps)
     nonfinite = int(((~finite) & mask.bool()).sum())
     mask = mask * finite
-    # ALGO: the clamped log-ratio, whitened over every valid token of the global batch (GNDPO)
-    scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)
+    # ALGO: the clamped log-ratio (SCORES[args.score_type]), whitened over every valid token of the global batch
+    scores = SCORES[args.score_type](teacher_logps, student_logps, mask, args)
     group_ids = torch.as_tensor(group_ids, device=mask.device)
     names = list(models.teachers) if models.teachers else None  # several teachers: their order sets the ids
     teacher_ids = (torch.tensor([names.index(t) for r in rollouts for t in r.teachers], device=mask.device)
