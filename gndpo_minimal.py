@@ -2391,9 +2391,9 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
     N, U = max(r["tokens"], 1.0), max(r["update_tokens"], 1.0)
     metrics = {
         "step": step, "loss": r["loss"], "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
-        "score_std": math.sqrt(max(r["score_sq_sum"] / N - (r["score_sum"] / N) ** 2, 0.0)),
+        "score_std": spread(N, r["score_sum"], r["score_sq_sum"]),
         **({"score_clamped_frac": r["clamped"] / N} if score_clip is not None else {}),
-        "adv_mean": r["adv_sum"] / N, "adv_std": math.sqrt(max(r["adv_sq_sum"] / N - (r["adv_sum"] / N) ** 2, 0.0)),
+        "adv_mean": r["adv_sum"] / N, "adv_std": spread(N, r["adv_sum"], r["adv_sq_sum"]),
         "adv_min": r["adv_min"], "adv_max": r["adv_max"], "clip_frac": r["clipped_tokens"] / U,
         "ratio_mean": r["ratio_sum"] / U, "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
         "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"], "lr": update["lr"],
@@ -2406,17 +2406,22 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
         metrics["score_std_floored"] = int(batch.std_floored)
     for name in batch.teacher_names or ():  # several teachers: the same statistics over each teacher's tokens
         n, key = max(r[f"{name}/tokens"], 1.0), f"teacher/{name}/"
-        mean, adv_mean = r[f"{name}/score_sum"] / n, r[f"{name}/adv_sum"] / n
-        metrics.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": mean,
-                        key + "score_std": math.sqrt(max(r[f"{name}/score_sq_sum"] / n - mean**2, 0.0)),
-                        key + "adv_mean": adv_mean,
-                        key + "adv_std": math.sqrt(max(r[f"{name}/adv_sq_sum"] / n - adv_mean**2, 0.0)),
+        metrics.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": r[f"{name}/score_sum"] / n,
+                        key + "score_std": spread(n, r[f"{name}/score_sum"], r[f"{name}/score_sq_sum"]),
+                        key + "adv_mean": r[f"{name}/adv_sum"] / n,
+                        key + "adv_std": spread(n, r[f"{name}/adv_sum"], r[f"{name}/adv_sq_sum"]),
                         key + "tokens": int(r[f"{name}/tokens"])})
     if batch.rewards is not None:  # --reward_weight
         metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
                        reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
                        reward_no_answer=int(r["no_answer"]))
     return metrics
+
+
+def spread(n: float, total: float, total_sq: float) -> float:
+    """The (population) standard deviation of n values from their running sum and sum of squares, as the metrics
+    line reports it."""
+    return math.sqrt(max(total_sq / n - (total / n) ** 2, 0.0))
 
 
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
