@@ -2017,14 +2017,10 @@ def check_args(args: Args, num_processes: int) -> int:
                         f"got {args.generation_batch_size}")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
-    if args.advantage_mode not in ADVANTAGE_MODES:
-        problems.append(f"--advantage_mode {args.advantage_mode!r} is not one of {ADVANTAGE_MODES}")
-    if args.loss_type not in LOSS_TYPES:
-        problems.append(f"--loss_type {args.loss_type!r} is not one of {LOSS_TYPES}")
-    if args.score_type not in SCORE_TYPES:
-        problems.append(f"--score_type {args.score_type!r} is not one of {SCORE_TYPES}")
-    if args.optimizer not in ("adamw", "sgd"):
-        problems.append(f"--optimizer {args.optimizer!r} is not one of ('adamw', 'sgd')")
+    for flag, choices in (("advantage_mode", ADVANTAGE_MODES), ("loss_type", LOSS_TYPES),
+                          ("score_type", SCORE_TYPES), ("optimizer", ("adamw", "sgd"))):
+        if getattr(args, flag) not in choices:
+            problems.append(f"--{flag} {getattr(args, flag)!r} is not one of {choices}")
     for flag in ("power_alpha", "score_clip"):
         if getattr(args, flag) <= 0:
             problems.append(f"--{flag} must be > 0, got {getattr(args, flag)}")
