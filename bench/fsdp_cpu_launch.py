@@ -15,6 +15,27 @@ import sys
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 
+# An Accelerate FSDP2 config for 2 CPU processes (gloo), float32: the student's blocks in units of their own, gathered
+# for a forward and freed after it (tests/test_fsdp.py and bench/memory.py write it next to their runs)
+CPU_FSDP2_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: true
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_offload_params: false
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_activation_checkpointing: false
+rdzv_backend: static
+same_network: true
+debug: false
+"""
 _init = AcceleratorState.__init__
 
 

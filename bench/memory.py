@@ -19,7 +19,7 @@ Workloads: the tiny models (assets/tiny) and a larger random stand-in, the tiny 
 (bench/benchutil.padded_models) so that the student has over 50M parameters, images resized to 448 x 448
 (256 image tokens a prompt) and responses of 128 tokens; each with LoRA and full fine-tuning (--lora_r 0), each
 prompt read once (--share_prompt_prefix) or not. The stand-in's plain workloads also run sharded, as
-NAME_fsdp2: the same global step over 2 CPU processes with FSDP2 (bench/fsdp_cpu_launch.py, FSDP_CPU_CONFIG), each
+NAME_fsdp2: the same global step over 2 CPU processes with FSDP2 (bench/fsdp_cpu_launch.py, CPU_FSDP2_CONFIG), each
 process measuring its own phases; a phase's figure is the larger process's, and its estimate is estimate()'s for
 one of 2 processes with the student sharded. Every workload also records resident_bytes: the bytes of the tensors
 its (larger) process holds when the update starts, so that a sharded workload's resident memory plus its update
@@ -40,6 +40,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchutil import add_json_flag, padded_models, report, tiny_models  # noqa: E402
+from fsdp_cpu_launch import CPU_FSDP2_CONFIG  # noqa: E402
 from step_breakdown import setup_step  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
@@ -51,27 +52,6 @@ WHY_BAND = (0.75, 1.25)  # a stand-in phase outside it says why
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "bench", "fsdp_cpu_launch.py")
 SHARDED, PROCESSES = "_fsdp2", 2  # a sharded workload's name ends so, after its twin's; its processes
-# FSDP2 on CPU processes (gloo), float32 as the CPU twins: the student's blocks in units of their own, gathered for a
-# forward and freed after it
-FSDP_CPU_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_offload_params: false
-  fsdp_cpu_ram_efficient_loading: false
-  fsdp_activation_checkpointing: false
-rdzv_backend: static
-same_network: true
-debug: false
-"""
 
 
 def live_peak(fn):
@@ -182,7 +162,7 @@ def measure_sharded(args: g.Args, tmp: str, timeout: float = 1800) -> dict:
     folder = tempfile.mkdtemp(prefix="fsdp2-", dir=tmp)
     config, args_path = os.path.join(folder, "fsdp2_cpu.yaml"), os.path.join(folder, "args.json")
     with open(config, "w") as f:
-        f.write(FSDP_CPU_CONFIG)
+        f.write(CPU_FSDP2_CONFIG)
     with open(args_path, "w") as f:
         json.dump(dataclasses.asdict(args), f)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

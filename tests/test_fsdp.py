@@ -17,27 +17,12 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import ENV, free_port, run
+from test_distributed import ENV, ROOT, free_port, run
 
-CONFIG = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_offload_params: false
-  fsdp_cpu_ram_efficient_loading: false
-  fsdp_activation_checkpointing: false
-rdzv_backend: static
-same_network: true
-debug: false
-"""
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from fsdp_cpu_launch import CPU_FSDP2_CONFIG  # noqa: E402
+
+CONFIG = CPU_FSDP2_CONFIG  # written next to each run
 MODES = {"lora": [], "full": ["--lora_r", "0"]}
 TIMING = ("time_generate", "time_score", "time_update", "tokens_per_second")
 
