@@ -366,7 +366,6 @@ SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.
 SCORE_TYPES = tuple(SCORES)
 
 
-
 def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
     """The unbiased std of the scores over every valid token of the global batch (what global whitening divides
     by). scores, response_mask: (B, T). 0.0 with fewer than 2 valid tokens."""
@@ -2230,7 +2229,7 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     first_teacher = next(iter(teachers.values())) if teachers else teacher
     log("log-probs: " + ", ".join(f"{role} {head_path(m) if args.lean_logps else 'full logits (--lean_logps false)'}"
                                   for role, m in (("student", student), ("teacher", first_teacher))))
-    return Models(student, next(iter(teachers.values())) if teachers else teacher, processor, ignore_ids,
+    return Models(student, first_teacher, processor, ignore_ids,
                   teacher_forward or (sharing.forward("teacher") if sharing else plain),
                   sharing.forward("student") if sharing else plain, sampling, teachers)
 
@@ -2743,7 +2742,7 @@ def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.T
             False) as chunked:
         out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
     if chunked:
-        return out.float()
+        return out
     out = out[:, :-1] if drop_last else out
     if not lean:
         return gather_logps(out, token_ids, ignore_ids, temperature)

@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchutil import ROOT, table, tiny_dataset, tiny_models  # noqa: E402
 from memory import live_peak  # noqa: E402
-from reproduce import git, machine  # noqa: E402
+from reproduce import code_is_clean, git, machine  # noqa: E402
 from step_breakdown import setup_step  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
@@ -320,9 +320,7 @@ def provenance(commit: str | None) -> dict:
     """The commit (git, else --commit, else None) and whether the code had uncommitted changes (the result files
     and the pages that quote them do not count, as in bench/reproduce.py)."""
     try:
-        found = git("rev-parse", "HEAD")
-        clean = git("status", "--porcelain", "--", ".", ":!docs/bench_results", ":!README.md",
-                    ":!docs/benchmarks.md") == ""
+        found, clean = git("rev-parse", "HEAD"), code_is_clean()
         return {"commit": commit or found, "clean": clean if not commit or commit == found else None}
     except (OSError, subprocess.CalledProcessError):  # no git there, or a tree copied without .git
         return {"commit": commit, "clean": None}

@@ -217,11 +217,13 @@ def rounds_of(name: str, result: dict) -> object:
     raise ValueError(name)
 
 
+def code_is_clean() -> bool:
+    """No change to the code: the result files and the pages that quote them do not count."""
+    return git("status", "--porcelain", "--", ".", ":!docs/bench_results", ":!README.md", ":!docs/benchmarks.md") == ""
+
+
 def reproduce(name: str) -> dict:
-    # clean: no change to the code; the result files and the pages this script writes do not count
-    commit = git("rev-parse", "HEAD")
-    clean = git("status", "--porcelain", "--", ".", ":!docs/bench_results", ":!README.md",
-                ":!docs/benchmarks.md") == ""
+    commit, clean = git("rev-parse", "HEAD"), code_is_clean()
     env, make = RESULTS[name]
     before = machine(env)
     with tempfile.TemporaryDirectory(prefix=f"reproduce-{name}-") as tmp:
