@@ -17,18 +17,11 @@ Real models (docs/recipes.md; docs/scaling.md and configs/ for several GPUs and 
     accelerate launch gndpo_minimal.py recipes/geometry3k_qwen2.5vl_3b.yaml
 Any argument can come from the command line or from one YAML/JSON file of them.
 
-The file has two parts. PART I is GNDPO: Args (the paper's flags first), the math (pure functions that copy out
-alone; what goes beyond the paper is marked), the step (step_prompts -> generate_and_score, which is
-sample_rollouts then score_rollouts -> update_student) and main(). score_rollouts takes rollouts from any source,
-so GNDPO lifts into another trainer (docs/code.md, "Copying GNDPO"). PART II is machinery, in the order the step
-calls it: rollouts with generate(), the plain scoring forward, models, data, evaluation, checkpoints, set-up and
-metrics, and last the optional speed-ups (lean log-prob kernels, each prompt read once, the sampler), each beside
-its plain path, selectable by a flag and checked against it.
-
-Simplifications, on purpose: by default one optimizer update per rollout batch (the importance ratio is 1 at
-the update, so no "old policy" forward pass is needed; --steps_per_generation / --num_iterations make the update
-off-policy and the clip act); rollouts with HF generate(), or, once a start-up check found it equal, a sampling
-loop that reads each prompt once for its G samples (no vLLM); teacher and student share one tokenizer.
+PART I is GNDPO: Args, the math (pure functions that copy out alone), the step (step_prompts -> generate_and_score
+-> update_student) and main(). PART II is the plain machinery: rollouts with generate(), the scoring forward, models,
+data, evaluation, checkpoints, set-up and metrics. The file runs alone. Two optional modules beside it plug into the
+step's hooks: gndpo_fast.py (lean log-probs, each prompt read once, a faster sampler; used when it imports, each
+checked against the plain path) and gndpo_teachers.py (several teachers, the sharded teacher; loaded when asked for).
 """
 
 from __future__ import annotations
@@ -36,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import functools
 import io
 import json
 import math
@@ -52,6 +44,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+try:  # the optional speed-ups: --lean_logps, --share_prompt_prefix and --fast_sampler default to auto, on with it
+    import gndpo_fast as fast
+except ImportError:
+    fast = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,115 +66,81 @@ def arg(default, help: str):
 @dataclass
 class Args:
     # --- GNDPO, as in the paper (arXiv 2606.09091) ---
-    advantage_mode: str = arg("global", "global (GNDPO: whitened over every valid token of the global batch) | none "
-                              "(plain OPD). Ablations beyond the paper: sequence, group, center, scale; with several "
-                              "teachers, per_teacher (each teacher's tokens whitened on their own).")
+    advantage_mode: str = arg("global", "global (GNDPO) | none (plain OPD) | sequence, group, center, scale, "
+                              "per_teacher (ablations; docs/metrics_and_arguments.md).")
     score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
     prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
     num_generations: int = arg(4, "G: sampled responses per prompt.")
     temperature: float = arg(1.0, "Sampling temperature (the student's log-probs use the same).")
-    loss_type: str = arg("gspo", "gspo (sequence-level ratio) | ppo (token-level ratio). They differ only off-policy "
-                         "(--steps_per_generation or --num_iterations > 1).")
-    clip_low: float = arg(0.2, "Lower ratio clip (1 - clip_low). Acts only off-policy.")
-    clip_high: float = arg(0.2, "Upper ratio clip (1 + clip_high). Acts only off-policy.")
-    learning_rate: float = arg(1e-3, "Learning rate of the optimizer (LoRA wants a larger one than full fine-tuning).")
+    loss_type: str = arg("gspo", "gspo (sequence ratio) | ppo (token ratio); they differ only off-policy.")
+    clip_low: float = arg(0.2, "Lower ratio clip (1 - clip_low); acts only off-policy.")
+    clip_high: float = arg(0.2, "Upper ratio clip (1 + clip_high); acts only off-policy.")
+    learning_rate: float = arg(1e-3, "Learning rate (LoRA wants a larger one than full fine-tuning).")
     weight_decay: float = arg(0.01, "Weight decay.")
     max_grad_norm: float = arg(1.0, "Clip the gradient norm to this (the pre-clip norm is logged).")
     max_steps: int = arg(90, "Optimizer steps.")
     # --- beyond the paper: each off (or at the paper's choice) by default ---
-    score_type: str = arg("log_ratio", "log_ratio (clamp(teacher_lp - student_lp), GNDPO's) | power (p_T^alpha - "
-                          "p_S^alpha of the sampled token, in [-1, 1]: PowerOPD's bounded score, no clamp).")
+    score_type: str = arg("log_ratio", "log_ratio (GNDPO's clamped log-ratio) | power (PowerOPD's p_T^a - p_S^a).")
     power_alpha: float = arg(5.0, "alpha of the power score.")
-    score_std_floor: float = arg(0.0, "global mode: when the batch's score std is below this, center only (do not "
-                                 "scale noise up to unit spread, as in self-distillation); 0 = off.")
-    reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward (1 right, 0 wrong; rows without an "
-                               "answer get none) to the normalized distillation advantages; 0 = GNDPO alone.")
-    optimizer: str = arg("adamw", "adamw (the paper's) | sgd (plain SGD, no momentum: for studying how the "
-                         "advantages' scale acts).")
-    steps_per_generation: int = arg(1, "K: the step's rollout batch is cut into K mini-batches, one optimizer update "
-                                    "each. K > 1 costs one no-grad student forward over the K - 1 later ones.")
+    score_std_floor: float = arg(0.0, "global mode: center only when the scores' std is below this; 0 = off.")
+    reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward to the advantages; 0 = off.")
+    optimizer: str = arg("adamw", "adamw (the paper's) | sgd (plain, no momentum).")
+    steps_per_generation: int = arg(1, "K: updates per rollout batch, one per mini-batch (K > 1: off-policy).")
     num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
     # --- models ---
-    student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student (policy) checkpoint: Hub id or path.")
-    teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"),
-                             "Teacher checkpoint: Hub id or path. Must share the student's tokenizer. Several "
-                             "teachers: name=path pairs, comma-separated (a mapping in a recipe); each row goes to "
-                             "the teacher that --teacher_column names.")
+    student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student checkpoint: Hub id or path.")
+    teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"), "Teacher checkpoint (the student's "
+                             "tokenizer); several: name=path pairs, comma-separated (gndpo_teachers.py).")
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
-    shard_teacher: bool = arg(False, "Shard the frozen teacher's layers over the processes with FSDP2 (fully_shard), "
-                              "whatever wraps the student: each process holds 1/N of them. 16-bit or float32 "
-                              "teachers only (--teacher_4bit false), one teacher.")
-    dtype: str = arg("auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32.")
+    shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers.py).")
+    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
-    # --- LoRA (on the language model only: the vision tower stays frozen), or full fine-tuning ---
-    lora_r: int = arg(16, "LoRA rank; 0 = full fine-tuning (the paper's setting): the language model, the projector "
-                      "and the LM head train, the vision tower stays frozen, and the run saves a full model.")
+    # --- LoRA on the language model (the vision tower stays frozen), or full fine-tuning ---
+    lora_r: int = arg(16, "LoRA rank; 0 = full fine-tuning (the paper's): language model, projector and LM head.")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")
     lora_dropout: float = arg(0.0, "LoRA dropout.")
-    # in_proj_qkv, in_proj_z, out_proj: the gated delta net layers of hybrid models (Qwen3.5); names a model does
-    # not have are skipped
+    # in_proj_qkv, in_proj_z, out_proj: Qwen3.5's gated delta net layers; names a model lacks are skipped
     lora_target_modules: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,"
-                                   "out_proj", "Comma-separated names of the LANGUAGE model's linear layers to adapt.")
-    # --- data ---
-    dataset_name: str = arg(os.path.join(HERE, "assets/tiny/data"),
-                            "Dataset: Hub id, local folder or data file (parquet/json/csv). Default: the tiny task.")
+                                   "out_proj", "The language model's linear layers to adapt, comma-separated.")
+    # --- data (docs/data.md: the accepted layouts) ---
+    dataset_name: str = arg(os.path.join(HERE, "assets/tiny/data"), "Hub id, local folder or data file.")
     dataset_config: str | None = arg(None, "Dataset configuration name.")
     train_split: str = arg("train", "Split to train on.")
     eval_split: str = arg("test", "Held-out split for greedy evaluation.")
-    image_column: str = arg("image", "Column with one image or a list of them (at its default, 'images' too).")
-    question_column: str = arg("question", "Column with the prompt: text (may hold <image> markers) or chat messages "
-                               "(TRL's role/content, LLaVA's from/value). At its default, 'prompt', 'messages' "
-                               "and 'conversations' too.")
-    answer_column: str = arg("answer", "Column with the reference answer (at its default, 'completion' or the first "
-                             "assistant turn of chat messages too). Only evaluation needs answers.")
-    teacher_column: str = arg("teacher", "With several teachers: the column naming each row's teacher (a name of "
-                              "--teacher_model's pairs). A row without one, or naming another, stops start-up.")
-    image_root: str | None = arg(None, "Folder relative image paths start from (default: the data file's folder, "
-                                 "then the current directory).")
-    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on (default: --dataset_name). Naming one asks "
-                                        "for evaluation: a start-up error if it has no answers.")
-    eval_dataset_config: str | None = arg(None, "Its configuration (default: --dataset_config when evaluating on "
-                                          "the training dataset).")
+    image_column: str = arg("image", "Column of one image or a list (at its default, 'images' too).")
+    question_column: str = arg("question", "Prompt column: text or chat messages (at its default, 'prompt', "
+                               "'messages', 'conversations' too).")
+    answer_column: str = arg("answer", "Reference answer column (at its default, 'completion' too); eval only.")
+    teacher_column: str = arg("teacher", "Several teachers: the column naming each row's teacher.")
+    image_root: str | None = arg(None, "Folder relative image paths start from (default: the data file's folder).")
+    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on (default: --dataset_name).")
+    eval_dataset_config: str | None = arg(None, "Its configuration.")
     eval_image_column: str | None = arg(None, "Evaluation image column (default: --image_column).")
     eval_question_column: str | None = arg(None, "Evaluation prompt column (default: --question_column).")
     eval_answer_column: str | None = arg(None, "Evaluation answer column (default: --answer_column).")
-    eval_image_root: str | None = arg(None, "Folder of the evaluation set's relative image paths (default: "
-                                      "--image_root).")
+    eval_image_root: str | None = arg(None, "Evaluation image folder (default: --image_root).")
     instruction: str = arg("", "Text appended to every question (e.g. the think/boxed instruction).")
-    require_think: bool = arg(False, "A well-formed answer must be <think>...</think> then \\boxed{}.")
+    require_think: bool = arg(False, "A well-formed answer is <think>...</think> then \\boxed{}.")
     max_train_samples: int = arg(0, "Use at most this many training rows (0 = all).")
-    num_eval_samples: int = arg(200, "Evaluate on at most this many held-out rows (0 = skip). Without answers "
-                                "evaluation is skipped, unless this or --eval_dataset_name was set: then start-up "
-                                "stops.")
+    num_eval_samples: int = arg(200, "Evaluate on at most this many held-out rows (0 = skip).")
     # --- rollout ---
-    max_prompt_length: int = arg(512, "Prompts longer than this (tokens, images included) are skipped and counted.")
+    max_prompt_length: int = arg(512, "Skip (and count) prompts longer than this many tokens, images included.")
     max_new_tokens: int = arg(8, "Maximum response length in tokens.")
-    min_new_tokens: int = arg(0, "Hold the end tokens back for the first N response tokens, so that every response "
-                              "has at least N (benchmarks fix the work per step this way; the recorded log-probs are "
-                              "those of the distribution sampled from, without the end tokens there). 0 = off.")
+    min_new_tokens: int = arg(0, "Hold the end tokens back for the first N response tokens (benchmarks); 0 = off.")
     # --- optimization and batching ---
-    warmup_steps: int = arg(0, "Linear warmup over this many optimizer updates (K * E per step), then constant.")
-    micro_batch_size: int = arg(32, "Sequences per training and scoring forward pass on each process.")
-    generation_batch_size: int = arg(0, "Rows per generate() call, rollouts and evaluation, on each process; 0 = all "
-                                     "of this process's rollouts of a step at once.")
+    warmup_steps: int = arg(0, "Linear warmup over this many optimizer updates, then constant.")
+    micro_batch_size: int = arg(32, "Sequences per training and scoring forward on each process.")
+    generation_batch_size: int = arg(0, "Rows per generate() call on each process; 0 = all at once.")
     max_consecutive_skips: int = arg(3, "Stop after this many non-finite steps in a row.")
     seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
-    process_timeout_minutes: int = arg(120, "How long a process waits for the others at a collective before the run "
-                                       "stops (torch's default is 10: a long generation on one GPU outlasts it).")
-    cpu_threads: int = arg(0, "Threads of each process on a CPU; 0 = torch's own choice (OMP_NUM_THREADS where set), "
-                           "except under accelerate launch's default of one: then the cores shared among the "
-                           "machine's processes.")
-    # --- speed-ups (PART II), each beside its plain path and checked against it ---
-    share_prompt_prefix: bool = arg(True, "Read each prompt and its images once for its G samples, in rollouts, "
-                                    "teacher scoring and the student's update (each checked against the plain "
-                                    "forward at start-up; falls back if unequal). false: every row reads its prompt.")
-    lean_logps: bool = arg(True, "Log-probs without float32 (n, R, V) logits: the LM head and the log-softmax run "
-                           "chunk by chunk (head_logps, token_logps). false: log_softmax(logits).gather.")
-    fast_sampler: bool = arg(True, "Draw each token by an exact two-level inverse CDF (draw_tokens). false: "
-                             "torch.multinomial.")
+    process_timeout_minutes: int = arg(120, "How long a process waits for the others at a collective.")
+    cpu_threads: int = arg(0, "Threads per CPU process; 0 = torch's choice (the cores shared under accelerate).")
+    # --- the speed-ups of gndpo_fast.py: auto = on where it imports; true without it stops start-up ---
+    share_prompt_prefix: str = arg("auto", "Read each prompt once for its G samples (checked at start-up).")
+    lean_logps: str = arg("auto", "Log-probs by a chunked LM head, without float32 (n, R, V) logits.")
+    fast_sampler: str = arg("auto", "Draw tokens by an exact two-level inverse CDF, not torch.multinomial.")
     # --- output ---
-    output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the trained student (adapter/, or model/ "
-                          "under full fine-tuning) and summary.json go.")
+    output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the student and summary.json go.")
     overwrite_output_dir: bool = arg(False, "Start over in an output_dir that already holds a run.")
     save_steps: int = arg(50, "Checkpoint every N steps (0 = only at the end).")
     save_total_limit: int = arg(2, "Keep this many most recent checkpoints.")
@@ -202,20 +165,15 @@ LOSS_TYPES = ("gspo", "ppo")
 
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                    clip: float = 5.0) -> torch.Tensor:
-    """Raw per-token distillation score s = clamp(teacher_lp - student_lp, -clip, clip) (GNDPO's reward).
-
-    All (B, T); response_mask is 1 on response tokens. The score is a one-sample estimate of
-    -KL(student || teacher) at that token: positive where the teacher likes the token more than the
-    student does. Returns (B, T) float32, exactly 0 where the mask is 0 (even if log-probs are inf there).
-    """
+    """GNDPO's per-token reward s = clamp(teacher_lp - student_lp, -clip, clip), a one-sample estimate of
+    -KL(student || teacher) at the token. All (B, T); returns (B, T) float32, exactly 0 off the mask."""
     scores = (teacher_logps.float() - student_logps.float()).clamp(-clip, clip)
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
 
 
-
 def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
-    """(3,) float64 (count, sum, sum of squares) of the valid scores over the global batch: one all-reduce when
-    torch.distributed runs several processes and all_reduce is set. mask: float64 (B, T)."""
+    """(3,) float64 (count, sum, sum of squares) of the valid scores, all-reduced in one call when torch.distributed
+    runs several processes and all_reduce is set. mask: float64 (B, T)."""
     s = scores.double() * mask
     stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])
     if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -223,11 +181,10 @@ def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> 
     return stats
 
 
-
 def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
             total_sq: torch.Tensor, eps: float, center: bool = True, scale: bool = True) -> torch.Tensor:
     """(s - mean) / sqrt(unbiased var + eps) from float64 sums broadcastable to scores; 0 off the mask.
-    center=False keeps the mean in (s / std), scale=False keeps the spread (s - mean): the two halves apart."""
+    center=False keeps the mean (s / std), scale=False the spread (s - mean)."""
     mean = total / count.clamp(min=1)
     var = (total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)
     adv = scores.double() - mean if center else scores.double()
@@ -236,32 +193,19 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
     return (adv * mask).to(scores.dtype)
 
 
-
 def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
                      group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True,
                      teacher_ids: torch.Tensor | None = None, num_teachers: int = 0) -> torch.Tensor:
-    """Advantages from raw scores (GNDPO's global normalization). scores, response_mask: (B, T); group_ids: (B,) int.
+    """Advantages from raw scores (B, T) and the response mask (B, T); returns (B, T), 0 off the mask.
 
-    The paper's two modes:
-    none:     A = s * m (plain on-policy distillation, OPD).
-    global:   A = (s - mu) / sqrt(var + eps) * m with mu and the unbiased var over EVERY valid token
-              of the batch (GNDPO). With all_reduce and torch.distributed initialized, the sums (count,
-              sum, sum of squares, float64) are all-reduced in one call, so every process gets the
-              statistics of the whole global batch, however unevenly its tokens are spread; pass
-              all_reduce=False for a batch that is already the global one on every process.
-    Ablations beyond the paper:
-    sequence: the same whitening within each response (row) on its own.
-    group:    the same whitening over the responses that share a group id (the G samples of a prompt).
-    center:   A = (s - mu) * m, global statistics as in global, no scaling (ablation: centering alone).
-    scale:    A = s / sqrt(var + eps) * m, global statistics as in global, no centering (ablation: scaling
-              alone; var is still the variance about the mean, so A's spread is 1 but its mean is mu / std).
-    Several teachers, beyond the paper (global whitens them together, each token alike):
-    per_teacher: teacher_ids (B,) int in 0..num_teachers-1 is each row's teacher; each teacher's tokens are
-              whitened with that teacher's mean and var over the global batch, so every teacher's advantages
-              have unit spread whatever its scores' spread. The (3, num_teachers) sums are all-reduced in one
-              call as in global: every process passes the same num_teachers.
-    Returns (B, T) with zeros where the mask is 0. Raises ValueError when fewer than 2 valid tokens
-    exist (in the whole global batch, or of a teacher that has any), since a variance needs 2.
+    none:   A = s * m (plain on-policy distillation, OPD).
+    global: A = (s - mu) / sqrt(var + eps) * m, mu and the unbiased var over EVERY valid token of the global batch
+            (GNDPO): the float64 sums are all-reduced in one call, so every process whitens with the whole batch's
+            statistics however unevenly its tokens are spread (all_reduce=False: the batch is already global).
+    Ablations beyond the paper: sequence (within each row), group (over rows sharing group_ids (B,): a prompt's G
+    samples), center (s - mu only), scale (s / std only), per_teacher (each teacher's tokens with that teacher's
+    global statistics; teacher_ids (B,) in 0..num_teachers-1, the same num_teachers on every process).
+    Raises ValueError with fewer than 2 valid tokens (of the batch, or of a teacher that has any).
     """
     mask = response_mask.to(torch.float64)
     s = scores.double() * mask
@@ -296,12 +240,10 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
         if group_ids is None:
             raise ValueError("group normalization needs group_ids (B,): the prompt index of each response")
         _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-        n_groups = int(inv.max()) + 1
-        sums = [torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, inv, x.sum(1))
+        sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=s.device).index_add_(0, inv, x.sum(1))
                 for x in (mask, s, s * s)]  # 3 x (n_groups,)
         return _whiten(scores, mask, *(x[inv][:, None] for x in sums), eps)
     raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
-
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
@@ -309,16 +251,13 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
                 num_sequences: float | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss (GNDPO's GSPO update). All inputs (B, T); logps carries the gradient.
 
-    gspo: sequence ratio l_i = sum_t (logp - old_logp) m / max(sum_t m, 1); per token
-          log s = logp - sg(logp) + sg(l_i), clamped at 10 (GSPO-token: the value is the sequence ratio,
-          the gradient is the token's).
-    ppo:  per-token ratio s = exp(logp - old_logp) (log clamped at 10).
-    loss_tok = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)), averaged over each sequence's
-    valid tokens, then over the sequences that have any ("seq-mean-token-mean"): summed over this batch's
-    sequences and divided by num_sequences, the count of sequences with a valid token in the whole mini-batch
-    (all micro-batches and processes), so that the loss does not depend on how the mini-batch is cut; None
-    counts this batch's own.
-    Returns (scalar loss, metrics: clip_frac, ratio_mean, ratio_max as floats over valid tokens).
+    gspo: sequence ratio l_i = mean_t (logp - old_logp) over the row's valid tokens; per token
+          log s = logp - sg(logp) + sg(l_i) (GSPO-token: the sequence ratio's value, the token's gradient).
+    ppo:  per-token ratio s = exp(logp - old_logp). Both logs are clamped at 10.
+    loss_tok = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)), averaged over each sequence's valid tokens,
+    summed over sequences and divided by num_sequences (the sequences with a valid token in the whole mini-batch,
+    all micro-batches and processes: the loss does not depend on how it is cut; None: this batch's own).
+    Returns (scalar loss, {clip_frac, ratio_mean, ratio_max} over valid tokens).
     """
     mask = response_mask.to(logps.dtype)
     lengths = mask.sum(1)  # (B,)
@@ -345,52 +284,6 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     return loss, metrics
 
 
-
-# ---------------------------------------------------------------------------------------------
-# Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
-# ---------------------------------------------------------------------------------------------
-
-def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
-                 alpha: float = 5.0) -> torch.Tensor:
-    """PowerOPD's bounded per-token score s = p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), from
-    the two log-probs: exp(alpha * teacher_lp) - exp(alpha * student_lp). All (B, T); returns (B, T) float32 in
-    [-1, 1], 0 where the mask is 0. Bounded before anything else sees it, so it needs no clamp; tokens both
-    models find unlikely score about 0 whatever their log-ratio."""
-    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
-    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
-
-
-# --score_type: (teacher_logps, student_logps, response_mask, args) -> (B, T) scores, read once by score_rollouts
-SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
-          "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}  # PowerOPD's bounded score
-SCORE_TYPES = tuple(SCORES)
-
-
-def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
-    """The unbiased std of the scores over every valid token of the global batch (what global whitening divides
-    by). scores, response_mask: (B, T). 0.0 with fewer than 2 valid tokens."""
-    count, total, total_sq = _global_sums(scores, response_mask.to(torch.float64), all_reduce).tolist()
-    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
-
-
-
-def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's group-normalized task advantages: (r - mean) / (std + eps) over the responses that share a group id
-    (the G samples of a prompt), std unbiased. rewards: (B,) float with NaN for a response that has no reward (no
-    reference answer): it gets 0 and stays out of its group's statistics. group_ids: (B,) int. Returns (B,)
-    float32; a group whose rewards are all equal gives 0 (nothing to prefer)."""
-    has = torch.isfinite(rewards)
-    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
-    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
-            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
-    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
-    mean = total / count.clamp(min=1)
-    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
-    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
-
-
-
 # ---------------------------------------------------------------------------------------------
 # What travels between the step's functions
 # ---------------------------------------------------------------------------------------------
@@ -398,21 +291,13 @@ def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps:
 
 @dataclass
 class Rollout:
-    """One micro-batch of sampled responses: n rows, from any sampler (sample_rollouts, your own generate())."""
+    """One micro-batch of n sampled responses, from any sampler (sample_rollouts, your own generate())."""
 
     response_ids: torch.Tensor  # (n, R) sampled token ids, padding after a row's end token
     response_mask: torch.Tensor  # (n, R) 1 up to and including the end token
     sampled_logps: torch.Tensor  # (n, R) float32 log pi(y_t) of the policy that sampled, recorded as it sampled
-    # the processor's batch of every row's prompt (input_ids, attention_mask (n, P), the image tensors and token
-    # types): what the plain forward reads; None when no forward reads it
-    row_inputs: dict | None = None
-    # PART II, each prompt read once: the processor's batch of the u distinct prompts and (n,) each row's prompt in it
-    prompt_inputs: dict | None = None
-    prompt_index: torch.Tensor | None = None
-    # several teachers: (n,) each row's teacher name, and {name: ((k,) its rows here, a Rollout of those rows)},
-    # which that teacher scores (route_to_teachers); None with one teacher
-    teachers: list[str] | None = None
-    by_teacher: dict | None = None
+    row_inputs: dict | None = None  # the processor's batch of every row's prompt: what the scoring forward reads
+    extra: dict = field(default_factory=dict)  # what the optional modules attach (distinct prompts, teachers)
 
 
 @dataclass
@@ -424,22 +309,18 @@ class ScoredBatch:
     response_mask: torch.Tensor  # (n, R) long; 0 also where a log-prob was not finite
     teacher_logps: torch.Tensor  # (n, R) float32
     student_logps: torch.Tensor  # (n, R) float32, the sampling policy's
-    scores: torch.Tensor  # (n, R) distill_scores
+    scores: torch.Tensor  # (n, R) SCORES[args.score_type]
     advantages: torch.Tensor  # (n, R) normalize_scores; NaN when too few tokens were left to normalize
     nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
     seconds: dict = field(default_factory=dict)  # time spent: generate, score
-    # beyond the paper, None when off: the scores were centered, not scaled (--score_std_floor); (n,) the task reward
-    # (NaN without a reference answer) and its group-normalized advantage (--reward_weight)
+    # beyond the paper, None when off: centered only (--score_std_floor); (n,) the task reward and its advantage
     std_floored: bool | None = None
     rewards: torch.Tensor | None = None
     reward_advantages: torch.Tensor | None = None
-    # several teachers: (n,) each row's teacher as an index into teacher_names, the K teachers' names; else None
-    teacher_ids: torch.Tensor | None = None
-    teacher_names: list[str] | None = None
+    extra: dict = field(default_factory=dict)  # several teachers: teacher_ids (n,), teacher_names
 
     def micro_batches(self) -> list[tuple[Rollout, torch.Tensor, torch.Tensor]]:
-        """(rollout, its advantages, its response mask) per micro-batch: its rows of the (n, R) tensors, cut to
-        its own R."""
+        """(rollout, its advantages, its response mask) per micro-batch, cut to its own R."""
         out, start = [], 0
         for r in self.rollouts:
             n, R = r.response_ids.shape
@@ -453,29 +334,19 @@ class Models:
     """The models a step runs, and how each gives its log-probs of a rollout's sampled tokens."""
 
     student: torch.nn.Module  # trainable, as Accelerate prepared it: the update's forwards and backward
-    teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared; with several, the first of teachers
+    teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared; several teachers: {name: model}
     processor: object  # the student's processor: it encodes every prompt, for both models
     ignore_ids: torch.Tensor | None = None  # (K,) ids never sampled (image special tokens): -inf when scoring
-    # (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32 log-probs of the rollout's response tokens;
-    # None: the plain forward (response_logps); make_models picks PART II's speed-ups where their flags are on
+    # (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32 log-probs of the response tokens; None: the
+    # plain forward (response_logps). make_models puts the optional modules' forwards here.
     teacher_forward: Callable | None = None
     student_forward: Callable | None = None
     sampling: object = None  # PART II's Sampling: how sample_rollouts draws; only generate_and_score needs it
-    teachers: dict | None = None  # several teachers: {name: frozen model}; each row goes to its own (Rollout.teachers)
+    update_size: Callable | None = None  # (optimizer, accelerator) -> the update's size, a diagnostic; None: NaN
 
     def teacher_logps_of(self, rollout: Rollout) -> torch.Tensor:
-        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens; with several teachers, each row's
-        from its own teacher, which reads only its own rows (rollout.by_teacher)."""
-        forward = self.teacher_forward or response_logps
-        if self.teachers is None:
-            return forward(self.teacher, rollout, self.ignore_ids)
-        if rollout.by_teacher is None:
-            raise ValueError("several teachers: each Rollout needs by_teacher, its rows by teacher "
-                             "(route_to_teachers)")
-        out = torch.zeros(rollout.response_ids.shape, device=rollout.response_ids.device)  # (n, R)
-        for name, (rows, part) in rollout.by_teacher.items():
-            out[rows, :part.response_ids.shape[1]] = forward(self.teachers[name], part, self.ignore_ids)
-        return out
+        """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
+        return (self.teacher_forward or response_logps)(self.teacher, rollout, self.ignore_ids)
 
     def student_logps_of(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
@@ -510,29 +381,27 @@ def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_pro
         group_ids += [group_id] * args.num_generations
         answers += [row[args.answer_column]] * args.num_generations
         teachers += [row.get(args.teacher_column)] * args.num_generations
-    several = len(teacher_paths(args)) > 1
     return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers,
-                       teachers if several else None)
+                       teachers if len(teacher_paths(args)) > 1 else None)
 
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
-    """The step's rollouts (sample_rollouts, seeded by prompts.seed through a generator of its own), scored by
-    score_rollouts, then the options beyond the paper, each off by default."""
+    """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored by score_rollouts, then the options
+    beyond the paper, each off by default."""
     t0 = time.time()
     rollouts = sample_rollouts(models, prompts, args)  # micro-batches of args.micro_batch_size rows
     t_generate = time.time() - t0
     batch = score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args, log)
     t0 = time.time()
-    # BEYOND THE PAPER: whitening that only centers scores spread less than a floor (--score_std_floor: noise, as
-    # when the student is its own teacher)
+    # BEYOND THE PAPER (--score_std_floor): only center scores spread less than the floor (noise, as when the student
+    # is its own teacher)
     mask = batch.response_mask
     if args.score_std_floor > 0 and args.advantage_mode == "global":
         batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
     if batch.std_floored:
-        batch.advantages = whiten_or_skip(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log,
-                                          batch.teacher_ids, len(batch.teacher_names or ()))
-    # BEYOND THE PAPER (--reward_weight w): the graded answer's task reward, normalized over the G samples of its
-    # prompt, added to every token's advantage after the distillation advantages were normalized
+        batch.advantages = whiten_or_skip(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log)
+    # BEYOND THE PAPER (--reward_weight w): the graded answer's reward, normalized over its prompt's G samples, added
+    # to every token's advantage after the distillation advantages were normalized
     if args.reward_weight:
         batch.rewards = task_rewards(models.processor, rollouts, prompts.answers)  # (n,) 1, 0, or NaN: no answer
         batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
@@ -543,13 +412,10 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
 
 def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Tensor, args: Args,
                    log=print) -> ScoredBatch:
-    """The paper's steps 2-4 on rollouts from any source: the teacher's log-prob of every sampled token, the clamped
-    scores (args.score_clip) and the advantages normalized over the global batch (args.advantage_mode; the
-    all-reduce is inside normalize_scores), once, before any update.
-
-    rollouts: micro-batches whose sampled_logps are the sampling policy's; group_ids: (n,) each row's prompt id.
-    Tokens whose log-prob is not finite (a broken teacher) are dropped and counted; when too few are left to
-    normalize, the advantages are NaN and every process then skips the step's updates."""
+    """The paper's steps 2-4 on rollouts from any source (sampled_logps: the sampling policy's; group_ids (n,): each
+    row's prompt id): the teacher's log-prob of every sampled token, the scores (args.score_type) and the advantages
+    over the global batch (args.advantage_mode), once, before any update. Non-finite log-probs (a broken teacher)
+    are dropped and counted; too few tokens left to normalize give NaN advantages: every process skips the step."""
     t0 = time.time()
     # ALGO: score every sampled token with the teacher, on the same ids and images the student saw
     with torch.no_grad():
@@ -563,21 +429,22 @@ def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Ten
     # ALGO: the clamped log-ratio (SCORES[args.score_type]), whitened over every valid token of the global batch
     scores = SCORES[args.score_type](teacher_logps, student_logps, mask, args)
     group_ids = torch.as_tensor(group_ids, device=mask.device)
-    names = list(models.teachers) if models.teachers else None  # several teachers: their order sets the ids
-    teacher_ids = (torch.tensor([names.index(t) for r in rollouts for t in r.teachers], device=mask.device)
-                   if names else None)  # (n,)
-    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log, teacher_ids,
-                                len(names or ()))
+    extra = {}
+    if isinstance(models.teacher, dict):  # several teachers (gndpo_teachers): each row's, for per_teacher
+        extra = {"teacher_names": list(models.teacher),
+                 "teacher_ids": torch.cat([r.extra["teacher_ids"] for r in rollouts]).to(mask.device)}  # (n,)
+    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log, **extra)
     return ScoredBatch(rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
-                       {"score": time.time() - t0}, teacher_ids=teacher_ids, teacher_names=names)
+                       {"score": time.time() - t0}, extra=extra)
 
 
 def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_ids: torch.Tensor, nonfinite: int,
-                   log=print, teacher_ids: torch.Tensor | None = None, num_teachers: int = 0) -> torch.Tensor:
+                   log=print, teacher_ids: torch.Tensor | None = None, teacher_names: list | None = None):
     """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
     loss and, through the gradient all-reduce, every process's gradient non-finite, so all processes skip together."""
     try:
-        return normalize_scores(scores, mask, mode, group_ids, teacher_ids=teacher_ids, num_teachers=num_teachers)
+        return normalize_scores(scores, mask, mode, group_ids, teacher_ids=teacher_ids,
+                                num_teachers=len(teacher_names or ()))
     except ValueError as e:
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         return torch.full_like(scores, float("nan"))
@@ -585,12 +452,11 @@ def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_id
 
 def update_student(models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args,
                    loss_fn=policy_loss, log=print) -> dict:
-    """The step's optimizer updates: K = steps_per_generation mini-batches of micro-batches, one update each, E =
-    num_iterations passes (K = E = 1, the paper's: one update, ratio 1). The first mini-batch's first forward runs
-    before any update, so its detached log-probs are the old policy's; the others' come from old_policy_logps. Each
-    loss is a mean over the valid sequences of the whole mini-batch, all processes together (sequence_counts). An
-    update whose loss or gradient is not finite on any process is skipped on all. loss_fn has policy_loss's
-    signature. Returns UpdateStats.result()."""
+    """The step's optimizer updates: K = steps_per_generation mini-batches, one update each, E = num_iterations
+    passes (K = E = 1, the paper's: one update, ratio 1). The first mini-batch's first forward runs before any update,
+    so its detached log-probs are the old policy's; the others' come from old_policy_logps. Each loss is a mean over
+    the valid sequences of the whole mini-batch, all processes together. An update whose loss or gradient is not
+    finite on any process is skipped on all. loss_fn has policy_loss's signature. Returns UpdateStats.result()."""
     t0 = time.time()
     parts, K, E = batch.micro_batches(), args.steps_per_generation, args.num_iterations
     per_update = len(parts) // K  # check_args made it divide
@@ -617,7 +483,8 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
             if update_is_finite(accelerator, stats.update_loss, grad_norm):  # every process decides alike
                 optimizer.step()
                 scheduler.step()
-                stats.update(grad_norm, lr, optimizer, accelerator)
+                stats.update(grad_norm, lr, models.update_size(optimizer, accelerator) if models.update_size
+                             else float("nan"))
             else:
                 stats.update(grad_norm, lr)
                 log(f"non-finite loss or gradient (loss {stats.update_loss}, grad norm {grad_norm}); update "
@@ -636,117 +503,70 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     """Trains the student; returns the run's summary (also written to output_dir/summary.json).
 
     on_step(step) is called with the 1-based step before it runs. teacher_forward(teacher, rollout, ignore_ids)
-    replaces the teacher's scoring forward (Models.teacher_forward) and loss_fn the policy loss (to record what a
-    step used, or to feed broken numbers).
-    """
-    from accelerate.utils import set_seed
+    replaces the teacher's scoring forward and loss_fn the policy loss (to record what a step used, or to feed
+    broken numbers)."""
     from tqdm.auto import tqdm
 
-    wall_start = time.time()
-    accelerator, accum = make_accelerator(args)
-    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
-    resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
-    accelerator.wait_for_everyone()
-    set_seed(args.seed)  # the adapter's initial weights; each step's sampling has a generator of its own
-    processor, student, teacher = load_models(args, accelerator, log)
-    train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
-    student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
-    models = make_models(args, accelerator, processor, student, teacher, log, teacher_forward)
-    policy = unwrap(models.student)
-    greedy_config = generation_configs(processor.tokenizer, policy, args)[1]
-    mismatch = MismatchWatch(logps_tolerance(policy, compute_dtype(accelerator)), log=log)
-    evaluate_policy = lambda: evaluate(policy, processor, eval_rows, args, accelerator, greedy_config,  # noqa: E731
-                                       synced_gpus=models.sampling.synced_gpus)
-
-    start_step, counters = 0, {"skipped_steps": 0, "consecutive_skips": 0}
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    summary_path = os.path.join(args.output_dir, "summary.json")
-    summary = {}
-    if resume_from:
-        start_step, counters = restore_checkpoint(accelerator, resume_from, metrics_path)
-        log(f"resumed from {resume_from} at step {start_step}")
-        if os.path.exists(summary_path):
-            with open(summary_path) as f:
-                summary = json.load(f)
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-    if args.report_to != "none":
-        accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
-                                                   if isinstance(v, (int, float, str, bool))})
-    if eval_rows and "student_accuracy_before" not in summary:
-        t = evaluate_teachers(models, processor, eval_rows, args, accelerator, greedy_config)
-        s = evaluate_policy()
+    run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
+    accelerator, models, log, summary, counters = run.accelerator, run.models, run.log, run.summary, run.counters
+    if run.eval_rows and "student_accuracy_before" not in summary:
+        t, s = run.evaluate(models.teacher), run.evaluate(run.policy)
         summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
                        student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"],
                        **per_teacher(t, "teacher_accuracy"), **per_teacher(s, "student_accuracy_before"))
         log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
-            f"(format {s['format_rate']:.3f}) on {len(eval_rows)} held-out rows")
+            f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows")
 
     # --- the loop: prompts, rollouts and their advantages, the update, the metrics ---
     models.student.train()
     # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
-    progress = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="GNDPO",
-                    dynamic_ncols=True, **({} if accelerator.is_main_process else {"disable": True}))
+    progress = tqdm(range(run.start_step, args.max_steps), initial=run.start_step, total=args.max_steps,
+                    desc="GNDPO", dynamic_ncols=True, **({} if accelerator.is_main_process else {"disable": True}))
     bar = {"acc": f"{summary['student_accuracy_before']:.3f}"} if "student_accuracy_before" in summary else {}
     for step in progress:
         t_step = time.time()
         if on_step:
             on_step(step + 1)
         step_log = lambda msg: log(f"step {step + 1}: {msg}")  # noqa: E731, B023 (called within the step)
-        prompts = step_prompts(train_ds, train_keep, args, step, accelerator.num_processes, accelerator.process_index)
+        prompts = step_prompts(run.train_ds, run.train_keep, args, step, accelerator.num_processes,
+                               accelerator.process_index)
         batch = generate_and_score(models, prompts, args, step_log)
-        update = update_student(models, optimizer, scheduler, accelerator, batch, args, loss_fn, step_log)
+        update = update_student(models, run.optimizer, run.scheduler, accelerator, batch, args, loss_fn, step_log)
         counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
         counters["skipped_steps"] += bool(update["skipped_updates"])
+        if batch.std_floored is not None:
+            counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
         metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step,
                                args.score_clip if args.score_type == "log_ratio" else None)
         metrics["skipped_steps"] = counters["skipped_steps"]
-        if batch.std_floored is not None:
-            counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
-        mismatch.see(step + 1, metrics["logp_mismatch"])
-        if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and eval_rows:
-            e = evaluate_policy()
+        run.mismatch.see(step + 1, metrics["logp_mismatch"])
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and run.eval_rows:
+            e = run.evaluate(run.policy)
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"],
                            **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()})
             bar["acc"] = f"{e['accuracy']:.3f}"
-        if accelerator.is_main_process:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **bar)
-            if args.logging_steps and ((step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps):
-                log(format_metrics(metrics))
-        accelerator.log(metrics, step=step + 1)
-        if counters["consecutive_skips"] >= args.max_consecutive_skips:
-            last = list_checkpoints(args.output_dir)
-            raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step + 1}: "
-                               f"stopping. The last good checkpoint is "
-                               f"{last[-1][1] if last else 'none (no checkpoint saved yet)'}; lower --learning_rate "
-                               f"or check the teacher's outputs, then resume from it.")
+        show = lambda: progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}",  # noqa: E731, B023
+                                            gn=f"{metrics['grad_norm']:.2f}", **bar)  # noqa: B023
+        log_step(run, metrics, show)
+        stop_if_stuck(args, counters, step + 1)
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
-            save_checkpoint(accelerator, models.student, processor, args.output_dir, step + 1,
+            save_checkpoint(accelerator, models.student, models.processor, args.output_dir, step + 1,
                             {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
 
     # --- the end: the trained student (adapter/ or model/), evaluation, summary ---
     accelerator.wait_for_everyone()
-    save_student(accelerator, models.student, processor, os.path.join(args.output_dir, student_folder(args)))
-    if eval_rows:
-        e = evaluate_policy()
+    save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
+    if run.eval_rows:
+        e = run.evaluate(run.policy)
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"],
                        **per_teacher(e, "student_accuracy_after"))
-    summary.update(steps=args.max_steps, wall_seconds=time.time() - wall_start + summary.get("wall_seconds", 0.0),
-                   advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(train_keep),
-                   eval_rows=len(eval_rows),
-                   skipped_train_rows=train_skipped, skipped_steps=counters["skipped_steps"],
-                   **{k: v for k, v in counters.items() if k == "std_floored_steps"},
-                   share_prompt_prefix=models.sampling.sharing_summary(), torch_threads=torch.get_num_threads())
-    finish_run(accelerator, summary, summary_path, eval_rows, log)
+    finish_run(run)
     return summary
 
 
 # =============================================================================================================
 # PART II: machinery. What the step calls, in the order it calls it: rollouts with generate(), the plain scoring
-# forward, models, data, evaluation, checkpoints and set-up; last, the optional speed-ups, each under a header
-# that says what it replaces and how it is checked against the plain path.
+# forward, models, data, evaluation, checkpoints, set-up and metrics. The optional modules plug into its hooks.
 # =============================================================================================================
 
 
@@ -756,29 +576,27 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
 
 
 def step_seed(seed: int, step: int, process_index: int) -> int:
-    """Every step's sampling randomness is a function of (seed, step, process): processes draw different
-    samples, and a resumed run samples exactly what the interrupted one would have."""
+    """A step's sampling seed, a function of (seed, step, process): processes draw different samples, and a resumed
+    run samples exactly what the interrupted one would have."""
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
 
 
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(n, V) probabilities -> (n, 1) ids, one sample per row: torch.multinomial, the plain path of draw_tokens."""
+    """(n, V) probabilities -> (n, 1) ids, one sample per row."""
     return torch.multinomial(probs, 1, generator=generator)
 
 
 @dataclass
 class Sampling:
-    """How sample_rollouts draws (make_models builds it): generate()'s config, the token sampler, the device of the
-    step's generator, whether every process must step generate() until the last is done (sharded weights), and the
-    checks that decide which forwards read each prompt once (None: none does, --share_prompt_prefix false)."""
+    """How sample_rollouts draws (make_models builds it)."""
 
     config: object  # the rollouts' GenerationConfig (generation_configs)
-    draw: Callable = multinomial  # (probs (n, V), generator) -> (n, 1) ids: multinomial, or draw_tokens
-    device: torch.device | str = "cpu"
-    synced_gpus: bool = False
-    sharing: PrefixSharing | None = None
-    # () -> a context the sampling forwards run in: Accelerate's autocast under mixed precision (full fine-tuning's
-    # float32 weights computing in bf16), so that rollouts sample the policy that the update's forward computes
+    draw: Callable = multinomial  # (probs (n, V), generator) -> (n, 1) ids: multinomial, or gndpo_fast.draw_tokens
+    device: torch.device | str = "cpu"  # the step generator's
+    synced_gpus: bool = False  # sharded weights: every process steps generate() until the last is done
+    sharing: object = None  # gndpo_fast.PrefixSharing: which forwards read each prompt once; None: none does
+    # () -> the context sampling runs in: Accelerate's autocast under mixed precision, so that rollouts sample the
+    # policy the update's forward computes
     precision: Callable = contextlib.nullcontext
 
     def sharing_summary(self) -> dict:
@@ -787,11 +605,9 @@ class Sampling:
 
 
 def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
-    """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size rows:
-    generate() calls of args.generation_batch_size rows (0: all at once), or the sampling loop that reads each
-    prompt once (SharedPrefix.sample) where its check allows. Every draw comes from one torch.Generator seeded with
-    prompts.seed (the global generator is left alone). On the first step, the checks that decide which forwards
-    read each prompt once run here, before anything is scored (PrefixSharing.run_checks)."""
+    """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size rows,
+    every draw from one torch.Generator seeded with prompts.seed (the global generator is left alone). With
+    gndpo_fast, the first step also runs the checks that decide which forwards read each prompt once."""
     sampling = models.sampling
     if sampling is None:
         raise ValueError("Models.sampling is None: make_models sets it; with rollouts of your own, call "
@@ -808,7 +624,12 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
     # every row's prompt is encoded only while some forward may still read it whole
     row_prompts = sharing is None or not sharing.all_shared()
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
-    return route_to_teachers(models.processor, prompts, parts, args) if prompts.teachers else parts
+    if prompts.teachers:  # several teachers: each micro-batch's rows by teacher, a mixed one's re-encoded
+        encode = lambda part, rows, whole, distinct: encode_rollout_prompts(  # noqa: E731
+            models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args,
+            whole, distinct)
+        parts = several_teachers().route_to_teachers(parts, prompts.teachers, list(models.teacher), encode)
+    return parts
 
 
 def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator,
@@ -841,24 +662,19 @@ def evaluating(model):
 @torch.no_grad()
 def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampling: Sampling, args: Args,
             generator: torch.Generator | None = None, shared_prefix: bool = False) -> Rollout:
-    """One sampled response per prompt (prompts are already repeated G times; group_ids: (n,) each row's prompt),
-    its sampling log-probs recorded, the model in eval mode.
-
-    With generate(), the rollout holds every row's prompt (row_inputs); with shared_prefix, the sampling loop
-    reads each distinct prompt once (SharedPrefix.sample) and the rollout holds those only (cut_rollouts adds
-    every row's prompt where a plain forward needs it). With --share_prompt_prefix the distinct prompts are
-    encoded in both cases.
-    """
+    """One sampled response per prompt (prompts already repeated G times; group_ids (n,): each row's prompt), its
+    sampling log-probs recorded, the model in eval mode. With generate(), the rollout holds every row's prompt
+    (row_inputs); with shared_prefix, gndpo_fast's loop reads each distinct prompt once (extra["prompt_inputs"])."""
     device = next(model.parameters()).device
     out = Rollout(None, None, None)
     config = sampling.config
     with evaluating(model), sampling.precision():  # sample from the policy itself: dropout off
-        if args.share_prompt_prefix:
-            out.prompt_inputs, out.prompt_index = encode_distinct(processor, prompts, group_ids, args.instruction,
-                                                                  device)
+        if speedup_on(args, "share_prompt_prefix"):
+            out.extra.update(encode_distinct(processor, prompts, group_ids, args.instruction, device))
         capture = SampledTokenLogps(args.temperature, config.suppress_tokens, sampling.draw, generator)
         if shared_prefix:
-            response_ids = SharedPrefix(model, out.prompt_inputs, out.prompt_index).sample(capture, config)
+            response_ids = fast.SharedPrefix(model, out.extra["prompt_inputs"], out.extra["prompt_index"]).sample(
+                capture, config)
         else:
             out.row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
             config = copy.copy(config)  # the suppression moves into capture
@@ -874,15 +690,10 @@ def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampli
 
 
 class SampledTokenLogps:
-    """A generate() logits processor that draws each token itself and records log pi(y_t) of it under the exact
-    distribution it draws from (suppressed ids at -inf, at the temperature), holding one (n, V) step at a time.
-
-    These are the student_lp of the distillation scores: no extra student forward pass is needed. It returns
-    scores that are -inf everywhere but at the drawn id, so generate(), decoding greedily (the sampling config
-    has do_sample=False), emits exactly that id. Suppression happens here, in place, rather than in a
-    processor of generate()'s own, which would copy the (n, V) scores once more per step. draw(probs, generator)
-    picks the ids: multinomial, or draw_tokens (the sampler, at the end of the file).
-    """
+    """A generate() logits processor that draws each token itself and records log pi(y_t) under the exact
+    distribution it draws from (suppressed ids at -inf, at the temperature): the student_lp of the scores, with no
+    extra forward. It returns -inf everywhere but at the drawn id, so generate(), decoding greedily, emits that id.
+    Suppressing here, in place, saves the (n, V) copy a processor of generate()'s own would make per step."""
 
     def __init__(self, temperature: float, suppress_ids: list[int] | None = None, draw: Callable = multinomial,
                  generator: torch.Generator | None = None):
@@ -904,15 +715,10 @@ class SampledTokenLogps:
 
 
 def generation_configs(tokenizer, model, args: Args) -> tuple:
-    """(sampling config, greedy config) for rollouts and evaluation.
-
-    Rollouts sample from the full distribution, which the loss assumes (checkpoints often ship top_k=50 or a
-    low top_p): rollout() adds SampledTokenLogps, which perturbs the scores so that generate()'s argmax is an
-    exact sample at the temperature, so the sampling config decodes greedily with no top-k, top-p or repetition
-    penalty of its own. Both suppress the vision special tokens and stop at any of the tokenizer's or the
-    model's end tokens (eos_token_id: a sorted list); the sampling config holds them back for the first
-    args.min_new_tokens tokens.
-    """
+    """(sampling config, greedy config) for rollouts and evaluation. Rollouts sample from the full distribution, which
+    the loss assumes (checkpoints often ship top_k=50): SampledTokenLogps draws, so the sampling config decodes
+    greedily with no top-k, top-p or repetition penalty. Both suppress the vision special tokens and stop at any of
+    the tokenizer's or the model's end tokens; the sampling one holds them back for args.min_new_tokens tokens."""
     from transformers import GenerationConfig
 
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
@@ -931,60 +737,44 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
     return (~after_end).long()
 
 
-def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[int]]:
-    """Rows -> (distinct prompts, (n,) index of each row's prompt among them), by the rows' group ids (the G samples
-    of a prompt share one)."""
+def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
+    """What gndpo_fast's shared prompts read: {"prompt_inputs": the processor's batch of the rows' u distinct prompts
+    (by group id), "prompt_index": (n,) each row's prompt in it}."""
     position, unique, index = {}, [], []
     for p, g in zip(prompts, group_ids):
         if g not in position:
             position[g] = len(unique)
             unique.append(p)
         index.append(position[g])
-    return unique, index
-
-
-def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str,
-                    device) -> tuple[dict, torch.Tensor]:
-    """(the processor's batch of the rows' u distinct prompts, pixels on the host; (n,) each row's prompt in it)."""
-    unique, index = distinct_prompts(prompts, group_ids)
-    inputs = pixels_on_host(encode_prompts(processor, unique, instruction), device)
-    return inputs, torch.tensor(index, device=device)
+    return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
+            "prompt_index": torch.tensor(index, device=device)}
 
 
 def pixels_on_host(inputs: dict, device) -> dict:
-    """The processor batch on `device`, except its per-pixel tensors, which go to host memory.
-
-    A step keeps all B*G/processes rollouts until its update; their float32 pixels would fill a GPU, so they wait
-    on the host and each forward moves back its own. Every pixel_* tensor does: SmolVLM/Idefics3's int64
-    pixel_attention_mask is as large as its pixels.
-    """
+    """The processor batch on `device`, but its pixel_* tensors in host memory: a step keeps all its rollouts until
+    the update, and their float32 pixels (SmolVLM's int64 pixel_attention_mask as large) would fill a GPU."""
     return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v
             for k, v in inputs.items()}
 
 
 def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args,
                  row_prompts: bool = True) -> list[Rollout]:
-    """The rollouts of generate() batches re-cut into micro-batches of `size` rows for scoring and the update.
-
-    Responses and their sampled log-probs are sliced by row; each micro-batch's prompts are encoded again,
-    since the processor's image tensors have a layout of each family's own (patches, tiles, images) that
-    cannot be sliced by row in general. Left padding then fits the micro-batch's prompts, which changes no
-    log-prob. Responses are trimmed to the micro-batch's longest one. Every row's prompt is encoded only with
-    `row_prompts` (a plain forward, response_logps, may read the micro-batch); the distinct prompts with
-    --share_prompt_prefix.
-    """
+    """The rollouts of generate() batches re-cut into micro-batches of `size` rows, responses trimmed to each one's
+    longest. Prompts are encoded again (every row's with row_prompts; the distinct ones where the rollouts carry
+    them): image tensors have a layout of each family's own that cannot be sliced by row in general."""
     if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
         return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
     pad = processor.tokenizer.pad_token_id
     mask = pad_cat([r.response_mask for r in rollouts])  # (n, R)
     ids = pad_cat([r.response_ids for r in rollouts]).masked_fill(mask == 0, pad)
     sampled = pad_cat([r.sampled_logps for r in rollouts])
+    distinct = "prompt_index" in rollouts[0].extra
     out = []
     for i in range(0, len(prompts.prompts), size):
         rows, groups = prompts.prompts[i:i + size], prompts.group_ids[i:i + size]
         R = max(1, int(mask[i:i + size].sum(1).max()))
         part = Rollout(ids[i:i + size, :R], mask[i:i + size, :R], sampled[i:i + size, :R])
-        out.append(encode_rollout_prompts(processor, part, rows, groups, args, row_prompts, args.share_prompt_prefix))
+        out.append(encode_rollout_prompts(processor, part, rows, groups, args, row_prompts, distinct))
     return out
 
 
@@ -995,48 +785,19 @@ def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[in
     if row_prompts:
         part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
     if distinct:
-        part.prompt_inputs, part.prompt_index = encode_distinct(processor, rows, groups, args.instruction, device)
+        part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device))
     return part
-
-
-def route_to_teachers(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
-    """Several teachers: each micro-batch's rows by teacher (prompts.teachers), in Rollout.teachers and
-    Rollout.by_teacher = {name: ((k,) row positions, a Rollout of those k rows)}. A micro-batch of one teacher is its
-    own part (the same tensors); the rows of a mixed one are sliced and their prompts encoded again (as cut_rollouts
-    does), so that a teacher's forward reads its own rows only. Returns the rollouts, in place."""
-    start = 0
-    for r in rollouts:
-        n = r.response_ids.shape[0]
-        r.teachers, r.by_teacher = prompts.teachers[start:start + n], {}
-        for name in dict.fromkeys(r.teachers):  # in order of first appearance
-            rows = [i for i, t in enumerate(r.teachers) if t == name]
-            index = torch.tensor(rows, device=r.response_ids.device)
-            if len(rows) == n:
-                part = replace(r, teachers=[name] * n, by_teacher=None)
-            else:
-                R = max(1, int(r.response_mask[index].sum(1).max()))
-                part = Rollout(r.response_ids[index, :R], r.response_mask[index, :R], r.sampled_logps[index, :R],
-                               teachers=[name] * len(rows))
-                encode_rollout_prompts(processor, part, [prompts.prompts[start + i] for i in rows],
-                                       [prompts.group_ids[start + i] for i in rows], args,
-                                       r.row_inputs is not None, r.prompt_inputs is not None)
-            r.by_teacher[name] = (index, part)
-        start += n
-    return rollouts
 
 
 def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
                   max_tokens: int = 256) -> Rollout:
-    """What the start-up checks compare the shared and the plain forwards on: the rows of the first n_prompts
-    distinct prompts, all G samples of each (step_prompts keeps a prompt's rows together), so that rows of
-    different prompts meet in one forward whatever the micro-batch size; every row's prompt and the distinct
-    prompts encoded; responses cut to their first max_tokens, which bounds the check's memory."""
-    _, index = distinct_prompts(prompts.prompts, prompts.group_ids)
-    rows = sum(1 for j in index if j < n_prompts)
-    if max(index[:rows]) >= n_prompts:
+    """What gndpo_fast's start-up checks compare on: all G rows of the first n_prompts prompts (rows of different
+    prompts meet in one forward), both encodings, responses cut to max_tokens (which bounds the check's memory)."""
+    rows = n_prompts * args.num_generations
+    if len(set(prompts.group_ids[:rows])) > n_prompts:
         raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
     first_rows = replace(prompts, prompts=prompts.prompts[:rows], group_ids=prompts.group_ids[:rows])
-    (first,) = cut_rollouts(processor, first_rows, rollouts, rows, args)[:1]
+    (first,) = cut_rollouts(processor, first_rows, rollouts, len(first_rows.prompts), args)[:1]
     return replace(first, response_ids=first.response_ids[:, :max_tokens],
                    response_mask=first.response_mask[:, :max_tokens], sampled_logps=first.sampled_logps[:, :max_tokens])
 
@@ -1048,16 +809,15 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Scoring: the plain forward. Log-probs of the sampled tokens under a model, on the same ids and images
+# Scoring: log-probs of the sampled tokens under a model, on the same ids and images
 # ---------------------------------------------------------------------------------------------
 
 
 def sequence_inputs(rollout: Rollout) -> dict:
-    """Prompt + response as one forward's inputs, from every row's prompt (row_inputs). Every per-token input
-    (shaped like input_ids) grows by the response: ids by its ids, the attention mask by its mask, token types
-    (Qwen-VL's mm_token_type_ids, Gemma 3's token_type_ids) by zeros: response tokens are text. Without
-    mm_token_type_ids Qwen-VL silently falls back to 1-D positions; without token_type_ids Gemma 3 attends
-    causally over an image's tokens: every input the processor made goes to the model."""
+    """Prompt + response as one forward's inputs, from every row's prompt (row_inputs). Every per-token input grows
+    by the response: ids by its ids, the attention mask by its mask, token types (Qwen-VL's mm_token_type_ids, Gemma
+    3's token_type_ids) by zeros. Every input the processor made goes to the model: without mm_token_type_ids
+    Qwen-VL falls back to 1-D positions, without token_type_ids Gemma 3 attends causally over an image."""
     response, mask = rollout.response_ids, rollout.response_mask
     inputs = dict(rollout.row_inputs)
     prompt_shape = inputs["input_ids"].shape
@@ -1070,8 +830,8 @@ def sequence_inputs(rollout: Rollout) -> dict:
 
 def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
-    """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs of the ids under softmax(logits / temperature), the
-    ignored ids (K,) at -inf (sampling never drew them)."""
+    """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs under softmax(logits / temperature), the ignored ids
+    (K,) at -inf (sampling never drew them)."""
     logits = logits.float() / temperature
     if ignore_ids is not None:
         logits = logits.index_fill(-1, ignore_ids, float("-inf"))
@@ -1079,11 +839,51 @@ def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torc
 
 
 def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
-    """(n, R) float32 log-probs of the response tokens: one forward of each row's prompt + response, of which only
-    the R + 1 last positions go through the LM head (logits_to_keep); position t's logits predict token t + 1."""
+    """(n, R) float32 log-probs of the response tokens: one forward of each row's prompt + response, only the R + 1
+    last positions through the LM head (logits_to_keep); position t's logits predict token t + 1."""
     R = rollout.response_ids.shape[1]
     logits = model(**sequence_inputs(rollout), use_cache=False, logits_to_keep=R + 1).logits  # (n, R + 1, V)
     return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
+# ---------------------------------------------------------------------------------------------
+
+
+def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
+                 alpha: float = 5.0) -> torch.Tensor:
+    """PowerOPD's bounded score p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), in [-1, 1] with no
+    clamp. All (B, T); returns (B, T) float32, 0 off the mask."""
+    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
+    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+# --score_type: (teacher_logps, student_logps, response_mask, args) -> (B, T) scores, read once by score_rollouts
+SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
+          "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}  # PowerOPD's bounded score
+
+
+def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
+    """The unbiased std of the valid scores (B, T) over the global batch, what global whitening divides by; 0.0
+    with fewer than 2 valid tokens."""
+    count, total, total_sq = _global_sums(scores, response_mask.to(torch.float64), all_reduce).tolist()
+    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
+
+
+def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's (r - mean) / (std + eps) over the responses sharing a group id. rewards: (B,) float, NaN where a row has
+    no reference answer (it gets 0 and stays out of its group's statistics); group_ids: (B,). Returns (B,) float32."""
+    has = torch.isfinite(rewards)
+    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
+    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
+            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
+    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
+    mean = total / count.clamp(min=1)
+    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
+    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1098,12 +898,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def lora_target_names(model, target_modules: str) -> list[str]:
-    """Full names of the language model's linear layers whose last name is in `target_modules` (comma-separated).
-
-    The language model is what get_decoder() returns (language_model in Qwen-VL, InternVL and Gemma 3,
-    text_model in Idefics3/SmolVLM): vision blocks and projectors have q/k/v/gate/up/down layers too, and a
-    name pattern alone would put the adapter on them.
-    """
+    """Full names of the language model's (get_decoder()'s) linear layers whose last name is in `target_modules`:
+    vision blocks and projectors have q/k/v/gate/up/down layers too, which a name pattern alone would adapt."""
     wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
     decoder = model.get_decoder()
     inside = {id(m) for m in decoder.modules()}
@@ -1135,7 +931,7 @@ def freeze_vision_tower(model) -> None:
 
 def load_student(args: Args, dtype: torch.dtype):
     """The student: a LoRA adapter on the language model's linear layers, everything else frozen; or, with
-    --lora_r 0, the whole model but its vision encoder (freeze_vision_tower)."""
+    --lora_r 0, the whole model but its vision encoder."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
@@ -1156,22 +952,25 @@ def load_student(args: Args, dtype: torch.dtype):
     return model
 
 
+def several_teachers():
+    """gndpo_teachers, the optional module behind several teachers and --shard_teacher."""
+    try:
+        import gndpo_teachers
+    except ImportError as e:
+        raise ValueError("several teachers (--teacher_model name=path,...) and --shard_teacher need the optional "
+                         "module gndpo_teachers.py beside gndpo_minimal.py: copy it there") from e
+    return gndpo_teachers
+
+
 def teacher_paths(args: Args) -> dict[str, str]:
-    """--teacher_model as {name: path}: one path (named 'teacher'), or name=path pairs, comma-separated."""
+    """--teacher_model as {name: path}: one path, named 'teacher', or several teachers' name=path pairs."""
     value = args.teacher_model
-    if "=" not in value:
-        return {"teacher": value}
-    pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
-    names = [name.strip() for name, _ in pairs]
-    if any(not name for name in names) or len(set(names)) < len(names):
-        raise ValueError(f"--teacher_model {value!r}: several teachers are name=path pairs with distinct, non-empty "
-                         f"names, e.g. color=path/to/a,shape=path/to/b")
-    return {name.strip(): path.strip() for name, path in pairs}
+    return several_teachers().teacher_paths(value) if "=" in value else {"teacher": value}
 
 
 def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str | None = None):
     """The frozen teacher (args.teacher_model, or `path`), in 4-bit nf4 when args.teacher_4bit (vision tower
-    included; lm_head stays): one whole replica per process, unless --shard_teacher (shard_frozen)."""
+    included; lm_head stays): one whole replica per process."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 
     kwargs = {"dtype": dtype}
@@ -1186,33 +985,9 @@ def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str
     return model
 
 
-def shard_frozen(model, device_type: str, num_processes: int) -> int:
-    """Shards a frozen model's layers over the processes with FSDP2 (fully_shard), in place: each process keeps 1/N
-    of every decoder layer and vision block (the classes the model names in _no_split_modules) and gathers a layer's
-    weights for its forward only. The embeddings and the LM head stay whole. Each layer is its own FSDP root, and a
-    root keeps its gathered weights after a forward by default: reshard_after_forward=True frees them after every
-    forward. Every process must then run the model's forward as many times as the others (the teacher's scoring
-    reads every row's prompt for that: PrefixSharing.for_run). Returns the number of modules sharded."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    kinds = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in kinds]
-    if not layers:
-        raise ValueError(f"--shard_teacher: {type(model).__name__} names no layer classes (_no_split_modules) to "
-                         f"shard; run without --shard_teacher")
-    mesh = init_device_mesh(device_type, (num_processes,))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    return len(layers)
-
-
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
-    """Stops unless both tokenizers map the same text and special tokens to the same ids.
-
-    Scores compare log-probs of the *same token ids*, so a teacher that tokenizes differently would be
-    scored on tokens it never saw. Embedding tables padded to different sizes are fine.
-    """
+    """Stops unless both tokenizers map the same text and special tokens to the same ids: scores compare log-probs
+    of the same token ids (embedding tables padded to different sizes are fine)."""
     s_vocab, t_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if s_vocab != t_vocab:
         only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()), key=lambda kv: kv[1])[:5]
@@ -1232,13 +1007,9 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
 
 
 def check_same_image_inputs(student_processor, teacher_processor) -> None:
-    """Stops unless both processors turn the same prompt and image into the same model inputs.
-
-    Prompts are encoded once, by the student's processor, and the teacher scores those very inputs. A teacher
-    of the same tokenizer but other image processing (another tile size or number of tokens per tile, e.g.
-    SmolVLM2-2.2B's 384-pixel tiles against the 256M's 512) would be fed images cut for another model: a crash
-    or plausible but wrong log-probs. Probed with a 3:2 image, which tiling processors cut into several tiles.
-    """
+    """Stops unless both processors make the same model inputs from a prompt and a 3:2 image (which tiling
+    processors cut into tiles): the teacher scores the inputs the student's processor made, and other image
+    processing (SmolVLM2-2.2B's 384-pixel tiles against the 256M's 512) would crash or give wrong log-probs."""
     from PIL import Image
 
     probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
@@ -1256,15 +1027,9 @@ VISION_TOKEN_RE = re.compile(r"image|img|vision|video|row_\d+_col_\d+", re.IGNOR
 
 
 def vision_token_ids(tokenizer, config=None) -> list[int]:
-    """Ids of the image/video special tokens: a sampled one would break the scoring forward (image features
-    and image tokens no longer match), so sampling suppresses them and scoring gives them -inf, keeping both
-    distributions the same.
-
-    Found by name among the tokenizer's special tokens (<|image_pad|> and <|vision_start|> in Qwen-VL,
-    <IMG_CONTEXT> and <img> in InternVL, <start_of_image> and <image_soft_token> in Gemma 3, <image>,
-    <fake_token_around_image>, <global-img> and <row_i_col_j> in Idefics3/SmolVLM), plus every image, video or
-    vision token id the model's config names.
-    """
+    """Ids of the image/video special tokens, which sampling suppresses and scoring gives -inf (a sampled one would
+    break the scoring forward): special tokens found by name (<|image_pad|>, <IMG_CONTEXT>, <start_of_image>,
+    <row_i_col_j>, ...), plus every image, video or vision token id the model's config names."""
     ids = {i for i, tok in tokenizer.added_tokens_decoder.items()
            if tok.special and VISION_TOKEN_RE.search(tok.content)}
     for key, value in (config.to_dict().items() if config is not None else ()):
@@ -1272,25 +1037,14 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
                 and re.search(r"image|video|vision|boi|eoi", key)):
             ids.add(value)
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
-
-
-def language_model(model):
-    """The text decoder inside a (LoRA-wrapped, Accelerate-wrapped) vision-language model."""
-    model = unwrap(model)
-    return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
-
 # ---------------------------------------------------------------------------------------------
 # Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
 # ---------------------------------------------------------------------------------------------
 
 
 def load_image(value):
-    """One image from a dataset cell (PIL image, {'bytes', 'path'} dict or path) as an RGB PIL image.
-
-    Transparent images (RGBA, LA, PA, P with transparency) are put on white; other modes (L, P, CMYK, 1)
-    are converted, 16-bit grey (I;16) scaled to 8 bits. Raises ValueError naming the problem for missing,
-    unreadable or truncated images.
-    """
+    """One image from a dataset cell (PIL image, {'bytes', 'path'} dict or path) as RGB: transparency put on white,
+    16-bit grey scaled to 8 bits. Raises ValueError naming the problem for missing, unreadable or truncated images."""
     from PIL import Image, UnidentifiedImageError
 
     if value is None:
@@ -1338,12 +1092,9 @@ def message_text(content) -> str | None:
 
 
 def split_chat(cell) -> tuple:
-    """A prompt cell as (prompt, the answer it holds or None). Never raises: build_messages judges the prompt.
-
-    Text stays text. Chat messages, TRL's {"role", "content"} or LLaVA's {"from", "value"} ("human", "gpt"), are
-    cut to the turns up to the first user turn (system turns kept); the first assistant turn after it is the
-    answer, later turns are dropped: a rollout answers one turn.
-    """
+    """A prompt cell as (prompt, the answer it holds or None); never raises (build_messages judges the prompt).
+    Chat messages (TRL's role/content, LLaVA's from/value) are cut after the first user turn, system turns kept; the
+    assistant turn after it is the answer, later turns are dropped: a rollout answers one turn."""
     if not isinstance(cell, (list, tuple)) or not cell or not all(isinstance(m, dict) for m in cell):
         return cell, None
     prompt, answer = [], None
@@ -1367,12 +1118,9 @@ def answer_text(cell) -> str | None:
 
 
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
-    """The chat that the processor's template renders, from a prompt: a question (text) or split_chat's messages.
-
-    Text becomes one user turn; messages keep their system turns. Images go where the prompt has <image> markers
-    or {"type": "image"} items, or first in the user turn when it has none. The instruction ends the user turn.
-    Raises ValueError for a prompt that is neither, or whose image places do not match the row's images.
-    """
+    """The chat the processor's template renders from a prompt (text, or split_chat's messages). Images go where
+    <image> markers or {"type": "image"} items are, else first in the user turn; the instruction ends the user turn.
+    Raises ValueError for a prompt that is neither, or whose image places do not match the row's images."""
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
@@ -1433,13 +1181,10 @@ DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", 
 
 
 def split_files(folder: str, split: str) -> list[str]:
-    """A local folder's data files of a split: <split>.<ext> or its shards <split>-*.<ext>, in the folder or data/.
-
-    Named files are read as they are: left to itself, `datasets` takes a folder with more images than data
-    files for an image folder and drops the text columns. [] for a folder without data files (save_to_disk,
-    imagefolder) or whose README declares its own configs: `datasets` reads those. Raises ValueError listing
-    the splits there are when the split has no file.
-    """
+    """A local folder's data files of a split (<split>.<ext> or shards <split>-*.<ext>, in it or data/), named so:
+    left to itself, `datasets` takes a folder with more images than data files for an image folder and drops the
+    text. [] where `datasets` reads the folder itself (save_to_disk, a README's configs). Raises ValueError listing
+    the splits there are when the split has no file."""
     if any(os.path.isfile(os.path.join(folder, f)) for f in ("dataset_dict.json", "state.json")):
         return []  # save_to_disk
     readme = os.path.join(folder, "README.md")
@@ -1520,11 +1265,9 @@ COLUMN_FALLBACKS = {"image_column": ("images",), "question_column": ("prompt", "
 
 
 def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
-    """The columns holding a split's images, prompts and answers, by flag (answer_column None: no answers).
-
-    A flag left at its default also finds the names TRL and LLaVA data use (COLUMN_FALLBACKS). Stops with the
-    flag to set when the images or prompts are missing, or an answer column named explicitly (need_answer).
-    """
+    """The columns holding a split's images, prompts and answers, by flag (answer_column None: no answers); a flag at
+    its default also finds TRL's and LLaVA's names. Stops with the flag to set when images or prompts are missing, or
+    an answer column named explicitly (need_answer)."""
     columns = {}
     for flag in ("image_column", "question_column", "answer_column"):
         name = getattr(args, flag)
@@ -1535,32 +1278,16 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
             also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
             raise ValueError(f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
                              f"{ds.column_names}: pass {flag_prefix}{flag} with one of them")
-    if len(teacher_paths(args)) > 1:  # several teachers: every row names its own
-        check_teacher_column(ds, args, split)
+    names = list(teacher_paths(args))
+    if len(names) > 1:  # several teachers: every row names its own
+        several_teachers().check_teacher_column(ds, args.teacher_column, names, split)
         columns["teacher_column"] = args.teacher_column
     return columns
 
 
-def check_teacher_column(ds, args: Args, split: str) -> None:
-    """Stops unless every row of the split names one of --teacher_model's teachers in --teacher_column: a row routed
-    to no teacher, or to one that was not loaded, cannot be scored."""
-    names = list(teacher_paths(args))
-    if args.teacher_column not in ds.column_names:
-        raise ValueError(f"several teachers ({', '.join(names)}), but the {split!r} split has no column "
-                         f"{args.teacher_column!r} naming each row's teacher; its columns are {ds.column_names}: "
-                         f"pass --teacher_column")
-    values = ds.select_columns([args.teacher_column])[args.teacher_column]
-    unknown = [(i, v) for i, v in enumerate(values) if v not in names]
-    if unknown:
-        counts = {str(v): sum(1 for _, u in unknown if u == v) for v in dict.fromkeys(v for _, v in unknown)}
-        raise ValueError(f"{len(unknown)} rows of the {split!r} split name no loaded teacher in column "
-                         f"{args.teacher_column!r} (first: row {unknown[0][0]}; values and counts {counts}); the "
-                         f"teachers are {names}: add them to --teacher_model as name=path, or fix the rows")
-
-
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
-    """Raw rows (a dict of columns, as `with_transform` gives) in one form, under args' column names: the prompt (text
-    or split_chat's messages), the images (a list, relative paths resolved) and the answer (None when absent)."""
+    """Raw rows (a dict of columns) in one form under args' column names: the prompt (text or split_chat's messages),
+    the images (a list, relative paths resolved) and the answer (None when absent)."""
     prompts = examples[columns["question_column"]]
     answers = examples[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
     out = {args.question_column: [], args.image_column: [], args.answer_column: []}
@@ -1577,15 +1304,10 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) 
 
 def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print, need_answer: bool = False,
                   flag_prefix: str = "--") -> tuple:
-    """Checks every row once: decodes its images and measures its prompt.
-
-    Rows without a readable image, with a prompt that is neither text nor chat messages or whose image places
-    do not match the images, without an answer (need_answer: evaluation rows) or with a prompt longer than
-    max_prompt_length are skipped, counted and logged (one bad row should not stop a long run). Stops when
-    none of the first rows' image files exists: a wrong folder, not bad rows. Returns (dataset, kept row
-    indices, skip counts); the dataset's rows hold the prompt, the images and the answer in one form
-    (normalize_rows), under args' column names, whatever the data's columns and format.
-    """
+    """Checks every row once, decoding its images and measuring its prompt: a row without a readable image, a usable
+    prompt, an answer (need_answer) or with a prompt over max_prompt_length is skipped, counted and logged (one bad
+    row should not stop a long run). Stops when no image file of the first rows exists (a wrong folder). Returns
+    (dataset whose rows are normalize_rows', kept row indices, skip counts)."""
     import datasets
     from tqdm.auto import tqdm
 
@@ -1671,13 +1393,9 @@ def eval_args(args: Args) -> Args:
 
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
-    """Evaluation rows [(prompt, images, answer)] (several teachers: (prompt, images, answer, teacher name)), at most
-    num_eval_samples of them ([] when 0).
-
-    Only evaluation needs answers. A set without any (no answer column, no assistant turn in chat prompts) is
-    skipped with a log line, unless evaluation was asked for (--eval_dataset_name or --num_eval_samples set):
-    then start-up stops.
-    """
+    """At most num_eval_samples rows [(prompt, images, answer)] (several teachers: + the teacher's name). A set
+    without answers is skipped with a log line, unless evaluation was asked for (--eval_dataset_name or
+    --num_eval_samples set): then start-up stops."""
     if not args.num_eval_samples:
         return []
     e = eval_args(args)
@@ -1701,14 +1419,9 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
-    """The prompts_per_step distinct row positions (0..n_rows-1) of a step.
-
-    Every epoch is a fresh seeded permutation cut into n_rows // prompts_per_step whole steps; the
-    n_rows % prompts_per_step rows left at its end are dropped for that epoch (like DataLoader's
-    drop_last) and reshuffled into the next. So a step never straddles two epochs and never holds a
-    row twice. A pure function of (step, seed), one permutation per call: a resumed run draws exactly
-    the prompts the interrupted one would have.
-    """
+    """The prompts_per_step distinct row positions (0..n_rows-1) of a step: each epoch a fresh seeded permutation
+    cut into whole steps, its remainder dropped (DataLoader's drop_last), so no step straddles epochs or holds a row
+    twice. A pure function of (step, seed): a resumed run draws the prompts the interrupted one would have."""
     if not 0 < prompts_per_step <= n_rows:
         raise ValueError(f"{prompts_per_step} distinct prompts per step need at least that many usable rows, "
                          f"got {n_rows}: lower --prompts_per_step or add data")
@@ -1719,13 +1432,9 @@ def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int
 
 def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, num_processes: int,
                     process_index: int) -> list[tuple[int, int]]:
-    """This process's share of a step: (group id, row position) for each of its prompts.
-
-    The step's prompts_per_step prompts (the global batch) are cut into num_processes contiguous
-    blocks, one per process, so no prompt is rolled out twice in a step. A prompt and all its G samples
-    live on one process, which is what `normalize_scores(mode="group")` needs (it whitens locally).
-    Group ids (step * prompts_per_step + slot) are unique over the whole run.
-    """
+    """This process's share of a step, (group id, row position) per prompt: the step's prompts cut into one
+    contiguous block per process, so a prompt and its G samples live on one process (group mode whitens locally).
+    Group ids (step * prompts_per_step + slot) are unique over the run."""
     positions = step_prompt_indices(step, n_rows, prompts_per_step, seed)
     per_process = prompts_per_step // num_processes  # check_args made it divide
     slots = range(process_index * per_process, (process_index + 1) * per_process)
@@ -1757,11 +1466,8 @@ def _strip_answer(text: str) -> str:
 
 
 def grade_answer(response: str, reference: str) -> bool:
-    """True when the last \\boxed{} of `response` equals `reference`.
-
-    Equal as text after light normalization (degrees, \\dfrac, spaces, case), or mathematically equal
-    according to math-verify (e.g. 8\\sqrt{3}+24 and 24+8\\sqrt{3}).
-    """
+    """True when the last \\boxed{} of `response` equals `reference`: as text after light normalization (degrees,
+    \\dfrac, spaces, case), or mathematically by math-verify (8\\sqrt{3}+24 and 24+8\\sqrt{3})."""
     pred = extract_boxed(response)
     if pred is None:
         return False
@@ -1791,23 +1497,18 @@ def is_well_formed(response: str, require_think: bool = False) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, accelerator, gen_config,
+def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_config,
              synced_gpus: bool = False) -> dict:
     """Greedy decoding on (question, images, answer) rows, sharded over processes, args.generation_batch_size rows
-    per generate() (the batch whose KV cache the memory budget allows; 0: all).
-
-    Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows; rows of several teachers
-    ((prompt, images, answer, teacher name)) add accuracy_per_teacher, {name: accuracy on that teacher's rows}.
-    """
+    per generate() (0: all). Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows."""
     was_training = model.training
     model.eval()
-    names = sorted({row[3] for row in rows}) if rows and len(rows[0]) > 3 else []  # alike on every process
     mine = rows[accelerator.process_index::accelerator.num_processes]
     n_mine = len(mine)
     # With sharded weights (synced_gpus) every process must run as many generate() calls as the others:
     # shorter shares are topped up with a repeated row whose answer is not counted.
     mine = mine + rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)
-    counts = torch.zeros(3 + 2 * len(names), device=accelerator.device)  # correct, well-formed, total; by teacher
+    counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
     batch_size = args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
         part = mine[s:s + batch_size]
@@ -1816,42 +1517,17 @@ def evaluate(model, processor, rows: list[tuple[str, list, str]], args: Args, ac
             out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
-        right = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
-        counts[0] += sum(right)
+        counts[0] += sum(grade_answer(t, row[2]) for t, row in zip(texts, part))
         counts[1] += sum(is_well_formed(t, args.require_think) for t in texts)
         counts[2] += len(part)
-        for ok, row in zip(right, part) if names else ():
-            k = 3 + 2 * names.index(row[3])
-            counts[k] += ok
-            counts[k + 1] += 1
     counts = accelerator.reduce(counts, reduction="sum").tolist()
     model.train(was_training)
-    result = {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1)}
-    if names:
-        result["accuracy_per_teacher"] = {name: counts[3 + 2 * k] / max(counts[4 + 2 * k], 1)
-                                          for k, name in enumerate(names)}
-    return result
-
-
-def evaluate_teachers(models: Models, processor, rows: list[tuple], args: Args, accelerator, gen_config) -> dict:
-    """evaluate() for the teacher, or for several teachers each on its own rows: accuracy and format_rate over all
-    rows together, and accuracy_per_teacher. A sharded teacher (--shard_teacher) generates in step on every
-    process."""
-    synced = args.shard_teacher and accelerator.num_processes > 1
-    if models.teachers is None:
-        return evaluate(models.teacher, processor, rows, args, accelerator, gen_config, synced_gpus=synced)
-    parts = {name: evaluate(model, processor, [row for row in rows if row[3] == name], args, accelerator, gen_config)
-             for name, model in models.teachers.items() if any(row[3] == name for row in rows)}
-    counts = {name: sum(row[3] == name for row in rows) for name in parts}
-    total = sum(counts.values())
-    return {key: sum(parts[name][key] * counts[name] for name in parts) / total for key in ("accuracy", "format_rate")
-            } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}}
+    return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1)}
 
 
 def per_teacher(result: dict, key: str) -> dict:
-    """{key_per_teacher: accuracy by teacher} from an evaluate() result of several teachers' rows; {} otherwise."""
+    """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
     return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: atomic saves, resume, one run per output_dir
 # ---------------------------------------------------------------------------------------------
@@ -1887,11 +1563,8 @@ def student_folder(args) -> str:
 
 
 def save_student(accelerator, student, processor, path: str) -> None:
-    """Writes the trained student and the processor to `path` (main process): the LoRA adapter (peft's
-    save_pretrained keeps the adapter's keys only), or under full fine-tuning the whole model, which
-    AutoModelForImageTextToText.from_pretrained loads. Every process must call it: with sharded weights,
-    collecting the full state dict is a collective operation (ZeRO-3 needs zero3_save_16bit_model: true in its
-    config for that)."""
+    """Writes the trained student (the LoRA adapter, or under full fine-tuning the whole model) and the processor to
+    `path`. Every process must call it: with sharded weights, collecting the state dict is a collective."""
     state_dict = accelerator.get_state_dict(student) if weights_are_sharded(accelerator) else None
     if accelerator.is_main_process:
         accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)
@@ -1948,10 +1621,8 @@ def clear_run(output_dir: str) -> None:
 
 
 def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
-    """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir.
-
-    Returns the checkpoint folder to resume from, or None for a fresh start.
-    """
+    """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir: the checkpoint folder to
+    resume from, or None for a fresh start."""
     holds_run = (os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
                  or bool(list_checkpoints(args.output_dir)))
     if args.resume_from_checkpoint == "latest":
@@ -1996,7 +1667,7 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
     return saved["step"], saved["counters"]
 
 # ---------------------------------------------------------------------------------------------
-# Set-up: the launch, the models, the data, the optimizer; the run's end
+# Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
 # ---------------------------------------------------------------------------------------------
 
 
@@ -2017,7 +1688,7 @@ def check_args(args: Args, num_processes: int) -> int:
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     for flag, choices in (("advantage_mode", ADVANTAGE_MODES), ("loss_type", LOSS_TYPES),
-                          ("score_type", SCORE_TYPES), ("optimizer", ("adamw", "sgd"))):
+                          ("score_type", tuple(SCORES)), ("optimizer", ("adamw", "sgd"))):
         if getattr(args, flag) not in choices:
             problems.append(f"--{flag} {getattr(args, flag)!r} is not one of {choices}")
     for flag in ("power_alpha", "score_clip"):
@@ -2026,6 +1697,9 @@ def check_args(args: Args, num_processes: int) -> int:
     for flag in ("reward_weight", "score_std_floor"):
         if getattr(args, flag) < 0:
             problems.append(f"--{flag} must be >= 0 (0 = off), got {getattr(args, flag)}")
+    for flag in SPEEDUPS:
+        if str(getattr(args, flag)).lower() not in ("auto", "true", "false"):
+            problems.append(f"--{flag} {getattr(args, flag)!r} is not one of auto, true, false")
     several = len(teacher_paths(args)) > 1
     if args.advantage_mode == "per_teacher" and not several:
         problems.append("--advantage_mode per_teacher whitens each teacher's tokens on their own: it needs several "
@@ -2052,6 +1726,8 @@ def check_args(args: Args, num_processes: int) -> int:
                         f"change --micro_batch_size or --steps_per_generation")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
+    for flag in SPEEDUPS:
+        speedup_on(args, flag)  # an explicit true without gndpo_fast stops here
     return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
 
 
@@ -2118,8 +1794,8 @@ def make_accelerator(args: Args):
 
 
 def load_models(args: Args, accelerator, log=print) -> tuple:
-    """(processor, student, frozen teacher; {name: teacher} for several) after checking that every teacher shares the
-    student's tokenizer and makes the same inputs from a prompt and image (only the student's processor encodes)."""
+    """(processor, student, frozen teacher or {name: teacher}) after checking that every teacher shares the student's
+    tokenizer and makes the same inputs from a prompt and image (only the student's processor encodes)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
@@ -2140,7 +1816,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
     if args.shard_teacher and accelerator.num_processes > 1:
-        sharded = shard_frozen(next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes)
+        sharded = several_teachers().shard_frozen(next(iter(teachers.values())), accelerator.device.type,
+                                                  accelerator.num_processes)
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     what = "LoRA" if args.lora_r else "full: language model, projector, LM head"
@@ -2168,11 +1845,9 @@ def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
 
 
 def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
-    """(prepared student, prepared optimizer (AdamW, or SGD), LR scheduler) for the LoRA parameters.
-
-    The scheduler is stepped by hand once per optimizer update and only registered for checkpointing: through
-    prepare() Accelerate would step it once per process at every update, N times too fast on N processes.
-    """
+    """(prepared student, prepared optimizer (AdamW, or SGD), LR scheduler) for the trainable parameters. The
+    scheduler is stepped by hand once per update and only registered for checkpointing: through prepare()
+    Accelerate would step it once per process, N times too fast on N processes."""
     params = [p for p in student.parameters() if p.requires_grad]
     if args.optimizer == "sgd":  # plain SGD: the update is the gradient itself, scale included
         optimizer = torch.optim.SGD(params, lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -2186,14 +1861,18 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
 
 def startup_line(args: Args, accelerator, student) -> str:
     """Where and how the run computes, e.g. 'device cpu, student float32, teacher 4-bit nf4, mixed precision no,
-    2 threads': a GPU run that fell back to the CPU, or bf16 weights where float32 was meant, show here first."""
+    2 threads; plain paths': a GPU run on the CPU, bf16 weights where float32 was meant, show here first; and which
+    paths run (the speed-ups of gndpo_fast, or the plain ones), so a reader knows where to look."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
     teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, accelerator.device)).removeprefix(
         "torch.")
     device = accelerator.device
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag)]
+    paths = (f"speed-ups of gndpo_fast: {', '.join(on)}" if on else
+             "plain paths" + ("" if fast else " (gndpo_fast.py not found)"))
     return (f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
-            f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads")
+            f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}")
 
 
 def compute_dtype(accelerator) -> torch.dtype | None:
@@ -2201,10 +1880,41 @@ def compute_dtype(accelerator) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
+SPEEDUPS = {"lean_logps": "lean log-probs", "share_prompt_prefix": "each prompt read once",
+            "fast_sampler": "the sampler"}
+
+
+def speedup_on(args: Args, flag: str) -> bool:
+    """Whether a speed-up flag of gndpo_fast runs: auto where the module imports; true stops without it."""
+    value = str(getattr(args, flag)).lower()
+    if value == "true" and fast is None:
+        raise ValueError(f"--{flag} true needs the optional module gndpo_fast.py beside gndpo_minimal.py: copy it "
+                         f"there, or pass --{flag} auto (the plain path where it is absent)")
+    return value == "true" or (value == "auto" and fast is not None)
+
+
+def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):
+    """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. With sharded weights
+    every forward gathers them from every process, so all must run the same forwards: rollouts keep generate()
+    (synced_gpus) and the update one forward per sample; a sharded teacher reads every row's prompt. A replaced
+    teacher forward (main's teacher_forward) is not ours to share."""
+    n = accelerator.num_processes
+    agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
+                                          reduction="sum").item() == n
+    reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
+    teacher_reason = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
+    sharing = fast.PrefixSharing(plain or response_logps, logps_tolerance, log, agree,
+                                 {"student": reason, "rollout": reason, "teacher": teacher_reason},
+                                 speedup_on(args, "lean_logps"), compute_dtype(accelerator))
+    if teacher_replaced:
+        sharing.decided["teacher"] = False
+    return sharing
+
+
 def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
     """The step's Models: the prepared student, the teacher (or {name: teacher}), the ids sampling suppresses, each
-    model's scoring forward (the plain one, or the speed-ups their flags select: --lean_logps, --share_prompt_prefix)
-    and how rollouts are drawn (Sampling). teacher_forward replaces the teacher's scoring forward."""
+    model's scoring forward (plain, or gndpo_fast's where its flags are on) and how rollouts are drawn (Sampling).
+    teacher_forward replaces the teacher's scoring forward."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
@@ -2218,28 +1928,102 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     # With sharded weights each forward gathers parameters from every process, so all of them must keep
     # stepping generate() until the last one is done.
     synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
-    plain = lean_response_logps if args.lean_logps else response_logps
-    sharing = (PrefixSharing.for_run(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
-               if args.share_prompt_prefix else None)
+    lean = speedup_on(args, "lean_logps")
+    plain = fast.lean_forward(sequence_inputs) if lean else response_logps
+    sharing = (prefix_sharing(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
+               if speedup_on(args, "share_prompt_prefix") else None)
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
-    sampling = Sampling(sample_config, draw_tokens if args.fast_sampler else multinomial, accelerator.device,
-                        synced_gpus, sharing, precision)
-    teachers = teacher if isinstance(teacher, dict) else None  # several teachers: {name: model}
+    draw = fast.draw_tokens if speedup_on(args, "fast_sampler") else multinomial
+    sampling = Sampling(sample_config, draw, accelerator.device, synced_gpus, sharing, precision)
     log(startup_line(args, accelerator, student))
-    first_teacher = next(iter(teachers.values())) if teachers else teacher
-    log("log-probs: " + ", ".join(f"{role} {head_path(m) if args.lean_logps else 'full logits (--lean_logps false)'}"
+    first_teacher = next(iter(teacher.values())) if isinstance(teacher, dict) else teacher
+    log("log-probs: " + ", ".join(f"{role} {fast.head_path(m) if lean else 'full logits'}"
                                   for role, m in (("student", student), ("teacher", first_teacher))))
-    return Models(student, first_teacher, processor, ignore_ids,
-                  teacher_forward or (sharing.forward("teacher") if sharing else plain),
-                  sharing.forward("student") if sharing else plain, sampling, teachers)
+    teacher_forward = teacher_forward or (sharing.forward("teacher") if sharing else plain)
+    if isinstance(teacher, dict):  # several teachers: each row scored by its own
+        teacher_forward = several_teachers().routed_forward(teacher_forward)
+    return Models(student, teacher, processor, ignore_ids, teacher_forward,
+                  sharing.forward("student") if sharing else plain, sampling, update_size)
 
 
-def _local_values(p: torch.Tensor) -> torch.Tensor:
-    """The values this process holds of a parameter or of its optimizer state: its FSDP2 shard, or the whole
-    tensor."""
-    return p.to_local() if hasattr(p, "to_local") else p
+@dataclass
+class Run:
+    """What setup() made for a run: main()'s state, and what the tutorials and benchmarks step through."""
+
+    args: Args
+    accelerator: object
+    models: Models
+    optimizer: object
+    scheduler: object
+    train_ds: object  # the training split, rows in normalize_rows' form
+    train_keep: list[int]  # its usable rows
+    eval_rows: list[tuple]  # [(prompt, images, answer)]
+    log: Callable  # prints on the main process only
+    train_skipped: dict = field(default_factory=dict)  # training rows skipped, by reason
+    start_step: int = 0
+    counters: dict = field(default_factory=lambda: {"skipped_steps": 0, "consecutive_skips": 0})
+    summary: dict = field(default_factory=dict)  # summary.json's contents so far
+    mismatch: object = None  # MismatchWatch
+    wall_start: float = field(default_factory=time.time)
+
+    @property
+    def policy(self):
+        return unwrap(self.models.student)
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.args.output_dir, "metrics.jsonl")
+
+    @property
+    def summary_path(self) -> str:
+        return os.path.join(self.args.output_dir, "summary.json")
+
+    def evaluate(self, model) -> dict:
+        """evaluate() of the student (run.policy) or the teacher(s) on the eval rows; rows of several teachers add
+        accuracy_per_teacher (each teacher on its own rows, the student on each teacher's rows)."""
+        args, models = self.args, self.models
+        config = generation_configs(models.processor.tokenizer, self.policy, args)[1]
+        synced = (args.shard_teacher and self.accelerator.num_processes > 1 if model is models.teacher
+                  else models.sampling.synced_gpus)  # sharded weights: every process steps generate() alike
+        one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config,  # noqa: E731
+                                       synced_gpus=synced)
+        if not isinstance(models.teacher, dict):
+            return one(model, self.eval_rows)
+        each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model)
+        return several_teachers().evaluate_each(one, each, self.eval_rows)
 
 
+def setup(args: Args, teacher_forward=None) -> Run:
+    """A run set up as main() runs it: the launch, the output folder (resumed from a checkpoint if asked), the models,
+    the data, the optimizer and the step's Models. teacher_forward: see main()."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    wall_start = time.time()
+    accelerator, accum = make_accelerator(args)
+    log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
+    resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
+    accelerator.wait_for_everyone()
+    set_seed(args.seed)  # the adapter's initial weights; each step's sampling has a generator of its own
+    processor, student, teacher = load_models(args, accelerator, log)
+    train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
+    student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
+    models = make_models(args, accelerator, processor, student, teacher, log, teacher_forward)
+    run = Run(args, accelerator, models, optimizer, scheduler, train_ds, train_keep, eval_rows, log, train_skipped,
+              mismatch=MismatchWatch(logps_tolerance(unwrap(student), compute_dtype(accelerator)), log=log),
+              wall_start=wall_start)
+    if resume_from:
+        run.start_step, run.counters = restore_checkpoint(accelerator, resume_from, run.metrics_path)
+        log(f"resumed from {resume_from} at step {run.start_step}")
+        if os.path.exists(run.summary_path):
+            with open(run.summary_path) as f:
+                run.summary.update(json.load(f))
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    if args.report_to != "none":
+        accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
+                                                   if isinstance(v, (int, float, str, bool))})
+    return run
 # ---------------------------------------------------------------------------------------------
 # The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
 # ---------------------------------------------------------------------------------------------
@@ -2266,6 +2050,12 @@ def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     weights for good, and every process must take the same decision, or the replicas drift apart."""
     ok = math.isfinite(loss) and grad_norm is not None and math.isfinite(float(grad_norm))
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
+
+
+def _local_values(p: torch.Tensor) -> torch.Tensor:
+    """The values this process holds of a parameter or of its optimizer state: its FSDP2 shard, or the whole
+    tensor."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB
@@ -2326,22 +2116,21 @@ class UpdateStats:
             s["mismatch"] += ((old_logps - sampled_logps).abs() * mask).sum().item()
             s["mismatch_tokens"] += n_tok
 
-    def update(self, grad_norm, lr: float, optimizer=None, accelerator=None) -> None:
-        """An update's end: applied (the optimizer given: its size is measured) or skipped."""
+    def update(self, grad_norm, lr: float, size: float | None = None) -> None:
+        """An update's end: applied (its size given, NaN where unmeasured) or skipped (None)."""
         self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         self.sums["loss"] += self.update_loss
         self.update_loss, self.lr = 0.0, lr
-        if optimizer is None:
+        if size is None:
             self.skipped += 1
         else:
-            self.size_squares += update_size(optimizer, accelerator) ** 2
+            self.size_squares += size**2
 
     def result(self, seconds: float) -> dict:
         """loss (this process's share of each update's loss, averaged over the updates), clip_frac and ratio_mean
         (over the updates' tokens), logp_mismatch (per token: ~0 when the scoring inputs are right), grad_norm (mean
         pre-clip norm) and grad_norm_max, lr (the last update's), updates, skipped_updates, the token counts behind
-        the means, update_norm (the root of the applied updates' summed squared sizes: ||theta_end - theta_start||
-        with one update per step), time_update."""
+        the means, update_norm (the root of the applied updates' summed squared sizes), time_update."""
         s, n, updates = self.sums, max(self.sums["tokens"], 1.0), len(self.grad_norms)
         return {"loss": s["loss"] / updates, "clip_frac": s["clipped_tokens"] / n, "ratio_mean": s["ratio"] / n,
                 "logp_mismatch": s["mismatch"] / max(s["mismatch_tokens"], 1.0),
@@ -2378,7 +2167,8 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
               "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
               "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
               "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
-              **(reward_sums(batch) if batch.rewards is not None else {}), **teacher_sums(batch)},
+              **(reward_sums(batch) if batch.rewards is not None else {}),
+              **(several_teachers().teacher_sums(batch) if batch.extra.get("teacher_names") else {})},
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
         highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
                "time_generate": batch.seconds.get("generate", 0.0), "time_score": batch.seconds.get("score", 0.0),
@@ -2399,13 +2189,8 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
     }
     if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
         metrics["score_std_floored"] = int(batch.std_floored)
-    for name in batch.teacher_names or ():  # several teachers: the same statistics over each teacher's tokens
-        n, key = max(r[f"{name}/tokens"], 1.0), f"teacher/{name}/"
-        metrics.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": r[f"{name}/score_sum"] / n,
-                        key + "score_std": spread(n, r[f"{name}/score_sum"], r[f"{name}/score_sq_sum"]),
-                        key + "adv_mean": r[f"{name}/adv_sum"] / n,
-                        key + "adv_std": spread(n, r[f"{name}/adv_sum"], r[f"{name}/adv_sq_sum"]),
-                        key + "tokens": int(r[f"{name}/tokens"])})
+    if batch.extra.get("teacher_names"):  # several teachers: the same statistics over each teacher's tokens
+        metrics.update(several_teachers().teacher_metrics(r, batch.extra["teacher_names"]))
     if batch.rewards is not None:  # --reward_weight
         metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
                        reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
@@ -2442,28 +2227,75 @@ def reward_sums(batch: ScoredBatch) -> dict:
             "no_answer": float((~has).sum())}
 
 
-def teacher_sums(batch: ScoredBatch) -> dict:
-    """Several teachers: this process's token count, KL, score and advantage sums over each teacher's valid tokens,
-    keyed name/what; {} with one teacher."""
-    out = {}
-    for k, name in enumerate(batch.teacher_names or ()):
-        mask = batch.response_mask.bool() & (batch.teacher_ids == k)[:, None]
-        scores, advantages = batch.scores[mask].double(), batch.advantages[mask].double()
-        out.update({f"{name}/tokens": float(mask.sum()),
-                    f"{name}/kl": (batch.student_logps[mask] - batch.teacher_logps[mask]).sum().item(),
-                    f"{name}/score_sum": scores.sum().item(), f"{name}/score_sq_sum": (scores**2).sum().item(),
-                    f"{name}/adv_sum": advantages.sum().item(), f"{name}/adv_sq_sum": (advantages**2).sum().item()})
-    return out
+def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
+    """How far two forwards' log-probs may differ and still count as equal (the largest difference over valid
+    tokens, in nats; the relative difference of the gradients): float32 rounding (1e-4) when the model computes in
+    float32. 16-bit compute (16-bit weights, or float32 weights under mixed precision's autocast: compute_dtype),
+    and 4-bit weights (bitsandbytes' CPU kernel computes in bf16 whatever the compute dtype, and its rounding changes
+    with the batch's shape), round logits to about 3 significant digits: there the tolerance is 0.05 (a wrong
+    position or mask moves a trained model's log-probs by whole nats)."""
+    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {compute_dtype or torch.float32}
+    return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
+
+
+class MismatchWatch:
+    """Reports once when logp_mismatch (the log-probs rollouts recorded against the training forward's, for the same
+    tokens) stays above `threshold` for `steps` steps in a row."""
+
+    def __init__(self, threshold: float, steps: int = 3, log=print):
+        self.threshold, self.steps, self.log, self.run, self.reported = threshold, steps, log, 0, False
+
+    def see(self, step: int, mismatch: float) -> None:
+        self.run = self.run + 1 if mismatch > self.threshold else 0
+        if self.run == self.steps and not self.reported:
+            self.reported = True
+            self.log(f"step {step}: logp_mismatch {mismatch:.2e} has been above {self.threshold:.0e} for {self.steps} "
+                     f"steps: the log-probs recorded while sampling are not what the training forward computes for "
+                     f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
+                     f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
+                     f"reading each prompt once (--share_prompt_prefix false)")
+
 
 
 def format_metrics(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
-def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, log=print) -> None:
-    """Prints the accuracy table, writes summary.json (main process), closes trackers and the process group."""
+def log_step(run: Run, metrics: dict, show: Callable) -> None:
+    """A step's metrics to metrics.jsonl, the progress bar (show()), the full line every logging_steps, trackers."""
+    args = run.args
+    if run.accelerator.is_main_process:
+        with open(run.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        show()
+        step = metrics["step"]
+        if args.logging_steps and (step % args.logging_steps == 0 or step == args.max_steps):
+            run.log(format_metrics(metrics))
+    run.accelerator.log(metrics, step=metrics["step"])
+
+
+def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
+    """Stops after max_consecutive_skips non-finite steps in a row, naming the checkpoint to resume from."""
+    if counters["consecutive_skips"] >= args.max_consecutive_skips:
+        last = list_checkpoints(args.output_dir)
+        raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step}: stopping. The "
+                           f"last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
+                           f"lower --learning_rate or check the teacher's outputs, then resume from it.")
+
+
+def finish_run(run: Run) -> None:
+    """Completes summary.json (main process) after printing the accuracy table; closes trackers and the process
+    group."""
+    args, accelerator, summary, log = run.args, run.accelerator, run.summary, run.log
+    summary.update(steps=args.max_steps, wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
+                   advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(run.train_keep),
+                   eval_rows=len(run.eval_rows), skipped_train_rows=run.train_skipped,
+                   skipped_steps=run.counters["skipped_steps"],
+                   **{k: v for k, v in run.counters.items() if k == "std_floored_steps"},
+                   share_prompt_prefix=run.models.sampling.sharing_summary(), torch_threads=torch.get_num_threads())
     if accelerator.is_main_process:
-        if eval_rows:
+        if run.eval_rows:
             log("\n          accuracy  before   after\n"
                 f"  teacher           {summary['teacher_accuracy']:.3f}\n"
                 f"  student           {summary['student_accuracy_before']:.3f}   "
@@ -2471,9 +2303,9 @@ def finish_run(accelerator, summary: dict, summary_path: str, eval_rows: list, l
             for name, after in summary.get("student_accuracy_after_per_teacher", {}).items():
                 log(f"  {name}: teacher {summary['teacher_accuracy_per_teacher'][name]:.3f}, student "
                     f"{summary['student_accuracy_before_per_teacher'][name]:.3f} -> {after:.3f}")
-        with open(summary_path, "w") as f:
+        with open(run.summary_path, "w") as f:
             json.dump(summary, f, indent=2)
-        log(f"the trained student, metrics.jsonl and summary.json in {os.path.dirname(summary_path)}")
+        log(f"the trained student, metrics.jsonl and summary.json in {args.output_dir}")
     accelerator.wait_for_everyone()
     accelerator.end_training()  # closes trackers and (accelerate >= 1.x) destroys the process group itself
     if dist.is_available() and dist.is_initialized():
@@ -2500,630 +2332,6 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.set_defaults(**values)  # the file's values stand where flags are absent
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(argv)[0]
-
-# ---------------------------------------------------------------------------------------------
-# Speed-up 1, lean log-probs (--lean_logps). Replaces gather_logps, log_softmax over float32 (n, R, V) logits:
-# token_logps works through chunks of logits and head_logps runs the LM head chunk by chunk, both with a
-# backward of their own. Checked against log_softmax in value and gradient (tests/test_math.py).
-# ---------------------------------------------------------------------------------------------
-
-
-def _float_logits(logits: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """A float32 copy of a chunk of logits, divided by the temperature, -inf at the ignored ids."""
-    logits = logits.to(torch.float32, copy=True)  # a copy of this chunk only; changed in place below
-    if temperature != 1.0:
-        logits.div_(temperature)
-    if ignore_ids is not None:
-        logits.index_fill_(-1, ignore_ids, float("-inf"))
-    return logits
-
-
-def _chunk_logps(logits: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None,
-                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., V) logits of any float dtype, (...) ids -> ((...) float32 log-probs, (...) float32 logsumexp)."""
-    logits = _float_logits(logits, ignore_ids, temperature)
-    picked = logits.gather(-1, ids[..., None]).squeeze(-1)
-    logps = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)  # one fused pass
-    lse = picked - logps
-    unset = ~torch.isfinite(picked)  # an ignored token given: its log-prob is -inf, its row's lse still counts
-    if unset.any():
-        lse[unset] = logits[unset].logsumexp(-1)
-    return logps, lse
-
-
-def _chunks(B: int, T: int, V: int, chunk_elements: int) -> list[tuple[int, int, int, int]]:
-    """(b0, b1, t0, t1) slices of a (B, T, V) tensor holding at most chunk_elements logits each: whole rows
-    when they fit, else pieces of one row. Slices of dims 0 and 1 are views: no copy of the logits is made."""
-    if T * V <= chunk_elements:  # several whole rows per chunk
-        n = max(1, chunk_elements // (T * V))
-        return [(b, min(b + n, B), 0, T) for b in range(0, B, n)]
-    n = max(1, chunk_elements // V)  # long rows: pieces of one row at a time
-    return [(b, b + 1, t, min(t + n, T)) for b in range(B) for t in range(0, T, n)]
-
-
-class _TokenLogps(torch.autograd.Function):
-    """token_logps under autograd, keeping only the (B, T) logsumexp for backward: the gradient of
-    log p(y) = x_y / tau - lse is (onehot(y) - softmax(x / tau)) / tau, and each chunk's softmax is recomputed
-    from the logits (which the graph holds anyway) and that lse. A plain log_softmax would keep a float32
-    (B, T, V) output instead."""
-
-    @staticmethod
-    def forward(ctx, logits, token_ids, ignore_ids, temperature, chunk_elements):
-        B, T, V = logits.shape
-        out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        chunks = _chunks(B, T, V, chunk_elements)
-        for b0, b1, t0, t1 in chunks:
-            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1],
-                                                               ignore_ids, temperature)
-        ctx.save_for_backward(logits, token_ids, lse)
-        ctx.ignore_ids, ctx.temperature, ctx.chunks = ignore_ids, temperature, chunks
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, token_ids, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for b0, b1, t0, t1 in ctx.chunks:
-            g = grad_out[b0:b1, t0:t1, None].float()  # (b, t, 1)
-            piece = _float_logits(logits[b0:b1, t0:t1], ctx.ignore_ids, ctx.temperature)
-            piece.sub_(lse[b0:b1, t0:t1, None]).exp_().mul_(-g)  # -g * softmax (0 at ignored ids), in place
-            piece.scatter_add_(-1, token_ids[b0:b1, t0:t1, None], g)  # + g at the token
-            grad[b0:b1, t0:t1] = piece.div_(ctx.temperature) if ctx.temperature != 1.0 else piece
-        return grad, None, None, None, None
-
-
-def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
-                temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
-    """Log-probability of each given token under softmax(logits / temperature).
-
-    logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
-    logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
-    Works through chunks of at most `chunk_elements` logits (whole rows when they fit, else pieces of a
-    row), with the temperature applied inside each chunk, so it never holds a float32 copy of the whole
-    (B, T, V) tensor. Under autograd it keeps only the (B, T) logsumexp and recomputes each chunk's softmax
-    in backward; the gradient equals that of log_softmax(logits / temperature).gather(token_ids).
-    """
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _TokenLogps.apply(logits, token_ids, ignore_ids, temperature, chunk_elements)
-    B, T, V = logits.shape
-    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_elements):
-        out[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1], ignore_ids, temperature)[0]
-    return out
-
-
-class _HeadTokenLogps(torch.autograd.Function):
-    """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
-    hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
-    gradient d @ W, with d = (onehot(y) - softmax) / tau times the incoming gradient. A frozen head: chunks of
-    rows. A trainable head (full fine-tuning): blocks of the vocabulary over all rows (_head_backward_by_vocab), so
-    that each block of the weight's gradient, d^T @ hidden, is written once."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk, dtype):
-        flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
-        # (B, T), written through a flat view: the output itself is no view (FSDP2's backward hook needs that)
-        out = torch.empty(token_ids.shape, dtype=torch.float32, device=hidden.device)
-        logps, lse = out.view(-1), torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
-        for r in range(0, len(ids), per_chunk):
-            logps[r:r + per_chunk], lse[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T,
-                                                                        ids[r:r + per_chunk], ignore_ids, temperature)
-        ctx.save_for_backward(hidden, weight, token_ids, lse)
-        ctx.ignore_ids, ctx.temperature, ctx.per_chunk, ctx.dtype = ignore_ids, temperature, per_chunk, dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, token_ids, lse = ctx.saved_tensors
-        flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
-        if ctx.needs_input_grad[1]:
-            grad, grad_weight = _head_backward_by_vocab(flat, weight, ids, lse, grad_out, ctx.ignore_ids,
-                                                        ctx.temperature, ctx.per_chunk * weight.shape[0], ctx.dtype)
-            return grad.view_as(hidden), grad_weight, None, None, None, None, None
-        grad = torch.empty_like(flat)
-        c, w = ctx.per_chunk, weight.to(ctx.dtype)
-        for r in range(0, len(ids), c):
-            g = grad_out[r:r + c, None].float()  # (c, 1)
-            logits = _float_logits(flat[r:r + c].to(ctx.dtype) @ w.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
-            logits.sub_(lse[r:r + c, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + c, None], g)
-            if ctx.temperature != 1.0:
-                logits.div_(ctx.temperature)
-            grad[r:r + c] = logits.to(ctx.dtype) @ w  # (c, H)
-        return grad.view_as(hidden), None, None, None, None, None, None
-
-
-def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
-                            grad_out: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-                            chunk_elements: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainable head's backward, one block of the vocabulary at a time over all N rows: the block's logits
-    made again, d = (onehot(y) - softmax) / tau times the incoming gradient, then the hidden states' gradient
-    (summed over blocks, float32) and the block's rows of the weight's gradient, each written once.
-    flat: (N, H); weight: (V, H); ids, lse, grad_out: (N,); dtype: the matmuls'. Returns ((N, H) in flat's dtype,
-    (V, H) in weight's)."""
-    N, V, x = len(ids), weight.shape[0], flat.to(dtype)
-    g = grad_out.float()[:, None]  # (N, 1)
-    grad = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-    grad_weight = torch.empty_like(weight)
-    block = max(1, chunk_elements // max(N, 1))
-    for v0 in range(0, V, block):
-        v1 = min(v0 + block, V)
-        local = None if ignore_ids is None else ignore_ids[(ignore_ids >= v0) & (ignore_ids < v1)] - v0
-        w = weight[v0:v1].to(dtype)  # (b, H)
-        logits = _float_logits(x @ w.T, local, temperature)  # (N, b)
-        d = logits.sub_(lse[:, None]).exp_().mul_(-g)  # -g softmax, 0 at the ignored ids
-        rows = ((ids >= v0) & (ids < v1)).nonzero().squeeze(1)
-        d[rows, ids[rows] - v0] += g[rows, 0]  # + g at the token
-        if temperature != 1.0:
-            d.div_(temperature)
-        d = d.to(dtype)
-        grad.add_(d @ w)  # (N, b) @ (b, H)
-        grad_weight[v0:v1] = d.T @ x  # (b, N) @ (N, H)
-    return grad.to(flat.dtype), grad_weight
-
-
-def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0,
-               chunk_elements: int = 2**24, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
-    (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
-    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden`, and the head's
-    weight where it trains (full fine-tuning; a LoRA student keeps it frozen).
-
-    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T); dtype: the dtype the head's
-    matmuls run in (None: the weight's), bf16 under mixed precision as an autocast nn.Linear would: the same
-    precision as the sampler's logits. Returns (B, T) float32.
-    """
-    dtype = dtype or weight.dtype
-    per_chunk = max(1, chunk_elements // weight.shape[0])  # hidden-state rows per chunk
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, per_chunk, dtype)
-    flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
-    out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
-    for r in range(0, len(ids), per_chunk):
-        out[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T, ids[r:r + per_chunk],
-                                            ignore_ids, temperature)[0]
-    return out.view(token_ids.shape)
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast computes matmuls in here (Accelerate's mixed precision runs the model's forward in it),
-    or None outside autocast."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
-def head_path(model) -> str:
-    """"chunked head" where chunked_head can run the LM head as head_logps: a bias-free Linear, plain or sharded
-    by FSDP2 (whose unit gathers the weight for the head's own forward), whose logits nothing changes (no hook of
-    another kind, no final-logit soft-capping); else "full logits" (scoring goes through the (n, T, V) logits)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    model = unwrap(model)
-    head = model.get_output_embeddings()
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    fsdp = isinstance(head, FSDPModule)  # FSDP2's hooks gather and free the weight around the forward
-    ok = (isinstance(head, torch.nn.Linear) and (type(head) is torch.nn.Linear or fsdp) and head.bias is None
-          and (fsdp or not (head._forward_hooks or head._forward_pre_hooks))  # a hook that changes its logits
-          and getattr(text_config, "final_logit_softcapping", None) is None)
-    return "chunked head" if ok else "full logits"
-
-
-@contextlib.contextmanager
-def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-                 drop_last: bool):
-    """Within it the LM head's forward returns head_logps of `token_ids` (n, T) instead of (n, keep, V) logits, so
-    model(...).logits is (n, T) float32 log-probs; yields whether it did (head_path). The head's own forward is
-    replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
-    precision (head_logps then computes in that dtype, as the sampler's nn.Linear does), and under FSDP2 inside
-    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient."""
-    head = unwrap(model).get_output_embeddings()
-    if head_path(model) != "chunked head":
-        yield False
-        return
-
-    def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
-        hidden = hidden[:, :-1] if drop_last else hidden
-        return head_logps(hidden, head.weight, token_ids, ignore_ids, temperature,
-                          dtype=autocast_dtype(hidden.device.type))
-
-    head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
-    try:
-        yield True
-    finally:
-        del head.forward
-
-
-def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-               keep: int, drop_last: bool, lean: bool = True) -> torch.Tensor:
-    """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
-    log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where chunked_head allows, else
-    through the logits and token_logps; not lean: the plain gather_logps over the logits."""
-    with chunked_head(model, token_ids, ignore_ids, temperature, drop_last) if lean else contextlib.nullcontext(
-            False) as chunked:
-        out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
-    if chunked:
-        return out
-    out = out[:, :-1] if drop_last else out
-    if not lean:
-        return gather_logps(out, token_ids, ignore_ids, temperature)
-    return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
-
-
-def lean_response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None,
-                        temperature: float = 1.0) -> torch.Tensor:
-    """response_logps through logps_from: the same (n, R) float32 log-probs, with no (n, R, V) float32 logits
-    (--lean_logps, the default)."""
-    R = rollout.response_ids.shape[1]
-    return logps_from(model, {**sequence_inputs(rollout), "use_cache": False}, rollout.response_ids, ignore_ids,
-                      temperature, R + 1, True)
-
-# ---------------------------------------------------------------------------------------------
-# Speed-up 2, each prompt read once (--share_prompt_prefix). Replaces one forward per sample of every row's prompt:
-# the distinct prompts are read once and their KV cache indexed to the G samples, in rollouts, teacher scoring and
-# the student's update. Checked on the first step against the plain forward, values and gradients, on two prompts'
-# samples (PrefixSharing), with a fallback; tested on every family (tests/test_prompt_sharing.py,
-# tests/test_families.py).
-# ---------------------------------------------------------------------------------------------
-
-
-def _read_only(layer):
-    """A copy of a cache layer (sharing its tensors) whose update() returns the stored prompt's keys and values
-    followed by the new ones, as the layer itself would, and stores nothing. A layer that gradient checkpointing
-    runs again in backward then sees exactly what its first pass saw. Everything else (mask sizes, lengths) is the
-    layer's own, frozen at the prompt."""
-    view = copy.copy(layer)
-    view.update = lambda key_states, value_states, *args, **kwargs: (torch.cat([view.keys, key_states], -2),
-                                                                     torch.cat([view.values, value_states], -2))
-    return view
-
-
-@contextlib.contextmanager
-def _checkpointing_off(model):
-    """Within it no layer is checkpointed: the prompt's forward writes its keys into the cache once, and backward
-    uses its saved activations instead of running it again (which would write them a second time)."""
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for m in flagged:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m in flagged:
-            m.gradient_checkpointing = True
-
-
-@contextlib.contextmanager
-def _checkpointing_with_cache(model):
-    """Within it a checkpointed layer keeps the cache it is given (transformers drops it by default, since a layer
-    run again would write to it twice): safe here, the response forward's cache is read-only."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for m in layers:
-        m._can_checkpoint_with_cache = True
-    try:
-        yield
-    finally:
-        for m in layers:
-            del m._can_checkpoint_with_cache  # back to the class's own value
-
-
-class SharedPrefix:
-    """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
-    continue on it, in one forward (logps: scoring and the update) or token by token (sample: rollouts).
-
-    prompt_inputs: the processor batch of the u prompts; index: (n,) each row's prompt. After construction,
-    `first` holds the (n, V) logits of each row's first response token (the prompt's last position). Positions
-    are the trap: a response continues its prompt's own last position (M-RoPE models place text after an image
-    at an offset of their own), so the positions the language model got for the prompt are read with a hook and
-    the response gets last + 1 + t in every rotary dimension; models that compute positions from the cache
-    length get none. Gradients flow through the cache into the prompt's forward. Under gradient checkpointing the
-    prompt's forward is not checkpointed and the response's reads the cache without writing it.
-    """
-
-    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
-        device = index.device
-        prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
-        seen = {}
-        hook = language_model(model).register_forward_pre_hook(
-            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
-        try:
-            with _checkpointing_off(model):
-                out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
-        finally:
-            hook.remove()
-        self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
-        self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys
-        self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
-        # token types (mm_token_type_ids, token_type_ids): response tokens are text
-        self.types = {k: v.dtype for k, v in prompt.items() if k not in ("input_ids", "attention_mask")
-                      and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
-        positions = seen.get("position_ids")  # (..., u or 1, P) -> (..., n, 1)
-        self.last = None if positions is None else positions[..., -1:].expand(
-            *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
-        self.length = 0  # response tokens already in the cache
-
-    def inputs(self, ids: torch.Tensor, mask: torch.Tensor, read_only: bool = False) -> dict:
-        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end); with
-        read_only, a view of the cache that the forward cannot write (a scoring forward: nothing follows it)."""
-        cache = self.cache
-        if read_only:
-            cache = copy.copy(self.cache)
-            cache.layers = [_read_only(layer) if hasattr(layer, "keys") and getattr(layer, "is_initialized", False)
-                            else layer for layer in self.cache.layers]
-        self.mask = torch.cat([self.mask, mask], 1)
-        # use_cache asks the model for a cache to return; a read-only one is read all the same
-        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": cache, "use_cache": not read_only,
-                  **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
-        if self.last is not None:
-            inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
-        self.length += ids.shape[1]
-        return inputs
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The next (n, T) response tokens on the cache -> (n, T, V) logits."""
-        return self.model(**self.inputs(ids, mask)).logits
-
-    @staticmethod
-    def logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
-              lean: bool = True) -> torch.Tensor:
-        """response_logps, reading each distinct prompt (and its images) once: (n, R) float32. Gradients flow
-        through the cache into the prompt's forward, so the student's update can use it too. lean: the response's
-        log-probs through logps_from's lean path (--lean_logps), else the plain gather."""
-        ids, mask = rollout.response_ids, rollout.response_mask
-        shared = SharedPrefix(model, rollout.prompt_inputs, rollout.prompt_index.to(ids.device))
-        first = (token_logps if lean else gather_logps)(shared.first[:, None], ids[:, :1], ignore_ids,
-                                                        temperature)  # (n, 1)
-        if ids.shape[1] == 1:
-            return first
-        inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
-        with _checkpointing_with_cache(model):
-            rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False,
-                              lean)  # (n, R - 1)
-        return torch.cat([first, rest], 1)
-
-    def sample(self, capture: SampledTokenLogps, sample_config) -> torch.Tensor:
-        """generate()'s sampling loop on the shared prompts: one token per forward for all n rows, until every row
-        has ended or max_new_tokens. The end tokens are held back until min_new_tokens (as generate() would).
-        Returns (n, R) ids, padding after a row's end."""
-        end = torch.tensor(sample_config.eos_token_id, device=self.first.device)
-        running = torch.ones(len(self.first), dtype=torch.bool, device=end.device)
-        scores, tokens = self.first.float(), []  # (n, V)
-        for t in range(sample_config.max_new_tokens):
-            if t < (sample_config.min_new_tokens or 0):
-                scores[:, end] = float("-inf")
-            token = capture(None, scores).argmax(-1).masked_fill(~running, sample_config.pad_token_id)  # (n,)
-            tokens.append(token)
-            running &= ~torch.isin(token, end)
-            if not running.any() or t + 1 == sample_config.max_new_tokens:
-                break
-            # like generate(): a row that has ended goes on with padding, attended to; its mask hides it later
-            scores = self.forward(token[:, None], torch.ones_like(token[:, None]))[:, -1].float()
-        return torch.stack(tokens, 1)
-
-
-def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
-    """How far two forwards' log-probs may differ and still count as equal (the largest difference over valid
-    tokens, in nats; the relative difference of the gradients): float32 rounding (1e-4) when the model computes in
-    float32. 16-bit compute (16-bit weights, or float32 weights under mixed precision's autocast: compute_dtype),
-    and 4-bit weights (bitsandbytes' CPU kernel computes in bf16 whatever the compute dtype, and its rounding changes
-    with the batch's shape), round logits to about 3 significant digits: there the tolerance is 0.05 (a wrong
-    position or mask moves a trained model's log-probs by whole nats)."""
-    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {compute_dtype or torch.float32}
-    return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
-
-
-@contextlib.contextmanager
-def _dropout_off(model):
-    """Within it every dropout module is in eval mode, the rest of the model as it was (training layers stay
-    checkpointed): the check compares the two forwards themselves, not two dropout masks."""
-    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
-    for m in dropouts:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m in dropouts:
-            m.train()
-
-
-class PrefixSharing:
-    """Which forwards read each prompt once (--share_prompt_prefix), as explicit state: decided[role] is None until
-    the role's check ran, then True (SharedPrefix) or False (the plain forward), for the roles
-      rollout: sampling on the shared prompts (SharedPrefix.sample) instead of generate(): the first step samples
-               that way, and its recorded log-probs are compared with the plain forward over the same tokens;
-      teacher: the teacher's scoring, values compared;
-      student: the student's update forwards, values and the gradient of every trainable parameter compared.
-    The checks run once, on the first step's rollouts, before anything is scored (run_checks), on the rows of two
-    distinct prompts with all their samples (check_rollout). agree(ok) -> bool makes every process take the same
-    decision (with sharded weights they must run the same forwards). A role given a reason at construction is off
-    from the start (the reason is logged, not checked).
-    """
-
-    ROLES = ("rollout", "teacher", "student")
-
-    def __init__(self, log=print, agree=lambda ok: ok, reasons: dict | None = None, plain: Callable | None = None,
-                 lean: bool = True, compute_dtype: torch.dtype | None = None):
-        self.log, self.agree = log, agree
-        self.compute_dtype = compute_dtype  # the student's autocast dtype under mixed precision (the teacher has none)
-        self.plain = plain or response_logps  # the forward a role falls back to, and the one checks compare with
-        self.lean = lean  # SharedPrefix.logps's own log-probs through the lean kernels (--lean_logps)
-        self.decided = dict.fromkeys(self.ROLES)
-        for role, reason in (reasons or {}).items():
-            if reason:
-                self.decided[role] = False
-                log(f"{role}: each sample reads its prompt itself ({reason})")
-
-    @classmethod
-    def for_run(cls, args: Args, accelerator, log=print, plain: Callable | None = None,
-                teacher_replaced: bool = False) -> PrefixSharing:
-        """The run's checks, agreed on by every process. With sharded weights every forward gathers them from
-        every process, so all must run the same forwards: rollouts keep generate() (synced_gpus) and the update
-        one forward per sample. A replaced teacher forward (main's teacher_forward) is not ours to share."""
-        n = accelerator.num_processes
-        agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
-                                              reduction="sum").item() == n
-        reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
-        teacher_reason = ("the teacher is sharded: each forward gathers its layers" if args.shard_teacher
-                          and accelerator.num_processes > 1 else None)
-        sharing = cls(log, agree, {"student": reason, "rollout": reason, "teacher": teacher_reason}, plain,
-                      args.lean_logps, compute_dtype(accelerator))
-        if teacher_replaced:
-            sharing.decided["teacher"] = False
-        return sharing
-
-    def pending(self) -> bool:
-        """True while a role has not been checked."""
-        return any(decision is None for decision in self.decided.values())
-
-    def run_checks(self, models: Models, rollout: Rollout, args: Args) -> bool:
-        """The pending checks on `rollout` (check_rollout). Returns False when the rollouts were sampled on the
-        shared prompts and their check failed: the step must sample them again with generate()."""
-        resample = False
-        if self.decided["rollout"] is None:
-            config = models.sampling.config  # end tokens held back (min_new_tokens) were not in the sampled one
-            held_back = (torch.tensor(config.eos_token_id), config.min_new_tokens) if config.min_new_tokens else None
-            self.decided["rollout"] = self.check("rollout", unwrap(models.student), rollout, models.ignore_ids,
-                                                 args.temperature, held_back)
-            resample = not self.decided["rollout"]
-        if self.decided["teacher"] is None:  # several teachers: shared only where every one passes
-            teachers = list(models.teachers.values()) if models.teachers else [models.teacher]
-            self.decided["teacher"] = all(self.check("teacher", t, rollout, models.ignore_ids) for t in teachers)
-        if self.decided["student"] is None:
-            self.decided["student"] = self.check("student", models.student, rollout, models.ignore_ids,
-                                                 args.temperature)
-        return not resample
-
-    def logps(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None,
-              temperature: float = 1.0) -> torch.Tensor:
-        """(n, R) float32 log-probs of the rollout's response tokens under `model`, the way `role` was decided (a
-        role not checked yet is checked on this rollout first)."""
-        if self.decided[role] is None:
-            self.decided[role] = self.check(role, model, rollout, ignore_ids, temperature)
-        if self.decided[role]:
-            return SharedPrefix.logps(model, rollout, ignore_ids, temperature, self.lean)
-        return self.plain(model, rollout, ignore_ids, temperature)
-
-    def forward(self, role: str) -> Callable:
-        """`role`'s scoring forward, (model, rollout, ignore_ids, temperature=1.0) -> (n, R), for Models."""
-        return functools.partial(self.logps, role)
-
-    def all_shared(self) -> bool:
-        """True once no forward reads every row's prompt: rollouts then need not encode it."""
-        return all(self.decided[role] is True for role in self.ROLES)
-
-    def summary(self) -> dict:
-        """Each role's decision, for summary.json."""
-        return {role: self.decided[role] for role in ("teacher", "student", "rollout")}
-
-    def check(self, role: str, model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
-              held_back: tuple | None = None) -> bool:
-        """Shared against plain on `rollout`, agreed on by every process; logs the decision and, on a fallback,
-        which comparison failed. rollout: the log-probs recorded while sampling against the plain forward in eval
-        mode (held_back: (end ids, positions) the sampler kept the end tokens out of, so the plain forward does too).
-        teacher / student: both forwards' log-probs, and for a trainable model the gradient of every trainable
-        parameter for a loss that weights each response token differently (a cache updated in place, as hybrid
-        linear-attention layers do, gives the right values and a wrong gradient through the prompt).
-        The check calls the module inside a DDP wrapper: its gradient must not start DDP's all-reduce."""
-        model = unwrap(model)
-        tolerance = logps_tolerance(model, None if role == "teacher" else self.compute_dtype)
-        valid = rollout.response_mask.bool()
-        try:
-            if rollout.prompt_index is None:
-                raise ValueError("the rollouts carry no distinct prompts (--share_prompt_prefix off when made)")
-            if role == "rollout":
-                with torch.no_grad(), evaluating(model):
-                    plain = self.plain(model, rollout, ignore_ids, temperature)
-                    if held_back is not None:
-                        ends, positions = held_back
-                        without = ends if ignore_ids is None else torch.cat([ignore_ids, ends.to(ignore_ids.device)])
-                        plain[:, :positions] = self.plain(model, rollout, without, temperature)[:, :positions]
-                ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
-            else:
-                ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
-        except Exception as e:  # a model whose forward cannot continue from an expanded cache, or its backward
-            ok, why = False, f"error: {type(e).__name__}: {e}"
-        agreed = self.agree(ok)
-        if agreed:
-            self.log(f"{role}: each prompt read once for its G samples (checked against the plain forward: {why})")
-        else:
-            self.log(f"{role}: falling back to one full forward per sample "
-                     f"({why if not ok else 'another process found the shared prompt unequal'})")
-        return agreed
-
-    def _compare_values(self, role: str, plain, shared, valid, tolerance: float, what: str = "values") -> tuple:
-        difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
-        ok = math.isfinite(difference) and difference <= tolerance
-        return ok, f"{what} {'equal' if ok else 'differ'}: max |difference| {difference:.2e}, tolerance {tolerance:.0e}"
-
-    def _compare_forwards(self, role: str, model, rollout: Rollout, ignore_ids, temperature: float,
-                          tolerance: float) -> tuple:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        valid = rollout.response_mask.bool()
-        weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)).to(valid.device) * valid
-        logps, grads = {}, {}
-        with torch.enable_grad() if trainable else torch.no_grad(), _dropout_off(model):
-            for path, fn in (("plain", self.plain), ("shared", functools.partial(SharedPrefix.logps, lean=self.lean))):
-                out = fn(model, rollout, ignore_ids, temperature)
-                if trainable:
-                    found = torch.autograd.grad((out * weights).sum(), trainable, allow_unused=True)
-                    grads[path] = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float()
-                                             for g, p in zip(found, trainable)])
-                logps[path] = out.detach()
-        ok, why = self._compare_values(role, logps["plain"], logps["shared"], valid, tolerance)
-        if ok and trainable:
-            relative = ((grads["shared"] - grads["plain"]).norm() / grads["plain"].norm().clamp(min=1e-30)).item()
-            ok = math.isfinite(relative) and relative <= tolerance
-            why += (f"; gradients {'equal' if ok else 'differ'}: relative difference {relative:.2e}, "
-                    f"tolerance {tolerance:.0e}")
-        return ok, why
-
-
-class MismatchWatch:
-    """Reports once when logp_mismatch (the log-probs rollouts recorded against the training forward's, for the same
-    tokens) stays above `threshold` for `steps` steps in a row."""
-
-    def __init__(self, threshold: float, steps: int = 3, log=print):
-        self.threshold, self.steps, self.log, self.run, self.reported = threshold, steps, log, 0, False
-
-    def see(self, step: int, mismatch: float) -> None:
-        self.run = self.run + 1 if mismatch > self.threshold else 0
-        if self.run == self.steps and not self.reported:
-            self.reported = True
-            self.log(f"step {step}: logp_mismatch {mismatch:.2e} has been above {self.threshold:.0e} for {self.steps} "
-                     f"steps: the log-probs recorded while sampling are not what the training forward computes for "
-                     f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
-                     f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
-                     f"reading each prompt once (--share_prompt_prefix false)")
-
-
-# ---------------------------------------------------------------------------------------------
-# Speed-up 3, the sampler (--fast_sampler). Replaces multinomial (slow at a 150k vocabulary) with an exact
-# inverse CDF in two levels. Checked by sampling frequencies (tests/test_prompt_sharing.py).
-# ---------------------------------------------------------------------------------------------
-
-
-def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None = None, block: int = 1024) -> torch.Tensor:
-    """(n, V) probabilities (rows summing to ~1, zeros allowed) -> (n, 1) ids, one exact sample per row.
-
-    Inverse CDF at one uniform number per row, in two levels: first the block of `block` ids (float32 block
-    sums, float64 running sum), then the id inside it (float64 running sum). It reads the probabilities about
-    once, where torch.multinomial is slow at a large vocabulary on CPU. u is in (0, total], so the id found
-    always has probability > 0.
-    """
-    n, V = probs.shape
-    full = V // block * block
-    sums = probs[:, :full].reshape(n, -1, block).sum(-1)  # (n, V // block)
-    if full < V:
-        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
-    cum = sums.double().cumsum(-1)  # (n, blocks)
-    u = (1.0 - torch.rand(n, 1, dtype=torch.float64, device=probs.device, generator=generator)) * cum[:, -1:]
-    k = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # (n, 1) the block
-    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), 0.0)
-    ids = k * block + torch.arange(block, device=probs.device)  # (n, block); the last block may run past V
-    inner = (probs.gather(1, ids.clamp(max=V - 1)) * (ids < V)).cumsum(-1, dtype=torch.float64)
-    j = torch.searchsorted(inner, torch.minimum(u - before, inner[:, -1:])).clamp_(max=block - 1)
-    return k * block + j
 
 
 if __name__ == "__main__":

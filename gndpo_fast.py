@@ -1,0 +1,627 @@
+"""The optional speed-ups of gndpo_minimal.py, each replacing one of its plain paths and checked against it.
+
+1. Lean log-probs (--lean_logps): the LM head and the log-softmax chunk by chunk (head_logps, token_logps), with
+   backwards of their own, instead of float32 (n, R, V) logits. Checked against log_softmax in value and gradient.
+2. Each prompt read once (--share_prompt_prefix): the u distinct prompts of a step read once and their KV cache
+   indexed to the G samples, in rollouts, teacher scoring and the update (SharedPrefix). Checked on the first step
+   against the plain forward, values and gradients, with a fallback (PrefixSharing).
+3. The sampler (--fast_sampler): an exact inverse CDF in two levels (draw_tokens) instead of torch.multinomial.
+
+gndpo_minimal.py imports this module when it is there (the flags' default, auto, then turns the speed-ups on) and
+runs its plain paths when it is not. It imports nothing from the script: what a speed-up needs (the plain forward to
+check against, the tolerance, the rollouts' inputs) comes in as arguments. The method is GNDPO (arXiv 2606.09091).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def _unwrap(model):
+    """The model inside a DDP wrapper (FSDP2 shards in place and wraps nothing)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _decoder(model):
+    """The text decoder inside a (LoRA-wrapped, DDP-wrapped) vision-language model."""
+    model = _unwrap(model)
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
+
+
+def _gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None,
+                  temperature: float) -> torch.Tensor:
+    """The plain path: (..., V) logits -> (...) float32 log-probs of token_ids through one log_softmax."""
+    return torch.log_softmax(_float_logits(logits, ignore_ids, temperature), -1).gather(
+        -1, token_ids[..., None]).squeeze(-1)
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 1, lean log-probs (--lean_logps). Replaces the script's gather_logps (log_softmax over float32
+# (n, R, V) logits): token_logps works through chunks of logits and head_logps runs the LM head chunk by chunk,
+# both with a backward of their own. Checked against log_softmax in value and gradient (tests/test_math.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def _float_logits(logits: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """A float32 copy of a chunk of logits, divided by the temperature, -inf at the ignored ids."""
+    logits = logits.to(torch.float32, copy=True)  # a copy of this chunk only; changed in place below
+    if temperature != 1.0:
+        logits.div_(temperature)
+    if ignore_ids is not None:
+        logits.index_fill_(-1, ignore_ids, float("-inf"))
+    return logits
+
+
+def _chunk_logps(logits: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V) logits of any float dtype, (...) ids -> ((...) float32 log-probs, (...) float32 logsumexp)."""
+    logits = _float_logits(logits, ignore_ids, temperature)
+    picked = logits.gather(-1, ids[..., None]).squeeze(-1)
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)  # one fused pass
+    lse = picked - logps
+    unset = ~torch.isfinite(picked)  # an ignored token given: its log-prob is -inf, its row's lse still counts
+    if unset.any():
+        lse[unset] = logits[unset].logsumexp(-1)
+    return logps, lse
+
+
+def _chunks(B: int, T: int, V: int, chunk_elements: int) -> list[tuple[int, int, int, int]]:
+    """(b0, b1, t0, t1) slices of a (B, T, V) tensor holding at most chunk_elements logits each: whole rows
+    when they fit, else pieces of one row. Slices of dims 0 and 1 are views: no copy of the logits is made."""
+    if T * V <= chunk_elements:  # several whole rows per chunk
+        n = max(1, chunk_elements // (T * V))
+        return [(b, min(b + n, B), 0, T) for b in range(0, B, n)]
+    n = max(1, chunk_elements // V)  # long rows: pieces of one row at a time
+    return [(b, b + 1, t, min(t + n, T)) for b in range(B) for t in range(0, T, n)]
+
+
+class _TokenLogps(torch.autograd.Function):
+    """token_logps under autograd, keeping only the (B, T) logsumexp for backward: the gradient of
+    log p(y) = x_y / tau - lse is (onehot(y) - softmax(x / tau)) / tau, and each chunk's softmax is recomputed
+    from the logits (which the graph holds anyway) and that lse. A plain log_softmax would keep a float32
+    (B, T, V) output instead."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, ignore_ids, temperature, chunk_elements):
+        B, T, V = logits.shape
+        out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        chunks = _chunks(B, T, V, chunk_elements)
+        for b0, b1, t0, t1 in chunks:
+            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1],
+                                                               ignore_ids, temperature)
+        ctx.save_for_backward(logits, token_ids, lse)
+        ctx.ignore_ids, ctx.temperature, ctx.chunks = ignore_ids, temperature, chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, token_ids, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for b0, b1, t0, t1 in ctx.chunks:
+            g = grad_out[b0:b1, t0:t1, None].float()  # (b, t, 1)
+            piece = _float_logits(logits[b0:b1, t0:t1], ctx.ignore_ids, ctx.temperature)
+            piece.sub_(lse[b0:b1, t0:t1, None]).exp_().mul_(-g)  # -g * softmax (0 at ignored ids), in place
+            piece.scatter_add_(-1, token_ids[b0:b1, t0:t1, None], g)  # + g at the token
+            grad[b0:b1, t0:t1] = piece.div_(ctx.temperature) if ctx.temperature != 1.0 else piece
+        return grad, None, None, None, None
+
+
+def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
+                temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+    """Log-probability of each given token under softmax(logits / temperature).
+
+    logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
+    logits count as -inf (tokens that sampling suppressed). Returns (B, T) float32.
+    Works through chunks of at most `chunk_elements` logits (whole rows when they fit, else pieces of a
+    row), with the temperature applied inside each chunk, so it never holds a float32 copy of the whole
+    (B, T, V) tensor. Under autograd it keeps only the (B, T) logsumexp and recomputes each chunk's softmax
+    in backward; the gradient equals that of log_softmax(logits / temperature).gather(token_ids).
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogps.apply(logits, token_ids, ignore_ids, temperature, chunk_elements)
+    B, T, V = logits.shape
+    out = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_elements):
+        out[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1], ignore_ids, temperature)[0]
+    return out
+
+
+class _HeadTokenLogps(torch.autograd.Function):
+    """head_logps under autograd: the LM head and the log-probs in one, logits made chunk by chunk from the
+    hidden states and dropped; backward makes each chunk's logits again and returns the hidden states'
+    gradient d @ W, with d = (onehot(y) - softmax) / tau times the incoming gradient. A frozen head: chunks of
+    rows. A trainable head (full fine-tuning): blocks of the vocabulary over all rows (_head_backward_by_vocab), so
+    that each block of the weight's gradient, d^T @ hidden, is written once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, ignore_ids, temperature, per_chunk, dtype):
+        flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
+        # (B, T), written through a flat view: the output itself is no view (FSDP2's backward hook needs that)
+        out = torch.empty(token_ids.shape, dtype=torch.float32, device=hidden.device)
+        logps, lse = out.view(-1), torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
+        for r in range(0, len(ids), per_chunk):
+            logps[r:r + per_chunk], lse[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T,
+                                                                        ids[r:r + per_chunk], ignore_ids, temperature)
+        ctx.save_for_backward(hidden, weight, token_ids, lse)
+        ctx.ignore_ids, ctx.temperature, ctx.per_chunk, ctx.dtype = ignore_ids, temperature, per_chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, token_ids, lse = ctx.saved_tensors
+        flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
+        if ctx.needs_input_grad[1]:
+            grad, grad_weight = _head_backward_by_vocab(flat, weight, ids, lse, grad_out, ctx.ignore_ids,
+                                                        ctx.temperature, ctx.per_chunk * weight.shape[0], ctx.dtype)
+            return grad.view_as(hidden), grad_weight, None, None, None, None, None
+        grad = torch.empty_like(flat)
+        c, w = ctx.per_chunk, weight.to(ctx.dtype)
+        for r in range(0, len(ids), c):
+            g = grad_out[r:r + c, None].float()  # (c, 1)
+            logits = _float_logits(flat[r:r + c].to(ctx.dtype) @ w.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
+            logits.sub_(lse[r:r + c, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + c, None], g)
+            if ctx.temperature != 1.0:
+                logits.div_(ctx.temperature)
+            grad[r:r + c] = logits.to(ctx.dtype) @ w  # (c, H)
+        return grad.view_as(hidden), None, None, None, None, None, None
+
+
+def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                            grad_out: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+                            chunk_elements: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainable head's backward, one block of the vocabulary at a time over all N rows: the block's logits
+    made again, d = (onehot(y) - softmax) / tau times the incoming gradient, then the hidden states' gradient
+    (summed over blocks, float32) and the block's rows of the weight's gradient, each written once.
+    flat: (N, H); weight: (V, H); ids, lse, grad_out: (N,); dtype: the matmuls'. Returns ((N, H) in flat's dtype,
+    (V, H) in weight's)."""
+    N, V, x = len(ids), weight.shape[0], flat.to(dtype)
+    g = grad_out.float()[:, None]  # (N, 1)
+    grad = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+    grad_weight = torch.empty_like(weight)
+    block = max(1, chunk_elements // max(N, 1))
+    for v0 in range(0, V, block):
+        v1 = min(v0 + block, V)
+        local = None if ignore_ids is None else ignore_ids[(ignore_ids >= v0) & (ignore_ids < v1)] - v0
+        w = weight[v0:v1].to(dtype)  # (b, H)
+        logits = _float_logits(x @ w.T, local, temperature)  # (N, b)
+        d = logits.sub_(lse[:, None]).exp_().mul_(-g)  # -g softmax, 0 at the ignored ids
+        rows = ((ids >= v0) & (ids < v1)).nonzero().squeeze(1)
+        d[rows, ids[rows] - v0] += g[rows, 0]  # + g at the token
+        if temperature != 1.0:
+            d.div_(temperature)
+        d = d.to(dtype)
+        grad.add_(d @ w)  # (N, b) @ (b, H)
+        grad_weight[v0:v1] = d.T @ x  # (b, N) @ (N, H)
+    return grad.to(flat.dtype), grad_weight
+
+
+def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0,
+               chunk_elements: int = 2**24, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
+    (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
+    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden`, and the head's
+    weight where it trains (full fine-tuning; a LoRA student keeps it frozen).
+
+    hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T); dtype: the dtype the head's
+    matmuls run in (None: the weight's), bf16 under mixed precision as an autocast nn.Linear would: the same
+    precision as the sampler's logits. Returns (B, T) float32.
+    """
+    dtype = dtype or weight.dtype
+    per_chunk = max(1, chunk_elements // weight.shape[0])  # hidden-state rows per chunk
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _HeadTokenLogps.apply(hidden, weight, token_ids, ignore_ids, temperature, per_chunk, dtype)
+    flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
+    out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
+    for r in range(0, len(ids), per_chunk):
+        out[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T, ids[r:r + per_chunk],
+                                            ignore_ids, temperature)[0]
+    return out.view(token_ids.shape)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in here (Accelerate's mixed precision runs the model's forward in it),
+    or None outside autocast."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def head_path(model) -> str:
+    """"chunked head" where chunked_head can run the LM head as head_logps: a bias-free Linear, plain or sharded
+    by FSDP2 (whose unit gathers the weight for the head's own forward), whose logits nothing changes (no hook of
+    another kind, no final-logit soft-capping); else "full logits" (scoring goes through the (n, T, V) logits)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _unwrap(model)
+    head = model.get_output_embeddings()
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    fsdp = isinstance(head, FSDPModule)  # FSDP2's hooks gather and free the weight around the forward
+    ok = (isinstance(head, torch.nn.Linear) and (type(head) is torch.nn.Linear or fsdp) and head.bias is None
+          and (fsdp or not (head._forward_hooks or head._forward_pre_hooks))  # a hook that changes its logits
+          and getattr(text_config, "final_logit_softcapping", None) is None)
+    return "chunked head" if ok else "full logits"
+
+
+@contextlib.contextmanager
+def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+                 drop_last: bool):
+    """Within it the LM head's forward returns head_logps of `token_ids` (n, T) instead of (n, keep, V) logits, so
+    model(...).logits is (n, T) float32 log-probs; yields whether it did (head_path). The head's own forward is
+    replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
+    precision (head_logps then computes in that dtype, as the sampler's nn.Linear does), and under FSDP2 inside
+    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient."""
+    head = _unwrap(model).get_output_embeddings()
+    if head_path(model) != "chunked head":
+        yield False
+        return
+
+    def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
+        hidden = hidden[:, :-1] if drop_last else hidden
+        return head_logps(hidden, head.weight, token_ids, ignore_ids, temperature,
+                          dtype=autocast_dtype(hidden.device.type))
+
+    head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
+    try:
+        yield True
+    finally:
+        del head.forward
+
+
+def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
+               keep: int, drop_last: bool, lean: bool = True) -> torch.Tensor:
+    """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
+    log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where chunked_head allows, else
+    through the logits and token_logps; not lean: one log_softmax over the logits."""
+    with chunked_head(model, token_ids, ignore_ids, temperature, drop_last) if lean else contextlib.nullcontext(
+            False) as chunked:
+        out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
+    if chunked:
+        return out
+    out = out[:, :-1] if drop_last else out
+    if not lean:
+        return _gather_logps(out, token_ids, ignore_ids, temperature)
+    return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
+
+
+def lean_forward(inputs_of: Callable) -> Callable:
+    """The script's plain response forward, (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32
+    log-probs of the response tokens, through logps_from: the same values, with no (n, R, V) float32 logits.
+    inputs_of(rollout) gives the forward's inputs, prompt + response (the script's sequence_inputs)."""
+
+    def lean_response_logps(model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
+        R = rollout.response_ids.shape[1]
+        return logps_from(model, {**inputs_of(rollout), "use_cache": False}, rollout.response_ids, ignore_ids,
+                          temperature, R + 1, True)
+
+    return lean_response_logps
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 2, each prompt read once (--share_prompt_prefix). Replaces one forward per sample of every row's prompt:
+# the distinct prompts are read once and their KV cache indexed to the G samples, in rollouts, teacher scoring and
+# the student's update. Checked on the first step against the plain forward, values and gradients, on two prompts'
+# samples (PrefixSharing), with a fallback; tested on every family (tests/test_prompt_sharing.py,
+# tests/test_families.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_only(layer):
+    """A copy of a cache layer (sharing its tensors) whose update() returns the stored prompt's keys and values
+    followed by the new ones, as the layer itself would, and stores nothing. A layer that gradient checkpointing
+    runs again in backward then sees exactly what its first pass saw. Everything else (mask sizes, lengths) is the
+    layer's own, frozen at the prompt."""
+    view = copy.copy(layer)
+    view.update = lambda key_states, value_states, *args, **kwargs: (torch.cat([view.keys, key_states], -2),
+                                                                     torch.cat([view.values, value_states], -2))
+    return view
+
+
+@contextlib.contextmanager
+def _checkpointing_off(model):
+    """Within it no layer is checkpointed: the prompt's forward writes its keys into the cache once, and backward
+    uses its saved activations instead of running it again (which would write them a second time)."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _checkpointing_with_cache(model):
+    """Within it a checkpointed layer keeps the cache it is given (transformers drops it by default, since a layer
+    run again would write to it twice): safe here, the response forward's cache is read-only."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._can_checkpoint_with_cache  # back to the class's own value
+
+
+class SharedPrefix:
+    """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
+    continue on it, in one forward (logps: scoring and the update) or token by token (sample: rollouts).
+
+    prompt_inputs: the processor batch of the u prompts; index: (n,) each row's prompt. After construction,
+    `first` holds the (n, V) logits of each row's first response token (the prompt's last position). Positions
+    are the trap: a response continues its prompt's own last position (M-RoPE models place text after an image
+    at an offset of their own), so the positions the language model got for the prompt are read with a hook and
+    the response gets last + 1 + t in every rotary dimension; models that compute positions from the cache
+    length get none. Gradients flow through the cache into the prompt's forward. Under gradient checkpointing the
+    prompt's forward is not checkpointed and the response's reads the cache without writing it.
+    """
+
+    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
+        device = index.device
+        prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
+        seen = {}
+        hook = _decoder(model).register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
+        try:
+            with _checkpointing_off(model):
+                out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
+        finally:
+            hook.remove()
+        self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
+        self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys
+        self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
+        # token types (mm_token_type_ids, token_type_ids): response tokens are text
+        self.types = {k: v.dtype for k, v in prompt.items() if k not in ("input_ids", "attention_mask")
+                      and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
+        positions = seen.get("position_ids")  # (..., u or 1, P) -> (..., n, 1)
+        self.last = None if positions is None else positions[..., -1:].expand(
+            *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
+        self.length = 0  # response tokens already in the cache
+
+    def inputs(self, ids: torch.Tensor, mask: torch.Tensor, read_only: bool = False) -> dict:
+        """The forward's inputs for the next (n, T) response tokens (mask: (n, T), 0 after a row's end); with
+        read_only, a view of the cache that the forward cannot write (a scoring forward: nothing follows it)."""
+        cache = self.cache
+        if read_only:
+            cache = copy.copy(self.cache)
+            cache.layers = [_read_only(layer) if hasattr(layer, "keys") and getattr(layer, "is_initialized", False)
+                            else layer for layer in self.cache.layers]
+        self.mask = torch.cat([self.mask, mask], 1)
+        # use_cache asks the model for a cache to return; a read-only one is read all the same
+        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": cache, "use_cache": not read_only,
+                  **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
+        if self.last is not None:
+            inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
+        self.length += ids.shape[1]
+        return inputs
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The next (n, T) response tokens on the cache -> (n, T, V) logits."""
+        return self.model(**self.inputs(ids, mask)).logits
+
+    @staticmethod
+    def logps(model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
+              lean: bool = True) -> torch.Tensor:
+        """response_logps, reading each distinct prompt (and its images) once: (n, R) float32. Gradients flow
+        through the cache into the prompt's forward, so the student's update can use it too. lean: the response's
+        log-probs through logps_from's lean path (--lean_logps), else the plain gather."""
+        ids, mask = rollout.response_ids, rollout.response_mask
+        shared = SharedPrefix(model, rollout.extra["prompt_inputs"], rollout.extra["prompt_index"].to(ids.device))
+        first = (token_logps if lean else _gather_logps)(shared.first[:, None], ids[:, :1], ignore_ids,
+                                                        temperature)  # (n, 1)
+        if ids.shape[1] == 1:
+            return first
+        inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
+        with _checkpointing_with_cache(model):
+            rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False,
+                              lean)  # (n, R - 1)
+        return torch.cat([first, rest], 1)
+
+    def sample(self, capture, sample_config) -> torch.Tensor:
+        """generate()'s sampling loop on the shared prompts: one token per forward for all n rows, until every row
+        has ended or max_new_tokens. The end tokens are held back until min_new_tokens (as generate() would).
+        Returns (n, R) ids, padding after a row's end."""
+        end = torch.tensor(sample_config.eos_token_id, device=self.first.device)
+        running = torch.ones(len(self.first), dtype=torch.bool, device=end.device)
+        scores, tokens = self.first.float(), []  # (n, V)
+        for t in range(sample_config.max_new_tokens):
+            if t < (sample_config.min_new_tokens or 0):
+                scores[:, end] = float("-inf")
+            token = capture(None, scores).argmax(-1).masked_fill(~running, sample_config.pad_token_id)  # (n,)
+            tokens.append(token)
+            running &= ~torch.isin(token, end)
+            if not running.any() or t + 1 == sample_config.max_new_tokens:
+                break
+            # like generate(): a row that has ended goes on with padding, attended to; its mask hides it later
+            scores = self.forward(token[:, None], torch.ones_like(token[:, None]))[:, -1].float()
+        return torch.stack(tokens, 1)
+
+
+@contextlib.contextmanager
+def _dropout_off(model):
+    """Within it every dropout module is in eval mode, the rest of the model as it was (training layers stay
+    checkpointed): the check compares the two forwards themselves, not two dropout masks."""
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.training]
+    for m in dropouts:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in dropouts:
+            m.train()
+
+
+class PrefixSharing:
+    """Which forwards read each prompt once (--share_prompt_prefix), as explicit state: decided[role] is None until
+    the role's check ran, then True (SharedPrefix) or False (the plain forward), for the roles
+      rollout: sampling on the shared prompts (SharedPrefix.sample) instead of generate(): the first step samples
+               that way, and its recorded log-probs are compared with the plain forward over the same tokens;
+      teacher: the teacher's scoring, values compared;
+      student: the student's update forwards, values and the gradient of every trainable parameter compared.
+    The checks run once, on the first step's rollouts, before anything is scored (run_checks), on the rows of two
+    distinct prompts with all their samples (check_rollout). agree(ok) -> bool makes every process take the same
+    decision (with sharded weights they must run the same forwards). A role given a reason at construction is off
+    from the start (the reason is logged, not checked).
+    """
+
+    ROLES = ("rollout", "teacher", "student")
+
+    def __init__(self, plain: Callable, tolerance: Callable, log=print, agree=lambda ok: ok,
+                 reasons: dict | None = None, lean: bool = True, compute_dtype: torch.dtype | None = None):
+        self.plain = plain  # the forward a role falls back to, and the one checks compare with (response_logps)
+        self.tolerance = tolerance  # (model, compute dtype) -> how far two forwards may differ (logps_tolerance)
+        self.log, self.agree = log, agree
+        self.compute_dtype = compute_dtype  # the student's autocast dtype under mixed precision (the teacher has none)
+        self.lean = lean  # SharedPrefix.logps's own log-probs through the lean kernels (--lean_logps)
+        self.decided = dict.fromkeys(self.ROLES)
+        for role, reason in (reasons or {}).items():
+            if reason:
+                self.decided[role] = False
+                log(f"{role}: each sample reads its prompt itself ({reason})")
+
+    def pending(self) -> bool:
+        """True while a role has not been checked."""
+        return any(decision is None for decision in self.decided.values())
+
+    def run_checks(self, models, rollout, args) -> bool:
+        """The pending checks on `rollout` (check_rollout). Returns False when the rollouts were sampled on the
+        shared prompts and their check failed: the step must sample them again with generate()."""
+        resample = False
+        if self.decided["rollout"] is None:
+            config = models.sampling.config  # end tokens held back (min_new_tokens) were not in the sampled one
+            held_back = (torch.tensor(config.eos_token_id), config.min_new_tokens) if config.min_new_tokens else None
+            self.decided["rollout"] = self.check("rollout", _unwrap(models.student), rollout, models.ignore_ids,
+                                                 args.temperature, held_back)
+            resample = not self.decided["rollout"]
+        if self.decided["teacher"] is None:  # several teachers: shared only where every one passes
+            teachers = list(models.teacher.values()) if isinstance(models.teacher, dict) else [models.teacher]
+            self.decided["teacher"] = all(self.check("teacher", t, rollout, models.ignore_ids) for t in teachers)
+        if self.decided["student"] is None:
+            self.decided["student"] = self.check("student", models.student, rollout, models.ignore_ids,
+                                                 args.temperature)
+        return not resample
+
+    def logps(self, role: str, model, rollout, ignore_ids: torch.Tensor | None,
+              temperature: float = 1.0) -> torch.Tensor:
+        """(n, R) float32 log-probs of the rollout's response tokens under `model`, the way `role` was decided (a
+        role not checked yet is checked on this rollout first)."""
+        if self.decided[role] is None:
+            self.decided[role] = self.check(role, model, rollout, ignore_ids, temperature)
+        if self.decided[role]:
+            return SharedPrefix.logps(model, rollout, ignore_ids, temperature, self.lean)
+        return self.plain(model, rollout, ignore_ids, temperature)
+
+    def forward(self, role: str) -> Callable:
+        """`role`'s scoring forward, (model, rollout, ignore_ids, temperature=1.0) -> (n, R), for Models."""
+        return functools.partial(self.logps, role)
+
+    def all_shared(self) -> bool:
+        """True once no forward reads every row's prompt: rollouts then need not encode it."""
+        return all(self.decided[role] is True for role in self.ROLES)
+
+    def summary(self) -> dict:
+        """Each role's decision, for summary.json."""
+        return {role: self.decided[role] for role in ("teacher", "student", "rollout")}
+
+    def check(self, role: str, model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
+              held_back: tuple | None = None) -> bool:
+        """Shared against plain on `rollout`, agreed on by every process; logs the decision and, on a fallback,
+        which comparison failed. rollout: the log-probs recorded while sampling against the plain forward in eval
+        mode (held_back: (end ids, positions) the sampler kept the end tokens out of, so the plain forward does too).
+        teacher / student: both forwards' log-probs, and for a trainable model the gradient of every trainable
+        parameter for a loss that weights each response token differently (a cache updated in place, as hybrid
+        linear-attention layers do, gives the right values and a wrong gradient through the prompt).
+        The check calls the module inside a DDP wrapper: its gradient must not start DDP's all-reduce."""
+        model = _unwrap(model)
+        tolerance = self.tolerance(model, None if role == "teacher" else self.compute_dtype)
+        valid = rollout.response_mask.bool()
+        try:
+            if rollout.extra.get("prompt_index") is None:
+                raise ValueError("the rollouts carry no distinct prompts (--share_prompt_prefix off when made)")
+            if role == "rollout":
+                with torch.no_grad(), _dropout_off(model):
+                    plain = self.plain(model, rollout, ignore_ids, temperature)
+                    if held_back is not None:
+                        ends, positions = held_back
+                        without = ends if ignore_ids is None else torch.cat([ignore_ids, ends.to(ignore_ids.device)])
+                        plain[:, :positions] = self.plain(model, rollout, without, temperature)[:, :positions]
+                ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
+            else:
+                ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
+        except Exception as e:  # a model whose forward cannot continue from an expanded cache, or its backward
+            ok, why = False, f"error: {type(e).__name__}: {e}"
+        agreed = self.agree(ok)
+        if agreed:
+            self.log(f"{role}: each prompt read once for its G samples (checked against the plain forward: {why})")
+        else:
+            self.log(f"{role}: falling back to one full forward per sample "
+                     f"({why if not ok else 'another process found the shared prompt unequal'})")
+        return agreed
+
+    def _compare_values(self, role: str, plain, shared, valid, tolerance: float, what: str = "values") -> tuple:
+        difference = (plain - shared)[valid].abs().max().item() if valid.any() else 0.0
+        ok = math.isfinite(difference) and difference <= tolerance
+        return ok, f"{what} {'equal' if ok else 'differ'}: max |difference| {difference:.2e}, tolerance {tolerance:.0e}"
+
+    def _compare_forwards(self, role: str, model, rollout, ignore_ids, temperature: float,
+                          tolerance: float) -> tuple:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        valid = rollout.response_mask.bool()
+        weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)).to(valid.device) * valid
+        logps, grads = {}, {}
+        with torch.enable_grad() if trainable else torch.no_grad(), _dropout_off(model):
+            for path, fn in (("plain", self.plain), ("shared", functools.partial(SharedPrefix.logps, lean=self.lean))):
+                out = fn(model, rollout, ignore_ids, temperature)
+                if trainable:
+                    found = torch.autograd.grad((out * weights).sum(), trainable, allow_unused=True)
+                    grads[path] = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float()
+                                             for g, p in zip(found, trainable)])
+                logps[path] = out.detach()
+        ok, why = self._compare_values(role, logps["plain"], logps["shared"], valid, tolerance)
+        if ok and trainable:
+            relative = ((grads["shared"] - grads["plain"]).norm() / grads["plain"].norm().clamp(min=1e-30)).item()
+            ok = math.isfinite(relative) and relative <= tolerance
+            why += (f"; gradients {'equal' if ok else 'differ'}: relative difference {relative:.2e}, "
+                    f"tolerance {tolerance:.0e}")
+        return ok, why
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 3, the sampler (--fast_sampler). Replaces multinomial (slow at a 150k vocabulary) with an exact
+# inverse CDF in two levels. Checked by sampling frequencies (tests/test_prompt_sharing.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None = None, block: int = 1024) -> torch.Tensor:
+    """(n, V) probabilities (rows summing to ~1, zeros allowed) -> (n, 1) ids, one exact sample per row.
+
+    Inverse CDF at one uniform number per row, in two levels: first the block of `block` ids (float32 block
+    sums, float64 running sum), then the id inside it (float64 running sum). It reads the probabilities about
+    once, where torch.multinomial is slow at a large vocabulary on CPU. u is in (0, total], so the id found
+    always has probability > 0.
+    """
+    n, V = probs.shape
+    full = V // block * block
+    sums = probs[:, :full].reshape(n, -1, block).sum(-1)  # (n, V // block)
+    if full < V:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
+    cum = sums.double().cumsum(-1)  # (n, blocks)
+    u = (1.0 - torch.rand(n, 1, dtype=torch.float64, device=probs.device, generator=generator)) * cum[:, -1:]
+    k = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # (n, 1) the block
+    before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), 0.0)
+    ids = k * block + torch.arange(block, device=probs.device)  # (n, block); the last block may run past V
+    inner = (probs.gather(1, ids.clamp(max=V - 1)) * (ids < V)).cumsum(-1, dtype=torch.float64)
+    j = torch.searchsorted(inner, torch.minimum(u - before, inner[:, -1:])).clamp_(max=block - 1)
+    return k * block + j
+
+

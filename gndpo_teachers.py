@@ -1,0 +1,148 @@
+"""Several teachers and the sharded teacher for gndpo_minimal.py: an optional module, loaded when the flags ask.
+
+Several teachers: --teacher_model name=path,name=path (a mapping in a recipe), and a data column (--teacher_column)
+naming each row's teacher. Every teacher scores only its own rows, on the ids and images the student's processor
+made. Normalization whitens all tokens together (global) or each teacher's on their own (--advantage_mode
+per_teacher, a mode of the script's normalize_scores), and the metrics line adds each teacher's statistics.
+The sharded teacher: --shard_teacher shards one frozen 16-bit teacher's layers over the processes (FSDP2).
+
+gndpo_minimal.py imports this module only when those flags are given; it imports nothing from the script: the
+script passes its own functions (the scoring forward, evaluate, the prompt encoder) as arguments. The method is GNDPO
+(arXiv 2606.09091); several teachers go beyond the paper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def teacher_paths(value: str) -> dict[str, str]:
+    """--teacher_model's name=path pairs, comma-separated, as {name: path}."""
+    pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+    names = [name.strip() for name, _ in pairs]
+    if any(len(pair) < 2 for pair in pairs) or any(not name for name in names) or len(set(names)) < len(names):
+        raise ValueError(f"--teacher_model {value!r}: several teachers are name=path pairs with distinct, non-empty "
+                         f"names, e.g. color=path/to/a,shape=path/to/b")
+    return {name.strip(): path.strip() for name, path in pairs}
+
+
+def check_teacher_column(ds, column: str, names: list[str], split: str) -> None:
+    """Stops unless every row of the split names one of the loaded teachers in `column`: a row routed to no teacher,
+    or to one that was not loaded, cannot be scored."""
+    if column not in ds.column_names:
+        raise ValueError(f"several teachers ({', '.join(names)}), but the {split!r} split has no column {column!r} "
+                         f"naming each row's teacher; its columns are {ds.column_names}: pass --teacher_column")
+    values = ds.select_columns([column])[column]
+    unknown = [(i, v) for i, v in enumerate(values) if v not in names]
+    if unknown:
+        counts = {str(v): sum(1 for _, u in unknown if u == v) for v in dict.fromkeys(v for _, v in unknown)}
+        raise ValueError(f"{len(unknown)} rows of the {split!r} split name no loaded teacher in column {column!r} "
+                         f"(first: row {unknown[0][0]}; values and counts {counts}); the teachers are {names}: add "
+                         f"them to --teacher_model as name=path, or fix the rows")
+
+
+def route_to_teachers(rollouts: list, teachers: list[str], names: list[str], encode: Callable) -> list:
+    """Each micro-batch's rows by teacher, in place: rollout.extra gets "teachers" ((n,) each row's name),
+    "teacher_ids" ((n,) its index in `names`, the loaded teachers' order) and "by_teacher" ({name: ((k,) row
+    positions, a rollout of those k rows)}). A micro-batch of one teacher is its own part; the rows of a mixed one
+    are sliced and encode(part, rows) encodes their prompts again (rows: positions in the step's rows), so that a
+    teacher's forward reads its own rows only. teachers: (rows of the step,) each row's teacher name."""
+    start = 0
+    for r in rollouts:
+        n = r.response_ids.shape[0]
+        mine = teachers[start:start + n]
+        r.extra.update(teachers=mine, teacher_ids=torch.tensor([names.index(t) for t in mine]), by_teacher={})
+        for name in dict.fromkeys(mine):  # in order of first appearance
+            rows = [i for i, t in enumerate(mine) if t == name]
+            index = torch.tensor(rows, device=r.response_ids.device)
+            if len(rows) == n:
+                part = dataclasses.replace(r, extra={**r.extra, "teachers": [name] * n, "by_teacher": None})
+            else:
+                R = max(1, int(r.response_mask[index].sum(1).max()))
+                part = dataclasses.replace(r, response_ids=r.response_ids[index, :R],
+                                           response_mask=r.response_mask[index, :R],
+                                           sampled_logps=r.sampled_logps[index, :R], row_inputs=None,
+                                           extra={"teachers": [name] * len(rows)})
+                part = encode(part, [start + i for i in rows], r.row_inputs is not None, "prompt_index" in r.extra)
+            r.extra["by_teacher"][name] = (index, part)
+        start += n
+    return rollouts
+
+
+def routed_forward(forward: Callable) -> Callable:
+    """A teacher scoring forward for Models.teacher_forward, (teachers {name: model}, rollout, ignore_ids) -> (n, R)
+    float32: each row's log-probs from its own teacher, forward(model, part, ignore_ids) on that teacher's rows only
+    (rollout.extra["by_teacher"], route_to_teachers)."""
+
+    def several(teachers: dict, rollout, ignore_ids: torch.Tensor | None) -> torch.Tensor:
+        if not rollout.extra.get("by_teacher"):
+            raise ValueError("several teachers: each rollout needs its rows by teacher (route_to_teachers)")
+        out = torch.zeros(rollout.response_ids.shape, device=rollout.response_ids.device)  # (n, R)
+        for name, (rows, part) in rollout.extra["by_teacher"].items():
+            out[rows, :part.response_ids.shape[1]] = forward(teachers[name], part, ignore_ids)
+        return out
+
+    return several
+
+
+def evaluate_each(evaluate: Callable, models: dict, rows: list[tuple]) -> dict:
+    """evaluate(model, rows) -> {accuracy, format_rate} on each teacher's rows (row[3]: its name) with models[name]:
+    accuracy and format_rate over all rows together, and accuracy_per_teacher {name: accuracy}."""
+    parts = {name: evaluate(model, [row for row in rows if row[3] == name]) for name, model in models.items()
+             if any(row[3] == name for row in rows)}
+    counts = {name: sum(row[3] == name for row in rows) for name in parts}
+    total = sum(counts.values())
+    return {key: sum(parts[name][key] * counts[name] for name in parts) / total for key in ("accuracy", "format_rate")
+            } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}}
+
+
+def teacher_sums(batch) -> dict:
+    """This process's token count, KL, score and advantage sums over each teacher's valid tokens, keyed name/what
+    (a ScoredBatch whose extra holds teacher_ids and teacher_names)."""
+    out = {}
+    for k, name in enumerate(batch.extra["teacher_names"]):
+        mask = batch.response_mask.bool() & (batch.extra["teacher_ids"] == k)[:, None]
+        scores, advantages = batch.scores[mask].double(), batch.advantages[mask].double()
+        out.update({f"{name}/tokens": float(mask.sum()),
+                    f"{name}/kl": (batch.student_logps[mask] - batch.teacher_logps[mask]).sum().item(),
+                    f"{name}/score_sum": scores.sum().item(), f"{name}/score_sq_sum": (scores**2).sum().item(),
+                    f"{name}/adv_sum": advantages.sum().item(), f"{name}/adv_sq_sum": (advantages**2).sum().item()})
+    return out
+
+
+def teacher_metrics(r: dict, names: list[str]) -> dict:
+    """The metrics line's teacher/<name>/ keys from teacher_sums reduced over processes (population stds)."""
+    out = {}
+    for name in names:
+        n, key = max(r[f"{name}/tokens"], 1.0), f"teacher/{name}/"
+        mean = {what: r[f"{name}/{what}_sum"] / n for what in ("score", "adv")}
+        std = {what: math.sqrt(max(r[f"{name}/{what}_sq_sum"] / n - mean[what] ** 2, 0.0)) for what in mean}
+        out.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": mean["score"],
+                    key + "score_std": std["score"], key + "adv_mean": mean["adv"], key + "adv_std": std["adv"],
+                    key + "tokens": int(r[f"{name}/tokens"])})
+    return out
+
+
+def shard_frozen(model, device_type: str, num_processes: int) -> int:
+    """Shards a frozen model's layers over the processes with FSDP2 (fully_shard), in place: each process keeps 1/N
+    of every decoder layer and vision block (the classes the model names in _no_split_modules) and gathers a layer's
+    weights for its forward only. The embeddings and the LM head stay whole. Each layer is its own FSDP root, and a
+    root keeps its gathered weights after a forward by default: reshard_after_forward=True frees them after every
+    forward. Every process must then run the model's forward as many times as the others (the script's teacher
+    scoring reads every row's prompt for that). Returns the number of modules sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    if not layers:
+        raise ValueError(f"--shard_teacher: {type(model).__name__} names no layer classes (_no_split_modules) to "
+                         f"shard; run without --shard_teacher")
+    mesh = init_device_mesh(device_type, (num_processes,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    return len(layers)
