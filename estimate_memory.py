@@ -63,7 +63,8 @@ import sys
 
 import torch
 
-from gndpo_minimal import UPDATE_SIZE_CHUNK, check_rollout, head_logps
+from gndpo_fast import head_logps
+from gndpo_minimal import UPDATE_SIZE_CHUNK, check_rollout
 
 
 def script_default(fn, name: str):

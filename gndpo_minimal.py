@@ -624,12 +624,16 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
     # every row's prompt is encoded only while some forward may still read it whole
     row_prompts = sharing is None or not sharing.all_shared()
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
-    if prompts.teachers:  # several teachers: each micro-batch's rows by teacher, a mixed one's re-encoded
-        encode = lambda part, rows, whole, distinct: encode_rollout_prompts(  # noqa: E731
-            models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args,
-            whole, distinct)
-        parts = several_teachers().route_to_teachers(parts, prompts.teachers, list(models.teacher), encode)
-    return parts
+    return route_to_teachers(models, prompts, parts, args) if prompts.teachers else parts
+
+
+def route_to_teachers(models: Models, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
+    """Several teachers (gndpo_teachers.route_to_teachers): each micro-batch's rows by teacher, in place; the rows of
+    a mixed micro-batch get their prompts encoded again, so that each teacher's forward reads only its own."""
+    encode = lambda part, rows, whole, distinct: encode_rollout_prompts(  # noqa: E731
+        models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args,
+        whole, distinct)
+    return several_teachers().route_to_teachers(rollouts, prompts.teachers, list(models.teacher), encode)
 
 
 def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator,
@@ -737,15 +741,21 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
     return (~after_end).long()
 
 
-def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
-    """What gndpo_fast's shared prompts read: {"prompt_inputs": the processor's batch of the rows' u distinct prompts
-    (by group id), "prompt_index": (n,) each row's prompt in it}."""
+def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[int]]:
+    """Rows -> (distinct prompts, (n,) each row's prompt among them), by the rows' group ids."""
     position, unique, index = {}, [], []
     for p, g in zip(prompts, group_ids):
         if g not in position:
             position[g] = len(unique)
             unique.append(p)
         index.append(position[g])
+    return unique, index
+
+
+def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
+    """What gndpo_fast's shared prompts read: {"prompt_inputs": the processor's batch of the rows' u distinct prompts,
+    "prompt_index": (n,) each row's prompt in it}."""
+    unique, index = distinct_prompts(prompts, group_ids)
     return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
             "prompt_index": torch.tensor(index, device=device)}
 
@@ -2327,6 +2337,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
         if unknown:
             raise SystemExit(f"{argv[0]}: unknown setting(s) {unknown}; `python gndpo_minimal.py --help` lists "
                              "the settings a recipe can hold")
+        for flag in SPEEDUPS:  # auto | true | false: YAML's booleans as the flag's words
+            if isinstance(values.get(flag), bool):
+                values[flag] = str(values[flag]).lower()
         if isinstance(values.get("teacher_model"), dict):  # several teachers as a mapping {name: path}
             values["teacher_model"] = ",".join(f"{k}={v}" for k, v in values["teacher_model"].items())
         parser.set_defaults(**values)  # the file's values stand where flags are absent

@@ -123,7 +123,7 @@ def measure_phases(args: g.Args) -> dict:
     _, measured["update"] = live_peak(lambda: g.update_student(models, setup["optimizer"], setup["scheduler"], acc,
                                                                batch, args, log=lambda msg: None))
     # the longest prompt: from every row's batch, or the distinct prompts' where each prompt is read once
-    prompt = max(int((r.row_inputs or r.prompt_inputs)["attention_mask"].sum(1).max()) for r in batch.rollouts)
+    prompt = max(int((r.row_inputs or r.extra["prompt_inputs"])["attention_mask"].sum(1).max()) for r in batch.rollouts)
     response = max(r.response_ids.shape[1] for r in batch.rollouts)
     return {"prompt_tokens": prompt, "response_tokens": response, "resident_bytes": resident,
             "measured": {phase: int(measured[phase]) for phase in PHASES if phase in measured}}

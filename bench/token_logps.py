@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchutil import add_json_flag, median, mib, peak_rss_bytes, report, reset_peak_rss, rss_bytes  # noqa: E402
 
-from gndpo_minimal import head_logps, token_logps  # noqa: E402
+from gndpo_fast import head_logps, token_logps  # noqa: E402
 
 VOCAB = 151_936  # Qwen2 / Qwen2.5 (-VL) embedding rows
 HIDDEN = 1024  # InternVL3.5-1B's language model (Qwen3-0.6B)

@@ -20,6 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gndpo_fast as fast  # noqa: E402
 import gndpo_minimal as g  # noqa: E402
 from worlds import tiny_world  # noqa: E402
 
@@ -74,9 +75,9 @@ def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     optimizer.step = record
     lean = os.environ.get("LEAN") == "1"
     if lean:  # under FSDP2 the head is sharded: the chunked head must run on its unit's gathered weight
-        assert g.head_path(student) == "chunked head", type(g.unwrap(student).get_output_embeddings())
+        assert fast.head_path(student) == "chunked head", type(g.unwrap(student).get_output_embeddings())
     models = g.Models(student, None, processor, torch.tensor(config.suppress_tokens),
-                      student_forward=g.lean_response_logps if lean else g.response_logps)
+                      student_forward=fast.lean_forward(g.sequence_inputs) if lean else g.response_logps)
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda m: None)
     assert update["skipped_updates"] == 0 and len(grads) == 1
     return grads[0]

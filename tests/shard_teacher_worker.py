@@ -32,7 +32,9 @@ import sys
 
 import torch
 
+import gndpo_fast as fast
 import gndpo_minimal as g
+import gndpo_teachers as gt
 
 
 def sharded_layers(model) -> list:
@@ -81,7 +83,7 @@ def forwards(flags: list[str]) -> dict:
     whole = g.load_teacher(args, torch.float32, accelerator.device)
     sharded = g.load_teacher(args, torch.float32, accelerator.device)
     layers = sharded_layers(sharded)
-    n_sharded = g.shard_frozen(sharded, accelerator.device.type, accelerator.num_processes)
+    n_sharded = gt.shard_frozen(sharded, accelerator.device.type, accelerator.num_processes)
     local = sum(p.to_local().numel() for m in layers for p in m.parameters())
     full = sum(p.numel() for m in layers for p in m.parameters())
     counts = count_forwards(layers)
@@ -99,8 +101,8 @@ def forwards(flags: list[str]) -> dict:
                                        True, True)
     ignore = torch.tensor(g.vision_token_ids(processor.tokenizer, whole.config))
     with torch.no_grad():
-        for name, forward in (("plain", g.response_logps), ("lean", g.lean_response_logps),
-                              ("shared", g.SharedPrefix.logps)):
+        for name, forward in (("plain", g.response_logps), ("lean", fast.lean_forward(g.sequence_inputs)),
+                              ("shared", fast.SharedPrefix.logps)):
             a, b = forward(whole, rollout, ignore), forward(sharded, rollout, ignore)
             result["held_fraction"][name] = held_fraction(layers)
             result[f"{name}_max_difference"] = (a - b)[mask.bool()].abs().max().item()
@@ -144,7 +146,7 @@ def run(flags: list[str], hooked: bool, last: bool) -> dict:
     (its largest), after each scoring forward through the teacher_forward hook (hooked), and after main() returns,
     the run's summary and its log. The last run ends the process group."""
     seen = {}
-    shard_frozen = g.shard_frozen
+    shard_frozen = gt.shard_frozen
 
     def wrapped(model, device_type, num_processes):
         layers = sharded_layers(model)  # before fully_shard renames their classes (FSDP<name>)
@@ -161,18 +163,18 @@ def run(flags: list[str], hooked: bool, last: bool) -> dict:
     scoring = []
 
     def teacher_forward(teacher, rollout, ignore_ids, temperature=1.0):
-        out = g.lean_response_logps(teacher, rollout, ignore_ids, temperature)
+        out = fast.lean_forward(g.sequence_inputs)(teacher, rollout, ignore_ids, temperature)
         scoring.append(held_fraction(seen["layers"]))
         return out
 
     args = g.parse_args(flags)
     group = contextlib.nullcontext() if last else keeping_the_process_group()
-    g.shard_frozen = wrapped
+    gt.shard_frozen = wrapped
     try:
         with contextlib.redirect_stdout(Tee()) as log, group:
             summary = g.main(args, teacher_forward=teacher_forward if hooked else None)
     finally:
-        g.shard_frozen = shard_frozen
+        gt.shard_frozen = shard_frozen
     return {"summary": summary, "log": log.getvalue(), "forwards": seen["counts"],
             "model_forwards": seen["model_forwards"], "largest_held_fraction": seen["largest"],
             "scoring_held_fractions": scoring, "held_fraction_after_main": held_fraction(seen["layers"])}

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from summary_checks import assert_eval_counts
 
+import gndpo_fast as fast
 import gndpo_minimal as g
 from worlds import tiny_world
 
@@ -215,7 +216,7 @@ def test_rollout_logps_match_full_forward(args, temperature):
     rows = tiny_world.make_rows(4, seed=3)
     prompts = [(r["question"], [r["image"]]) for r in rows for _ in range(2)]
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, [i // 2 for i in range(8)], g.Sampling(config, g.draw_tokens),
+    rollout = g.rollout(student, processor, prompts, [i // 2 for i in range(8)], g.Sampling(config, fast.draw_tokens),
                         args)
     ids, mask, sampled = rollout.response_ids, rollout.response_mask, rollout.sampled_logps
     assert ids.shape == mask.shape == sampled.shape and ids.shape[0] == len(prompts)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from summary_checks import assert_eval_counts
 from test_prompt_sharing import measured
 
+import gndpo_fast as fast
 import gndpo_minimal as g
 from estimate_memory import lora_layers, meta_model, nf4_weights
 from worlds import tiny_families
@@ -114,7 +115,7 @@ def family_rollout(models: str, data: str, n_prompts: int = 2, bias: float = 0.0
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
     step = g.StepPrompts(0, 0, prompts, list(range(len(keep))) * 2, [None] * len(prompts))
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, step.group_ids, g.Sampling(sample_config, g.draw_tokens), args,
+    rollout = g.rollout(student, processor, prompts, step.group_ids, g.Sampling(sample_config, fast.draw_tokens), args,
                         shared_prefix=shared_prefix)
     (rollout,) = g.cut_rollouts(processor, step, [rollout], len(prompts), args)  # every row's prompt: plain forwards
     return args, processor, student, rollout, ignore_ids
@@ -148,10 +149,11 @@ def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
     args, _, student, rollout, ignore_ids = family_rollout(models, family_data, min_tokens=24)
     assert rollout.response_mask.sum(1).min() >= 24
     teacher = g.load_teacher(dataclasses.replace(args, teacher_4bit=False), torch.float32, torch.device("cpu"))
-    assert rollout.prompt_index.tolist() == [0, 1, 0, 1] and rollout.prompt_inputs["input_ids"].shape[0] == 2
+    assert rollout.extra["prompt_index"].tolist() == [0, 1, 0, 1]
+    assert rollout.extra["prompt_inputs"]["input_ids"].shape[0] == 2
     valid = rollout.response_mask.bool()
     with torch.no_grad():
-        shared = g.SharedPrefix.logps(teacher, rollout, ignore_ids)
+        shared = fast.SharedPrefix.logps(teacher, rollout, ignore_ids)
         plain = g.response_logps(teacher, rollout, ignore_ids)
     torch.testing.assert_close(shared[valid], plain[valid], atol=1e-4, rtol=0)
     for checkpointing in (False, True):
@@ -159,7 +161,7 @@ def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
             student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             student.enable_input_require_grads()
         logs = []
-        sharing = g.PrefixSharing(log=logs.append)
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         ok = sharing.check("student", student, rollout, ignore_ids, 0.7)
         if family == "qwen3_5":  # its backward fails, or, checkpointed, runs and gives a wrong gradient
             assert not ok and ("values equal" in logs[0] and "gradients differ" in logs[0] if checkpointing
@@ -346,7 +348,7 @@ def test_left_padding_changes_no_logprob(models):
     prompts = [(r["question"] + " Answer with one word." * k, [r["image"]])
                for k, r in zip((0, 1, 2, 0), tiny_world.make_rows(4, seed=3))]
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, list(range(4)), g.Sampling(sample_config, g.draw_tokens), args)
+    rollout = g.rollout(student, processor, prompts, list(range(4)), g.Sampling(sample_config, fast.draw_tokens), args)
     assert (rollout.row_inputs["attention_mask"] == 0).sum(1).max() >= 8  # real left padding
     valid = rollout.response_mask.bool()
     for model in (student, teacher):

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import gndpo_fast as fast
 import gndpo_minimal as g
 
 pytestmark = pytest.mark.slow  # every test here trains or runs the script
@@ -16,7 +17,7 @@ def reverse_kl_on_fixed_batch(student, teacher, processor, args, prompts) -> flo
     config, _ = g.generation_configs(processor.tokenizer, teacher, args)
     ignore = torch.tensor(config.suppress_tokens)
     torch.manual_seed(1234)
-    rollout = g.rollout(student, processor, prompts, [id(p) for p in prompts], g.Sampling(config, g.draw_tokens),
+    rollout = g.rollout(student, processor, prompts, [id(p) for p in prompts], g.Sampling(config, fast.draw_tokens),
                         args)
     teacher_lp = g.response_logps(teacher, rollout, ignore)
     mask = rollout.response_mask.bool()

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
+import gndpo_fast as fast
+from gndpo_fast import head_logps, token_logps
 from gndpo_minimal import (
     distill_scores,
     group_reward_advantages,
-    head_logps,
     normalize_scores,
     policy_loss,
     power_scores,
     score_std,
-    token_logps,
 )
 
 
@@ -82,21 +82,19 @@ def test_token_logps_ignore_ids_renormalizes_without_them():
 
 def test_token_logps_never_copies_whole_tensor_to_float32(monkeypatch):
     """The float32 copies made inside must each be a small slice, not (B, T, V)."""
-    import gndpo_minimal
-
     sizes = []
-    original = gndpo_minimal._chunk_logps
+    original = fast._chunk_logps
 
     def spy(logits, ids, ignore_ids, temperature=1.0):
         sizes.append(logits.numel())
         return original(logits, ids, ignore_ids, temperature)
 
-    monkeypatch.setattr(gndpo_minimal, "_chunk_logps", spy)
+    monkeypatch.setattr(fast, "_chunk_logps", spy)
     logits = torch.randn(4, 16, 1000).to(torch.bfloat16)
-    gndpo_minimal.token_logps(logits, torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
+    fast.token_logps(logits, torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
     assert max(sizes) <= 8 * 1000 < logits.numel()
     sizes.clear()  # the same under autograd, forward (and backward, by the same chunks)
-    gndpo_minimal.token_logps(logits.requires_grad_(), torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
+    fast.token_logps(logits.requires_grad_(), torch.zeros(4, 16, dtype=torch.long), chunk_elements=8 * 1000)
     assert sizes and max(sizes) <= 8 * 1000
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+import gndpo_fast as fast
 import gndpo_minimal as g
 
 
@@ -34,7 +35,7 @@ def pair(untrained_models):
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=16, log=None)
     step = g.step_prompts(ds, keep, args, step=0)
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, step.prompts, step.group_ids, g.Sampling(sample_config, g.draw_tokens),
+    rollout = g.rollout(student, processor, step.prompts, step.group_ids, g.Sampling(sample_config, fast.draw_tokens),
                         args)
     return {"args": args, "processor": processor, "student": student, "teacher": teacher, "rollout": rollout,
             "prompts": step.prompts, "step": step, "ignore_ids": torch.tensor(sample_config.suppress_tokens),
@@ -56,10 +57,11 @@ def test_distinct_prompts_follow_the_group_ids():
 
 def test_rollout_carries_each_distinct_prompt_once(pair):
     rollout = pair["rollout"]
-    assert rollout.prompt_inputs["input_ids"].shape[0] == 4 and rollout.row_inputs["input_ids"].shape[0] == 12
-    assert rollout.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert rollout.extra["prompt_inputs"]["input_ids"].shape[0] == 4 and rollout.row_inputs["input_ids"].shape[0] == 12
+    assert rollout.extra["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     # the distinct prompts' ids are the rows' ids (same left padding: same longest prompt)
-    assert torch.equal(rollout.prompt_inputs["input_ids"][rollout.prompt_index], rollout.row_inputs["input_ids"])
+    distinct, index = rollout.extra["prompt_inputs"], rollout.extra["prompt_index"]
+    assert torch.equal(distinct["input_ids"][index], rollout.row_inputs["input_ids"])
 
 
 def test_shared_prompt_equals_the_plain_forward_in_value_and_gradient(pair):
@@ -67,13 +69,13 @@ def test_shared_prompt_equals_the_plain_forward_in_value_and_gradient(pair):
     assert (rollout.row_inputs["attention_mask"][:, 0] == 0).any(), "no left-padded prompt: the test lost its padding"
     with torch.no_grad():
         plain_t = g.response_logps(pair["teacher"], rollout, ignore)
-        shared_t = g.SharedPrefix.logps(pair["teacher"], rollout, ignore)
+        shared_t = fast.SharedPrefix.logps(pair["teacher"], rollout, ignore)
     torch.testing.assert_close(shared_t[valid], plain_t[valid], atol=1e-5, rtol=0)
 
     student = pair["student"]
     weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
     grads = []
-    for fn in (g.response_logps, g.SharedPrefix.logps):
+    for fn in (g.response_logps, fast.SharedPrefix.logps):
         student.zero_grad(set_to_none=True)
         logps = fn(student, rollout, ignore, 0.7)  # a temperature, as the update uses it
         (logps * weights * valid).sum().backward()  # the gradient flows through the cache into the prompt's forward
@@ -97,7 +99,7 @@ def test_the_check_falls_back_when_the_shared_forward_differs(pair):
     hook = teacher.register_forward_hook(off_on_a_cache, with_kwargs=True)
     try:
         logs = []
-        sharing = g.PrefixSharing(log=logs.append)
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         with torch.no_grad():
             first = sharing.logps("teacher", teacher, rollout, ignore)
             again = sharing.logps("teacher", teacher, rollout, ignore)
@@ -119,7 +121,7 @@ def test_the_check_falls_back_when_the_shared_forward_fails(pair):
     hook = teacher.register_forward_pre_hook(refuse, with_kwargs=True)
     try:
         logs = []
-        sharing = g.PrefixSharing(log=logs.append)
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         with torch.no_grad():
             sharing.logps("teacher", teacher, rollout, pair["ignore_ids"])
     finally:
@@ -130,9 +132,9 @@ def test_the_check_falls_back_when_the_shared_forward_fails(pair):
 def test_the_check_passes_and_another_process_can_veto_it(pair):
     logs = []
     with torch.no_grad():
-        ok = g.PrefixSharing(log=logs.append)
+        ok = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         ok.logps("teacher", pair["teacher"], pair["rollout"], pair["ignore_ids"])
-        vetoed = g.PrefixSharing(log=logs.append, agree=lambda mine: False)
+        vetoed = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append, agree=lambda mine: False)
         vetoed.logps("teacher", pair["teacher"], pair["rollout"], pair["ignore_ids"])
     assert ok.decided["teacher"] is True and measured(logs[0], "max |difference|") < 1e-4 and "read once" in logs[0]
     assert vetoed.decided["teacher"] is False and "another process" in logs[1]
@@ -143,23 +145,22 @@ def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
     torch.manual_seed(0)
     step = pair["step"]
     rollout = g.rollout(pair["student"], pair["processor"], step.prompts, step.group_ids,
-                        g.Sampling(pair["config"], g.draw_tokens), args)
-    assert rollout.prompt_inputs is None and rollout.prompt_index is None
+                        g.Sampling(pair["config"], fast.draw_tokens), args)
+    assert "prompt_inputs" not in rollout.extra and "prompt_index" not in rollout.extra
     assert torch.equal(rollout.response_ids, pair["rollout"].response_ids)  # sampling does not depend on the flag
     plain = dataclasses.replace(args, lean_logps=False, fast_sampler=False)
-    for flags, forward, draw in ((args, g.lean_response_logps, g.draw_tokens),
-                                 (plain, g.response_logps, g.multinomial)):
+    for flags, forward, draw in ((args, "lean_response_logps", fast.draw_tokens),
+                                 (plain, "response_logps", g.multinomial)):
         models = g.make_models(flags, Accelerator(cpu=True), pair["processor"], pair["student"], pair["teacher"])
         assert models.sampling.sharing is None and models.sampling.draw is draw
-        assert models.teacher_forward is forward and models.student_forward is forward
+        assert models.teacher_forward is models.student_forward and models.student_forward.__name__ == forward
     assert models.sampling.sharing_summary() == {"teacher": False, "student": False, "rollout": False}
     # gradient checkpointing leaves every decision to its check
-    sharing = g.PrefixSharing.for_run(dataclasses.replace(pair["args"], gradient_checkpointing=True),
-                                      Accelerator(cpu=True))
+    sharing = g.prefix_sharing(dataclasses.replace(pair["args"], gradient_checkpointing=True), Accelerator(cpu=True))
     assert sharing.decided == {"rollout": None, "teacher": None, "student": None}
 
 
-@pytest.mark.parametrize("draw", [g.draw_tokens, g.multinomial], ids=["draw_tokens", "multinomial"])
+@pytest.mark.parametrize("draw", [fast.draw_tokens, g.multinomial], ids=["draw_tokens", "multinomial"])
 def test_the_sampler_draws_from_the_tempered_distribution(draw):
     """SampledTokenLogps draws by inverse CDF (the fast sampler) or torch.multinomial (its plain path): frequencies
     follow softmax(scores / T), suppressed ids never come out, and the log-prob it records is the drawn token's
@@ -185,12 +186,12 @@ def test_the_lean_forward_equals_the_plain_one_in_values_and_gradients(pair):
     student, rollout, ignore = pair["student"], pair["rollout"], pair["ignore_ids"]
     weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
     trainable = [p for p in student.parameters() if p.requires_grad]
-    out = {}
-    for fn in (g.response_logps, g.lean_response_logps):
+    out, lean_logps = {}, fast.lean_forward(g.sequence_inputs)
+    for fn in (g.response_logps, lean_logps):
         logps = fn(student, rollout, ignore, 0.7)
         out[fn] = (logps.detach(), torch.autograd.grad((logps * weights * rollout.response_mask).sum(), trainable))
     valid = rollout.response_mask.bool()
-    plain, lean = out[g.response_logps], out[g.lean_response_logps]
+    plain, lean = out[g.response_logps], out[lean_logps]
     torch.testing.assert_close(lean[0][valid], plain[0][valid], atol=1e-5, rtol=0)
     assert sum(grad.abs().sum() for grad in plain[1]) > 0  # LoRA's A has none yet (B starts at 0), B has
     for a, b in zip(lean[1], plain[1]):
@@ -204,7 +205,7 @@ def test_draw_tokens_is_exact_across_blocks():
     probs = torch.zeros(V)
     probs[[0, 1023, 1024, 2047, 2499]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
     torch.manual_seed(0)
-    drawn = g.draw_tokens(probs.repeat(n, 1), torch.Generator().manual_seed(0), block=1024)[:, 0]
+    drawn = fast.draw_tokens(probs.repeat(n, 1), torch.Generator().manual_seed(0), block=1024)[:, 0]
     freq = torch.bincount(drawn, minlength=V).double() / n
     assert drawn.max() < V and (freq[probs == 0] == 0).all()
     assert (freq - probs.double()).abs().max() < 4 * (0.25 / n) ** 0.5
@@ -241,18 +242,18 @@ def test_chunked_head_returns_the_log_probs_and_puts_the_head_back(pair):
     inputs = g.sequence_inputs(rollout)
     ids = rollout.response_ids[:, :3]
     with torch.no_grad():
-        with g.chunked_head(teacher, ids, None, 1.0, drop_last=False) as chunked:
+        with fast.chunked_head(teacher, ids, None, 1.0, drop_last=False) as chunked:
             logps = teacher(**inputs, logits_to_keep=3).logits
         logits = teacher(**inputs, logits_to_keep=3).logits
     assert chunked and "forward" not in vars(head) and teacher.get_output_embeddings() is head
     assert logps.shape == ids.shape and logits.shape[-1] == head.weight.shape[0]
     torch.testing.assert_close(logps, g.gather_logps(logits, ids), atol=1e-5, rtol=1e-5)
-    assert g.head_path(teacher) == "chunked head"
+    assert fast.head_path(teacher) == "chunked head"
     # a hook on the head changes its logits: the head stays, and scoring goes through the logits
     hook = head.register_forward_hook(lambda module, args, out: out + 1.0)
     try:
-        assert g.head_path(teacher) == "full logits"
-        with g.chunked_head(teacher, ids, None, 1.0, drop_last=False) as chunked:
+        assert fast.head_path(teacher) == "full logits"
+        with fast.chunked_head(teacher, ids, None, 1.0, drop_last=False) as chunked:
             assert not chunked and "forward" not in vars(head)
     finally:
         hook.remove()
@@ -272,7 +273,7 @@ def test_the_check_falls_back_when_values_agree_but_the_gradient_does_not(pair):
     hook = student.get_base_model().register_forward_hook(half_gradient_on_a_cache, with_kwargs=True)
     try:
         logs = []
-        sharing = g.PrefixSharing(log=logs.append)
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         assert not sharing.check("student", student, rollout, ignore, 1.0)
     finally:
         hook.remove()
@@ -286,8 +287,8 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
     micro-batches hold one row each: rows of different prompts meet in the check's forwards."""
     args = dataclasses.replace(pair["args"], micro_batch_size=1)
     check = g.check_rollout(pair["processor"], pair["step"], [pair["rollout"]], args)
-    assert check.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
-    assert check.prompt_inputs["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
+    assert check.extra["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert check.extra["prompt_inputs"]["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
     torch.testing.assert_close(check.sampled_logps, pair["rollout"].sampled_logps[:6, :check.sampled_logps.shape[1]])
     cut = g.check_rollout(pair["processor"], pair["step"], [pair["rollout"]], args, max_tokens=2)
     assert cut.response_ids.shape == (6, 2)
@@ -297,7 +298,7 @@ def sampling_models(pair, sharing, student=None) -> g.Models:
     """Models for sample_rollouts on the pair: the fp32 teacher, the student (or another), the given checks."""
     student = student if student is not None else pair["student"]
     return g.Models(student, pair["teacher"], pair["processor"], pair["ignore_ids"],
-                    sampling=g.Sampling(pair["config"], g.draw_tokens, sharing=sharing))
+                    sampling=g.Sampling(pair["config"], fast.draw_tokens, sharing=sharing))
 
 
 def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
@@ -315,7 +316,7 @@ def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
     hook = student.register_forward_hook(off_on_a_cache, with_kwargs=True)
     try:
         logs = []
-        sharing = g.PrefixSharing(log=logs.append)
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         sharing.decided.update(teacher=True, student=True)  # only the rollout's check is pending
         rollouts = g.sample_rollouts(sampling_models(pair, sharing), prompts, pair["args"])
     finally:
@@ -336,13 +337,13 @@ def test_rollouts_share_under_gradient_checkpointing_and_their_check_passes(pair
     student = g.load_student(args, torch.float32)
     student.train()
     logs = []
-    sharing = g.PrefixSharing.for_run(args, Accelerator(cpu=True), logs.append)
+    sharing = g.prefix_sharing(args, Accelerator(cpu=True), logs.append)
     prompts = pair["step"]
     rollouts = g.sample_rollouts(sampling_models(pair, sharing, student), prompts, args)
     assert sharing.decided == {"rollout": True, "teacher": True, "student": True}, logs
     assert "gradients equal" in logs[2]
     (rollout,) = rollouts
-    assert rollout.row_inputs is None and rollout.prompt_index is not None  # no forward reads every row's prompt
+    assert rollout.row_inputs is None and "prompt_index" in rollout.extra  # no forward reads every row's prompt
 
 
 def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equals_plain(pair, untrained_models):
@@ -352,7 +353,7 @@ def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equal
     rollout, ignore = pair["rollout"], pair["ignore_ids"]
     weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
     results = {}
-    for fn in (g.response_logps, g.SharedPrefix.logps):
+    for fn in (g.response_logps, fast.SharedPrefix.logps):
         torch.manual_seed(0)
         student = g.load_student(args, torch.float32)
         student.train()
@@ -364,7 +365,7 @@ def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equal
         (logps * weights * rollout.response_mask).sum().backward()
         grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad}
         results[fn] = (logps.detach(), grads, forward_calls, len(calls))
-    plain, shared = results[g.response_logps], results[g.SharedPrefix.logps]
+    plain, shared = results[g.response_logps], results[fast.SharedPrefix.logps]
     assert plain[2:] == (1, 2)  # one forward, run again in backward
     assert shared[2:] == (2, 3)  # the prompt's forward (kept), the response's (run again in backward)
     valid = rollout.response_mask.bool()

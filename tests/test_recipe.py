@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import estimate_memory
+import gndpo_fast as fast
 import gndpo_minimal as g
 from estimate_memory import (
     CHECK_PROMPTS,
@@ -238,7 +239,7 @@ def test_estimate_memory_reads_the_scripts_own_defaults():
     import inspect
 
     default = lambda fn, name: inspect.signature(fn).parameters[name].default  # noqa: E731
-    assert CHUNK_ELEMENTS == default(g.head_logps, "chunk_elements") == default(g.token_logps, "chunk_elements")
+    assert CHUNK_ELEMENTS == default(fast.head_logps, "chunk_elements") == default(fast.token_logps, "chunk_elements")
     assert (CHECK_PROMPTS, CHECK_TOKENS) == (default(g.check_rollout, "n_prompts"),
                                              default(g.check_rollout, "max_tokens"))
     assert estimate_memory.UPDATE_SIZE_CHUNK is g.UPDATE_SIZE_CHUNK
@@ -430,7 +431,7 @@ def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(n, seed)]
     torch.manual_seed(seed)
-    rollout = g.rollout(student, processor, prompts, list(range(n)), g.Sampling(sample_config, g.draw_tokens), args)
+    rollout = g.rollout(student, processor, prompts, list(range(n)), g.Sampling(sample_config, fast.draw_tokens), args)
     return args, rollout, torch.tensor(sample_config.suppress_tokens)
 
 
@@ -552,7 +553,7 @@ def test_logits_memory_of_scoring_and_update_stays_within_the_estimates_allowanc
         with torch.set_grad_enabled(grad), LiveBytes() as live:
             logits = hidden @ lm_head.T  # (B, T, V)
             start = live.now
-            logps = g.token_logps(logits[:, :-1], ids, chunk_elements=chunk)
+            logps = fast.token_logps(logits[:, :-1], ids, chunk_elements=chunk)
             if grad:
                 logps.sum().backward()
         above = live.peak - start

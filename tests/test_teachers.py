@@ -17,6 +17,7 @@ from test_fsdp import launch as fsdp_launch
 from test_fsdp import untimed, write_config
 
 import gndpo_minimal as g
+import gndpo_teachers as gt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -100,11 +101,11 @@ def test_a_row_without_a_known_teacher_stops_start_up(two_teacher_args, two_teac
     ds = datasets.load_dataset("parquet", data_files=os.path.join(two_teacher_data, "train.parquet"), split="train")
     args = two_teacher_args(tmp_path)
     with pytest.raises(ValueError, match=r"no column 'who' naming each row's teacher.*--teacher_column"):
-        g.check_teacher_column(ds, dataclasses.replace(args, teacher_column="who"), "train")
+        gt.check_teacher_column(ds, "who", ["a", "b"], "train")
     bad = ds.map(lambda row, i: {"teacher": "c" if i in (3, 5) else row["teacher"]}, with_indices=True)
     with pytest.raises(ValueError, match=r"2 rows .*\(first: row 3; values and counts \{'c': 2\}.*\['a', 'b'\]"):
-        g.check_teacher_column(bad, args, "train")
-    g.check_teacher_column(ds, args, "train")  # the good rows pass
+        gt.check_teacher_column(bad, args.teacher_column, ["a", "b"], "train")
+    gt.check_teacher_column(ds, args.teacher_column, ["a", "b"], "train")  # the good rows pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,20 +179,20 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
         prompts = g.step_prompts(train_ds, keep, args, step=0)
         assert len(set(prompts.teachers)) == 2
         rollouts = g.sample_rollouts(models, prompts, args)
-        mixed = [r for r in rollouts if len(set(r.teachers)) == 2]
+        mixed = [r for r in rollouts if len(set(r.extra["teachers"])) == 2]
         assert mixed
         every_row = g.cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)  # every row's prompt
-        for r in g.route_to_teachers(processor, prompts, every_row, args):
+        for r in g.route_to_teachers(models, prompts, every_row, args):
             got = models.teacher_logps_of(r)
             for name, teacher in teachers.items():
-                rows = torch.tensor([i for i, t in enumerate(r.teachers) if t == name], dtype=torch.long)
+                rows = torch.tensor([i for i, t in enumerate(r.extra["teachers"]) if t == name], dtype=torch.long)
                 if rows.numel():
                     want = g.response_logps(teacher, r, models.ignore_ids)
                     valid = r.response_mask[rows].bool()
                     torch.testing.assert_close(got[rows][valid], want[rows][valid], rtol=1e-4, atol=1e-4)
         batch = g.score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args)
-        assert batch.teacher_names == ["a", "b"]
-        assert batch.teacher_ids.tolist() == [["a", "b"].index(t) for t in prompts.teachers]
+        assert batch.extra["teacher_names"] == ["a", "b"]
+        assert batch.extra["teacher_ids"].tolist() == [["a", "b"].index(t) for t in prompts.teachers]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,8 +113,9 @@ sampled = rollout(student, processor, prompts, group_ids, sampling, args,
 for name, value in [("row_inputs['input_ids']", sampled.row_inputs["input_ids"])] + [
         (field, getattr(sampled, field)) for field in ("response_ids", "response_mask", "sampled_logps")]:
     print(f"{name:23s} {str(tuple(value.shape)):9s} {value.dtype}")
-print("row_inputs:", list(sampled.row_inputs), "| prompt_inputs['input_ids']:",
-      tuple(sampled.prompt_inputs["input_ids"].shape), "| prompt_index:", sampled.prompt_index.tolist())
+print("row_inputs:", list(sampled.row_inputs), "| extra['prompt_inputs']['input_ids']:",
+      tuple(sampled.extra["prompt_inputs"]["input_ids"].shape), "| extra['prompt_index']:",
+      sampled.extra["prompt_index"].tolist())
 
 # %% [markdown]
 # `row_inputs` is the processor's batch of every row's prompt (notebook 1): the left-padded `input_ids`

@@ -82,7 +82,7 @@ train_ds, keep, _ = prepare_split(load_split(args, args.train_split), args, proc
                                   args.max_train_samples, log=None)
 prompts = step_prompts(train_ds, keep, args, step=0)
 batch = generate_and_score(models, prompts, args, log=lambda msg: None)
-names, ids = batch.teacher_names, batch.teacher_ids  # K names; (n,) each row's teacher
+names, ids = batch.extra["teacher_names"], batch.extra["teacher_ids"]  # K names; (n,) each row's teacher
 mask, scores = batch.response_mask, batch.scores  # (n, R)
 valid = mask.bool()
 of = {name: valid & (ids == k)[:, None] for k, name in enumerate(names)}  # (n, R) each teacher's valid tokens
