@@ -1,27 +1,20 @@
 """GNDPO in one file: on-policy distillation of a vision-language student from a 4-bit teacher, with the teacher's
-per-token scores whitened over the whole batch (all processes together).
-
-The method is GNDPO from "Stabilizing On-Policy Distillation for MLLM Reasoning with Global Normalization"
-(arXiv 2606.09091). Per step:
+per-token scores whitened over the whole batch (all processes together). The method: "Stabilizing On-Policy
+Distillation for MLLM Reasoning with Global Normalization" (arXiv 2606.09091). Per step:
     B prompts x G samples from the student (its sampling log-probs recorded as it samples)
     -> the teacher's log-prob of every sampled token, on the same ids and images
-    -> score s = clamp(teacher_lp - student_lp, -5, 5)
-    -> advantages = s whitened over every valid token of the global batch
+    -> score s = clamp(teacher_lp - student_lp, -5, 5), whitened over every valid token of the global batch
     -> a GSPO (or PPO-clip) update of the student: a LoRA adapter, or the whole language model (--lora_r 0).
 
-Run (offline: tiny models and a dataset shipped in assets/tiny; a few minutes on a CPU):
-    accelerate launch gndpo_minimal.py
-Plain OPD (unnormalized advantages) for comparison:
-    accelerate launch gndpo_minimal.py --advantage_mode none
-Real models (docs/recipes.md; docs/scaling.md and configs/ for several GPUs and nodes):
-    accelerate launch gndpo_minimal.py recipes/geometry3k_qwen2.5vl_3b.yaml
-Any argument can come from the command line or from one YAML/JSON file of them.
+    accelerate launch gndpo_minimal.py                            # offline: the tiny world in assets/tiny, on a CPU
+    accelerate launch gndpo_minimal.py --advantage_mode none      # plain OPD, for comparison
+    accelerate launch gndpo_minimal.py recipes/geometry3k_qwen2.5vl_3b.yaml   # real models (docs/recipes.md)
 
 PART I is GNDPO: Args, the math (pure functions that copy out alone), the step (step_prompts -> generate_and_score
--> update_student) and main(). PART II is the plain machinery: rollouts with generate(), the scoring forward, models,
-data, evaluation, checkpoints, set-up and metrics. The file runs alone. Two optional modules beside it plug into the
-step's hooks: gndpo_fast.py (lean log-probs, each prompt read once, a faster sampler; used when it imports, each
-checked against the plain path) and gndpo_teachers.py (several teachers, the sharded teacher; loaded when asked for).
+-> update_student) and main(). PART II is the plain machinery, in the order the step calls it. The file runs alone;
+two optional modules beside it plug into the step's hooks: gndpo_fast.py (lean log-probs, each prompt read once, a
+faster sampler; used when it imports, each checked against the plain path) and gndpo_teachers.py (several teachers,
+the sharded teacher; loaded when their flags ask).
 """
 
 from __future__ import annotations
@@ -49,6 +42,7 @@ try:  # the optional speed-ups: --lean_logps, --share_prompt_prefix and --fast_s
     import gndpo_fast as fast
 except ImportError:
     fast = None
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -150,14 +144,13 @@ class Args:
     report_to: str = arg("none", "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated).")
 
 
-# ---------------------------------------------------------------------------------------------
-# GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
-# ---------------------------------------------------------------------------------------------
+# --- GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
 
 import math  # noqa: E402, F811  (repeated so that the section stands alone)
 
 import torch  # noqa: E402, F811
 import torch.distributed as dist  # noqa: E402, F811
+
 
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher")
 LOSS_TYPES = ("gspo", "ppo")
@@ -284,9 +277,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     return loss, metrics
 
 
-# ---------------------------------------------------------------------------------------------
-# What travels between the step's functions
-# ---------------------------------------------------------------------------------------------
+# --- What travels between the step's functions
 
 
 @dataclass
@@ -313,7 +304,7 @@ class ScoredBatch:
     advantages: torch.Tensor  # (n, R) normalize_scores; NaN when too few tokens were left to normalize
     nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
     seconds: dict = field(default_factory=dict)  # time spent: generate, score
-    # beyond the paper, None when off: centered only (--score_std_floor); (n,) the task reward and its advantage
+    # beyond_the_paper's, None when off: centered only (--score_std_floor); (n,) the task reward and its advantage
     std_floored: bool | None = None
     rewards: torch.Tensor | None = None
     reward_advantages: torch.Tensor | None = None
@@ -337,8 +328,7 @@ class Models:
     teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared; several teachers: {name: model}
     processor: object  # the student's processor: it encodes every prompt, for both models
     ignore_ids: torch.Tensor | None = None  # (K,) ids never sampled (image special tokens): -inf when scoring
-    # (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32 log-probs of the response tokens; None: the
-    # plain forward (response_logps). make_models puts the optional modules' forwards here.
+    # (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32 log-probs; None: response_logps, the plain one
     teacher_forward: Callable | None = None
     student_forward: Callable | None = None
     sampling: object = None  # PART II's Sampling: how sample_rollouts draws; only generate_and_score needs it
@@ -365,9 +355,7 @@ class StepPrompts:
     teachers: list[str] | None = None  # several teachers: (n,) each row's teacher name (its --teacher_column)
 
 
-# ---------------------------------------------------------------------------------------------
-# The step: prompts -> rollouts -> scores and advantages -> student update
-# ---------------------------------------------------------------------------------------------
+# --- The step: prompts -> rollouts -> scores and advantages -> student update
 
 
 def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
@@ -387,25 +375,13 @@ def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_pro
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
     """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored by score_rollouts, then the options
-    beyond the paper, each off by default."""
+    beyond the paper (beyond_the_paper), each off by default."""
     t0 = time.time()
     rollouts = sample_rollouts(models, prompts, args)  # micro-batches of args.micro_batch_size rows
     t_generate = time.time() - t0
     batch = score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args, log)
     t0 = time.time()
-    # BEYOND THE PAPER (--score_std_floor): only center scores spread less than the floor (noise, as when the student
-    # is its own teacher)
-    mask = batch.response_mask
-    if args.score_std_floor > 0 and args.advantage_mode == "global":
-        batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
-    if batch.std_floored:
-        batch.advantages = whiten_or_skip(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log)
-    # BEYOND THE PAPER (--reward_weight w): the graded answer's reward, normalized over its prompt's G samples, added
-    # to every token's advantage after the distillation advantages were normalized
-    if args.reward_weight:
-        batch.rewards = task_rewards(models.processor, rollouts, prompts.answers)  # (n,) 1, 0, or NaN: no answer
-        batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
-        batch.advantages = batch.advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
+    beyond_the_paper(models, batch, prompts.answers, args, log)
     batch.seconds.update(generate=t_generate, score=batch.seconds["score"] + time.time() - t0)
     return batch
 
@@ -494,9 +470,7 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
     return stats.result(time.time() - t0)
 
 
-# ---------------------------------------------------------------------------------------------
-# main(): set-up, then the loop over the step's functions
-# ---------------------------------------------------------------------------------------------
+# --- main(): set-up, then the loop over the step's functions
 
 
 def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) -> dict:
@@ -570,9 +544,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
 # =============================================================================================================
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollouts: G samples per prompt with HF generate(), the sampling policy's log-probs recorded on the fly
-# ---------------------------------------------------------------------------------------------
+# --- Rollouts: G samples per prompt with HF generate(), the sampling policy's log-probs recorded on the fly
 
 
 def step_seed(seed: int, step: int, process_index: int) -> int:
@@ -818,9 +790,7 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
 
 
-# ---------------------------------------------------------------------------------------------
-# Scoring: log-probs of the sampled tokens under a model, on the same ids and images
-# ---------------------------------------------------------------------------------------------
+# --- Scoring: log-probs of the sampled tokens under a model, on the same ids and images
 
 
 def sequence_inputs(rollout: Rollout) -> dict:
@@ -856,9 +826,7 @@ def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, tem
     return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)
 
 
-# ---------------------------------------------------------------------------------------------
-# Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
-# ---------------------------------------------------------------------------------------------
+# --- Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
 
 
 def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
@@ -895,10 +863,24 @@ def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps:
     return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
 
 
+def beyond_the_paper(models: Models, batch: ScoredBatch, answers: list, args: Args, log=print) -> None:
+    """The options beyond the paper that change a scored batch's advantages, in place; each off by default.
+    --score_std_floor: only center scores spread less than the floor (noise, as when the student is its own teacher).
+    --reward_weight w: add w * the graded answer's reward, normalized over its prompt's G samples, to every token's
+    advantage after the distillation advantages were normalized (answers: (n,) each row's reference, or None)."""
+    mask = batch.response_mask
+    if args.score_std_floor > 0 and args.advantage_mode == "global":
+        batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
+    if batch.std_floored:
+        batch.advantages = whiten_or_skip(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log)
+    if args.reward_weight:
+        batch.rewards = task_rewards(models.processor, batch.rollouts, answers)  # (n,) 1, 0, or NaN: no answer
+        batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
+        batch.advantages = batch.advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
 
-# ---------------------------------------------------------------------------------------------
-# Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
-# ---------------------------------------------------------------------------------------------
+
+
+# --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -1047,9 +1029,7 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
                 and re.search(r"image|video|vision|boi|eoi", key)):
             ids.add(value)
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
-# ---------------------------------------------------------------------------------------------
-# Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
-# ---------------------------------------------------------------------------------------------
+# --- Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
 
 
 def load_image(value):
@@ -1450,9 +1430,7 @@ def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, nu
     slots = range(process_index * per_process, (process_index + 1) * per_process)
     return [(step * prompts_per_step + slot, positions[slot]) for slot in slots]
 
-# ---------------------------------------------------------------------------------------------
-# Evaluation: greedy answers, graded against the reference
-# ---------------------------------------------------------------------------------------------
+# --- Evaluation: greedy answers, graded against the reference
 
 
 def extract_boxed(text: str) -> str | None:
@@ -1538,9 +1516,7 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
 def per_teacher(result: dict, key: str) -> dict:
     """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
     return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: atomic saves, resume, one run per output_dir
-# ---------------------------------------------------------------------------------------------
+# --- Checkpoints: atomic saves, resume, one run per output_dir
 
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -1676,9 +1652,7 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
             f.writelines(lines)
     return saved["step"], saved["counters"]
 
-# ---------------------------------------------------------------------------------------------
-# Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
-# ---------------------------------------------------------------------------------------------
+# --- Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
 
 
 def check_args(args: Args, num_processes: int) -> int:
@@ -2034,9 +2008,7 @@ def setup(args: Args, teacher_forward=None) -> Run:
         accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
                                                    if isinstance(v, (int, float, str, bool))})
     return run
-# ---------------------------------------------------------------------------------------------
-# The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
-# ---------------------------------------------------------------------------------------------
+# --- The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
 
 
 def old_policy_logps(models: Models, parts: list[tuple], start: int, temperature: float) -> dict[int, torch.Tensor]:
@@ -2150,9 +2122,7 @@ class UpdateStats:
                 "time_update": seconds}
 
 
-# ---------------------------------------------------------------------------------------------
-# Metrics: one line per step, reduced over processes
-# ---------------------------------------------------------------------------------------------
+# --- Metrics: one line per step, reduced over processes
 
 
 def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float,
@@ -2267,7 +2237,6 @@ class MismatchWatch:
                      f"reading each prompt once (--share_prompt_prefix false)")
 
 
-
 def format_metrics(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
@@ -2345,7 +2314,6 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.set_defaults(**values)  # the file's values stand where flags are absent
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(argv)[0]
-
 
 if __name__ == "__main__":
     main(parse_args())
