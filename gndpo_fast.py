@@ -461,6 +461,17 @@ def _dropout_off(model):
             m.train()
 
 
+def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[int]]:
+    """Rows -> (distinct prompts, (n,) each row's prompt among them), by the rows' group ids."""
+    position, unique, index = {}, [], []
+    for p, g in zip(prompts, group_ids):
+        if g not in position:
+            position[g] = len(unique)
+            unique.append(p)
+        index.append(position[g])
+    return unique, index
+
+
 class PrefixSharing:
     """Which forwards read each prompt once (--share_prompt_prefix), as explicit state: decided[role] is None until
     the role's check ran, then True (SharedPrefix) or False (the plain forward), for the roles

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import importlib
 import io
 import json
 import math
@@ -42,6 +43,10 @@ try:  # the optional speed-ups: --lean_logps, --share_prompt_prefix and --fast_s
     import gndpo_fast as fast
 except ImportError:
     fast = None
+try:  # the options beyond the paper (asked for by their flags) and the update-size diagnostic (used when it imports)
+    import gndpo_extras as extras
+except ImportError:
+    extras = None
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -150,7 +155,6 @@ import math  # noqa: E402, F811  (repeated so that the section stands alone)
 
 import torch  # noqa: E402, F811
 import torch.distributed as dist  # noqa: E402, F811
-
 
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher")
 LOSS_TYPES = ("gspo", "ppo")
@@ -304,7 +308,7 @@ class ScoredBatch:
     advantages: torch.Tensor  # (n, R) normalize_scores; NaN when too few tokens were left to normalize
     nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
     seconds: dict = field(default_factory=dict)  # time spent: generate, score
-    # beyond_the_paper's, None when off: centered only (--score_std_floor); (n,) the task reward and its advantage
+    # beyond the paper (gndpo_extras), None when off: centered only (--score_std_floor); (n,) the reward, its advantage
     std_floored: bool | None = None
     rewards: torch.Tensor | None = None
     reward_advantages: torch.Tensor | None = None
@@ -375,13 +379,15 @@ def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_pro
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
     """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored by score_rollouts, then the options
-    beyond the paper (beyond_the_paper), each off by default."""
+    beyond the paper, each off by default."""
     t0 = time.time()
     rollouts = sample_rollouts(models, prompts, args)  # micro-batches of args.micro_batch_size rows
     t_generate = time.time() - t0
     batch = score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args, log)
     t0 = time.time()
-    beyond_the_paper(models, batch, prompts.answers, args, log)
+    if args.score_std_floor > 0 or args.reward_weight:  # BEYOND THE PAPER (gndpo_extras), each off by default
+        optional("gndpo_extras", "--score_std_floor and --reward_weight").beyond_the_paper(
+            batch, args, whiten_or_skip, lambda: task_rewards(models.processor, rollouts, prompts.answers), log)
     batch.seconds.update(generate=t_generate, score=batch.seconds["score"] + time.time() - t0)
     return batch
 
@@ -713,21 +719,10 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
     return (~after_end).long()
 
 
-def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[int]]:
-    """Rows -> (distinct prompts, (n,) each row's prompt among them), by the rows' group ids."""
-    position, unique, index = {}, [], []
-    for p, g in zip(prompts, group_ids):
-        if g not in position:
-            position[g] = len(unique)
-            unique.append(p)
-        index.append(position[g])
-    return unique, index
-
-
 def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
     """What gndpo_fast's shared prompts read: {"prompt_inputs": the processor's batch of the rows' u distinct prompts,
     "prompt_index": (n,) each row's prompt in it}."""
-    unique, index = distinct_prompts(prompts, group_ids)
+    unique, index = fast.distinct_prompts(prompts, group_ids)
     return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
             "prompt_index": torch.tensor(index, device=device)}
 
@@ -842,44 +837,6 @@ SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.
           "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}  # PowerOPD's bounded score
 
 
-def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
-    """The unbiased std of the valid scores (B, T) over the global batch, what global whitening divides by; 0.0
-    with fewer than 2 valid tokens."""
-    count, total, total_sq = _global_sums(scores, response_mask.to(torch.float64), all_reduce).tolist()
-    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
-
-
-def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's (r - mean) / (std + eps) over the responses sharing a group id. rewards: (B,) float, NaN where a row has
-    no reference answer (it gets 0 and stays out of its group's statistics); group_ids: (B,). Returns (B,) float32."""
-    has = torch.isfinite(rewards)
-    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
-    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
-            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
-    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
-    mean = total / count.clamp(min=1)
-    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
-    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
-
-
-def beyond_the_paper(models: Models, batch: ScoredBatch, answers: list, args: Args, log=print) -> None:
-    """The options beyond the paper that change a scored batch's advantages, in place; each off by default.
-    --score_std_floor: only center scores spread less than the floor (noise, as when the student is its own teacher).
-    --reward_weight w: add w * the graded answer's reward, normalized over its prompt's G samples, to every token's
-    advantage after the distillation advantages were normalized (answers: (n,) each row's reference, or None)."""
-    mask = batch.response_mask
-    if args.score_std_floor > 0 and args.advantage_mode == "global":
-        batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
-    if batch.std_floored:
-        batch.advantages = whiten_or_skip(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log)
-    if args.reward_weight:
-        batch.rewards = task_rewards(models.processor, batch.rollouts, answers)  # (n,) 1, 0, or NaN: no answer
-        batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
-        batch.advantages = batch.advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
-
-
-
 # --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
 
 
@@ -944,14 +901,18 @@ def load_student(args: Args, dtype: torch.dtype):
     return model
 
 
-def several_teachers():
-    """gndpo_teachers, the optional module behind several teachers and --shard_teacher."""
+def optional(module: str, flags: str):
+    """An optional module beside this file, which `flags` ask for; start-up stops naming it when it is absent."""
     try:
-        import gndpo_teachers
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ValueError("several teachers (--teacher_model name=path,...) and --shard_teacher need the optional "
-                         "module gndpo_teachers.py beside gndpo_minimal.py: copy it there") from e
-    return gndpo_teachers
+        raise ValueError(f"{flags} need the optional module {module}.py beside gndpo_minimal.py: copy it there, or "
+                         f"run without them") from e
+
+
+def several_teachers():
+    """gndpo_teachers, behind several teachers and the sharded teacher."""
+    return optional("gndpo_teachers", "several teachers (--teacher_model name=path,...) and --shard_teacher")
 
 
 def teacher_paths(args: Args) -> dict[str, str]:
@@ -1712,6 +1673,8 @@ def check_args(args: Args, num_processes: int) -> int:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     for flag in SPEEDUPS:
         speedup_on(args, flag)  # an explicit true without gndpo_fast stops here
+    if args.score_std_floor > 0 or args.reward_weight:
+        optional("gndpo_extras", "--score_std_floor and --reward_weight")
     return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
 
 
@@ -1927,7 +1890,7 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     if isinstance(teacher, dict):  # several teachers: each row scored by its own
         teacher_forward = several_teachers().routed_forward(teacher_forward)
     return Models(student, teacher, processor, ignore_ids, teacher_forward,
-                  sharing.forward("student") if sharing else plain, sampling, update_size)
+                  sharing.forward("student") if sharing else plain, sampling, extras and extras.update_size)
 
 
 @dataclass
@@ -2034,51 +1997,6 @@ def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
 
 
-def _local_values(p: torch.Tensor) -> torch.Tensor:
-    """The values this process holds of a parameter or of its optimizer state: its FSDP2 shard, or the whole
-    tensor."""
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
-UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB
-
-
-def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float:
-    """||theta_after - theta_before|| of the optimizer step just taken, from the optimizer's own state, with no copy
-    of the parameters: torch's AdamW makes theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps), plain SGD theta
-    (1 - lr wd) - lr g, and both are inverted for theta_before, `chunk` elements of a parameter at a time (whole, a
-    full fine-tuning's embedding would take several float64 copies of the largest weight). NaN for other
-    optimizers (AMSGrad, momentum)."""
-    opt = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
-    squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for group in opt.param_groups:
-        lr, wd = group["lr"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = opt.state.get(p, {})
-            adam = type(opt) is torch.optim.AdamW and not group["amsgrad"] and "exp_avg" in state
-            if adam:
-                step, (beta1, beta2) = float(state["step"]), group["betas"]
-                parts = [_local_values(state["exp_avg"]), _local_values(state["exp_avg_sq"])]
-            elif type(opt) is torch.optim.SGD and not group["momentum"]:
-                parts = [_local_values(p.grad)]
-            else:
-                return float("nan")
-            flat = [t.reshape(-1) for t in (_local_values(p.detach()), *parts)]  # views of contiguous tensors
-            for i in range(0, flat[0].numel(), chunk):
-                after, *rest = (t[i:i + chunk].double() for t in flat)  # (c,) float64 each
-                if adam:
-                    m, v = rest
-                    move = lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + group["eps"])
-                else:
-                    move = lr * rest[0]
-                squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
-    if any(hasattr(p, "to_local") for g in opt.param_groups for p in g["params"]):
-        squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
-    return math.sqrt(float(squares))
-
-
 class UpdateStats:
     """What update_student reports, summed over its micro-batches and updates."""
 
@@ -2147,7 +2065,7 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
               "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
               "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
               "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
-              **(reward_sums(batch) if batch.rewards is not None else {}),
+              **(extras.reward_sums(batch) if batch.rewards is not None else {}),
               **(several_teachers().teacher_sums(batch) if batch.extra.get("teacher_names") else {})},
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
         highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
@@ -2171,10 +2089,8 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
         metrics["score_std_floored"] = int(batch.std_floored)
     if batch.extra.get("teacher_names"):  # several teachers: the same statistics over each teacher's tokens
         metrics.update(several_teachers().teacher_metrics(r, batch.extra["teacher_names"]))
-    if batch.rewards is not None:  # --reward_weight
-        metrics.update(reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
-                       reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
-                       reward_no_answer=int(r["no_answer"]))
+    if batch.rewards is not None:  # --reward_weight (gndpo_extras)
+        metrics.update(extras.reward_metrics(r))
     return metrics
 
 
@@ -2194,17 +2110,6 @@ def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], 
     out = (every[:, :n_sum].sum(0).tolist() + every[:, n_sum:n_sum + n_low].min(0).values.tolist()
            + every[:, n_sum + n_low:].max(0).values.tolist())
     return dict(zip(keys, out))
-
-
-def reward_sums(batch: ScoredBatch) -> dict:
-    """This process's sums behind the reward metrics: the rewards and the responses that have one, the prompts
-    (groups) and those whose reward advantages are not all 0 (rewards that differ within the group: something to
-    learn from), the responses without a reference answer. A prompt's G samples are on one process."""
-    has = torch.isfinite(batch.rewards)
-    moving = batch.group_ids[batch.reward_advantages.to(batch.group_ids.device) != 0].unique()
-    return {"reward_sum": float(batch.rewards[has].sum()), "rewarded": float(has.sum()),
-            "groups": float(batch.group_ids.unique().numel()), "groups_moving": float(moving.numel()),
-            "no_answer": float((~has).sum())}
 
 
 def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:

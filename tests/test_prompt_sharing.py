@@ -49,10 +49,10 @@ def measured(log: str, what: str) -> float:
 
 def test_distinct_prompts_follow_the_group_ids():
     a, b = ("q", []), ("r", [])
-    assert g.distinct_prompts([a, a, b, b], [7, 7, 9, 9]) == ([a, b], [0, 0, 1, 1])
-    assert g.distinct_prompts([a, b, a, b], [7, 9, 7, 9]) == ([a, b], [0, 1, 0, 1])
+    assert fast.distinct_prompts([a, a, b, b], [7, 7, 9, 9]) == ([a, b], [0, 0, 1, 1])
+    assert fast.distinct_prompts([a, b, a, b], [7, 9, 7, 9]) == ([a, b], [0, 1, 0, 1])
     # the same row drawn twice in a step is two prompts when its group ids say so, whatever the objects
-    assert g.distinct_prompts([a, a, a, a], [1, 1, 2, 2]) == ([a, a], [0, 0, 1, 1])
+    assert fast.distinct_prompts([a, a, a, a], [1, 1, 2, 2]) == ([a, a], [0, 0, 1, 1])
 
 
 def test_rollout_carries_each_distinct_prompt_once(pair):

@@ -1,0 +1,126 @@
+"""Options beyond the paper, and one diagnostic, for gndpo_minimal.py: an optional module beside it.
+
+Beyond the paper (arXiv 2606.09091), each off by default and asked for by its flag (without this module, start-up
+stops naming it):
+  --score_std_floor f: a step whose scores spread less than f is only centered, not scaled to unit spread (noise,
+                       as when the student is its own teacher, would otherwise be amplified into signal);
+  --reward_weight w:   w * GRPO's group-normalized task reward (1 right, 0 wrong) added to every token's advantage.
+The diagnostic, used whenever this module imports: update_size, how far each optimizer update moved the weights
+(the metrics line's update_norm; NaN without this module).
+
+It imports nothing from the script: what it needs (the whitening, the graded rewards) comes in as arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
+    """The unbiased std of the valid scores (B, T) over the global batch (one all-reduce of float64 sums): what global
+    whitening divides by. 0.0 with fewer than 2 valid tokens."""
+    mask = response_mask.to(torch.float64)
+    s = scores.double() * mask
+    stats = torch.stack([mask.sum(), s.sum(), (s * s).sum()])
+    if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)
+    count, total, total_sq = stats.tolist()
+    return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
+
+
+def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's (r - mean) / (std + eps) over the responses sharing a group id (a prompt's G samples), std unbiased.
+    rewards: (B,) float, NaN where a row has no reference answer (it gets 0 and stays out of its group's
+    statistics); group_ids: (B,). Returns (B,) float32; a group whose rewards are all equal gives 0."""
+    has = torch.isfinite(rewards)
+    r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
+    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
+            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
+    count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
+    mean = total / count.clamp(min=1)
+    std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
+    return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
+
+
+def beyond_the_paper(batch, args, whiten: Callable, rewards_of: Callable, log=print) -> None:
+    """The options above on a scored batch (the script's ScoredBatch), in place. whiten(scores, mask, mode,
+    group_ids, nonfinite, log) is the script's whiten_or_skip; rewards_of() gives (n,) each response's graded reward
+    (1, 0, or NaN without a reference answer). The reward is added after the distillation advantages were
+    normalized, so GNDPO's part keeps its unit spread."""
+    mask = batch.response_mask
+    if args.score_std_floor > 0 and args.advantage_mode == "global":
+        batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
+    if batch.std_floored:
+        batch.advantages = whiten(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log)
+    if args.reward_weight:
+        batch.rewards = rewards_of()  # (n,)
+        batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
+        batch.advantages = batch.advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
+
+
+def reward_sums(batch) -> dict:
+    """This process's sums behind the reward metrics: the rewards and the responses that have one, the prompts
+    (groups) and those whose rewards differ within the group (something to learn from), the responses without a
+    reference answer. A prompt's G samples are on one process."""
+    has = torch.isfinite(batch.rewards)
+    moving = batch.group_ids[batch.reward_advantages.to(batch.group_ids.device) != 0].unique()
+    return {"reward_sum": float(batch.rewards[has].sum()), "rewarded": float(has.sum()),
+            "groups": float(batch.group_ids.unique().numel()), "groups_moving": float(moving.numel()),
+            "no_answer": float((~has).sum())}
+
+
+def reward_metrics(r: dict) -> dict:
+    """The metrics line's reward keys from reward_sums reduced over processes."""
+    return {"reward_mean": r["reward_sum"] / max(r["rewarded"], 1.0),
+            "reward_groups_nonzero": r["groups_moving"] / max(r["groups"], 1.0),
+            "reward_no_answer": int(r["no_answer"])}
+
+
+UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB
+
+
+def _local_values(p: torch.Tensor) -> torch.Tensor:
+    """The values this process holds of a parameter or of its optimizer state: its FSDP2 shard, or the whole
+    tensor."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float:
+    """||theta_after - theta_before|| of the optimizer step just taken, from the optimizer's own state, with no copy
+    of the parameters: torch's AdamW makes theta (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps), plain SGD theta
+    (1 - lr wd) - lr g, and both are inverted for theta_before, `chunk` elements of a parameter at a time (whole, a
+    full fine-tuning's embedding would take several float64 copies of the largest weight). NaN for other
+    optimizers (AMSGrad, momentum)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
+    squares = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for group in opt.param_groups:
+        lr, wd = group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            adam = type(opt) is torch.optim.AdamW and not group["amsgrad"] and "exp_avg" in state
+            if adam:
+                step, (beta1, beta2) = float(state["step"]), group["betas"]
+                parts = [_local_values(state["exp_avg"]), _local_values(state["exp_avg_sq"])]
+            elif type(opt) is torch.optim.SGD and not group["momentum"]:
+                parts = [_local_values(p.grad)]
+            else:
+                return float("nan")
+            flat = [t.reshape(-1) for t in (_local_values(p.detach()), *parts)]  # views of contiguous tensors
+            for i in range(0, flat[0].numel(), chunk):
+                after, *rest = (t[i:i + chunk].double() for t in flat)  # (c,) float64 each
+                if adam:
+                    m, v = rest
+                    move = lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + group["eps"])
+                else:
+                    move = lr * rest[0]
+                squares += ((after - (after + move) / (1 - lr * wd)) ** 2).sum()
+    if any(hasattr(p, "to_local") for g in opt.param_groups for p in g["params"]):
+        squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
+    return math.sqrt(float(squares))
