@@ -65,8 +65,8 @@ def arg(default, help: str):
 @dataclass
 class Args:
     # --- GNDPO, as in the paper (arXiv 2606.09091) ---
-    advantage_mode: str = arg("global", "global (GNDPO) | none (plain OPD) | sequence, group, center, scale, "
-                              "per_teacher (ablations; docs/metrics_and_arguments.md).")
+    advantage_mode: str = arg("global", "global (GNDPO) | none (OPD) | sequence, group, center, scale, per_teacher "
+                              "(ablations).")
     score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
     prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
     num_generations: int = arg(4, "G: sampled responses per prompt.")

@@ -1,6 +1,7 @@
-"""Copying GNDPO: the definitions docs/code.md lists, pasted alone into a blank module, are closed (every name they use
-is listed, a builtin or one of the module's imports), total at most 450 lines, and, fed rollouts that a tiny model
-sampled with generate() in a loop of the copier's own, give gndpo_minimal's loss and gradient."""
+"""Copying GNDPO: the definitions docs/code.md lists, in two tiers (the math, at most 150 lines; the step on your own
+rollouts, at most 350 lines with the math), pasted alone into a blank module, are closed (every name they use is
+listed, a builtin or one of the module's imports), and, fed rollouts that a tiny model sampled with generate() in a
+loop of the copier's own, give gndpo_minimal's loss and gradient."""
 
 import ast
 import builtins
@@ -29,11 +30,14 @@ import transformers
 """
 
 
-def listed_names() -> list[str]:
-    """The bullets of docs/code.md's "Copying GNDPO" section: one definition each, its name in backticks first."""
+def listed_names(tier: str = "") -> list[str]:
+    """The bullets of docs/code.md's "Copying GNDPO" section (tier "math": those under its "### The math" heading):
+    one definition each, its name in backticks first."""
     with open(os.path.join(ROOT, "docs", "code.md")) as f:
         text = f.read()
     section = text.split("## Copying GNDPO", 1)[1].split("\n## ", 1)[0]
+    if tier == "math":
+        section = section.split("### The math", 1)[1].split("\n### ", 1)[0]
     return re.findall(r"^- `([A-Za-z_][A-Za-z0-9_]*)`", section, flags=re.M)
 
 
@@ -54,9 +58,14 @@ def definitions() -> dict[str, tuple[int, str]]:
     return out
 
 
-def pasted_source() -> str:
+def pasted_source(tier: str = "") -> str:
     defs = definitions()
-    return HEADER + "\n\n".join(defs[name][1] for name in sorted(listed_names(), key=lambda n: defs[n][0]))
+    return HEADER + "\n\n".join(defs[name][1] for name in sorted(listed_names(tier), key=lambda n: defs[n][0]))
+
+
+def lines_of(names: list[str]) -> int:
+    defs = definitions()
+    return sum(len(defs[name][1].splitlines()) for name in names)
 
 
 def global_names(code: types.CodeType) -> set[str]:
@@ -71,30 +80,30 @@ def global_names(code: types.CodeType) -> set[str]:
 
 def test_readme_states_the_lists_own_count_and_lines():
     """README's figures for the copy list are the list's, counted here, not typed by hand and left to drift."""
-    names, defs = listed_names(), definitions()
-    total = sum(len(defs[name][1].splitlines()) for name in names)
     with open(os.path.join(ROOT, "README.md")) as f:
-        found = re.search(r"lists the (\d+) definitions \((\d+) lines", f.read())
-    assert found, "README no longer states the copy list's size"
-    assert (int(found.group(1)), int(found.group(2))) == (len(names), total)
+        text = f.read()
+    found = re.search(r"lists the (\d+) definitions \((\d+) lines", text)
+    math = re.search(r"the math alone is (\d+) definitions \((\d+) lines", text)
+    assert found and math, "README no longer states the copy list's size and its math tier's"
+    assert (int(found.group(1)), int(found.group(2))) == (len(listed_names()), lines_of(listed_names()))
+    assert (int(math.group(1)), int(math.group(2))) == (len(listed_names("math")), lines_of(listed_names("math")))
 
 
-def test_the_list_is_closed_and_short():
-    names, defs = listed_names(), definitions()
+@pytest.mark.parametrize("tier", ["math", ""], ids=["the math", "the step"])
+def test_each_tier_is_closed_and_short(tier):
+    names, defs = listed_names(tier), definitions()
     assert len(names) == len(set(names)) and set(names) <= set(defs), set(names) - set(defs)
-    total = sum(len(defs[name][1].splitlines()) for name in names)
-    assert total <= 450, f"the copied definitions hold {total} lines"
-    for core in ("distill_scores", "normalize_scores", "policy_loss", "Rollout", "ScoredBatch", "score_rollouts",
-                 "update_student", "response_logps"):
-        assert core in names
-    source = pasted_source()
-    imported = {"contextlib", "math", "time", "dataclass", "field", "torch", "dist", "F", "transformers",
-                "annotations"}
-    used = {n for n in global_names(compile(source, "pasted.py", "exec")) if not n.startswith("__")}
+    assert lines_of(names) <= (150 if tier == "math" else 350), f"the {tier or 'whole'} list holds {lines_of(names)}"
+    core = ("distill_scores", "normalize_scores", "policy_loss") + (() if tier == "math" else (
+        "Rollout", "ScoredBatch", "score_rollouts", "update_student", "response_logps"))
+    assert set(core) <= set(names)
+    imported = {"math", "torch", "dist", "annotations"} | (set() if tier == "math" else {
+        "contextlib", "time", "dataclass", "field", "F", "transformers"})
+    used = {n for n in global_names(compile(pasted_source(tier), "pasted.py", "exec")) if not n.startswith("__")}
     missing = used - set(names) - imported - set(dir(builtins))
     assert missing == set(), f"used by the listed definitions but not listed: {sorted(missing)}"
-    # no speed-up comes along: the copier's path is the plain one
-    assert not {"PrefixSharing", "SharedPrefix", "head_logps", "token_logps", "draw_tokens", "Sampling"} & set(names)
+    # no speed-up, several-teacher or diagnostic code comes along: the copier's path is the plain one
+    assert not {"PrefixSharing", "SharedPrefix", "head_logps", "draw_tokens", "Sampling", "update_size"} & set(names)
 
 
 def copier_rollout(model, processor, prompts, ignore_ids, eos_ids, pad_id):
@@ -153,7 +162,7 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
     torch.testing.assert_close(pasted[0].advantages, ours[0].advantages, rtol=0, atol=0)
     a = pasted[0].advantages[pasted[0].response_mask.bool()]
     assert abs(a.mean().item()) < 1e-5 and a.std().item() == pytest.approx(1.0, abs=1e-3)  # whitened
-    assert pasted[1]["loss"] == ours[1]["loss"] and pasted[1]["update_norm"] == pytest.approx(ours[1]["update_norm"])
+    assert pasted[1]["loss"] == ours[1]["loss"] and pasted[1]["grad_norm"] == ours[1]["grad_norm"]
     assert ours[2].norm() > 0
     torch.testing.assert_close(pasted[2], ours[2], rtol=0, atol=0)
 
