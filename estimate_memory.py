@@ -5,6 +5,7 @@
     python estimate_memory.py --time recipes/geometry3k_qwen2.5vl_3b.yaml           # and the time of a step
     python estimate_memory.py --markdown recipes/geometry3k_*.yaml                  # docs/recipes.md's tables
     python estimate_memory.py --write_docs                                          # rewrite them in place
+    (those two run bench/recipes_page.py, which writes the page: python bench/recipes_page.py [--print])
     python estimate_memory.py --student_model DIR --teacher_model DIR ...           # the run's flags
 
 Configs: a local folder with config.json, else the published config of a Hub id that ships in
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import inspect
 import math
 import os
@@ -343,6 +343,324 @@ def vision_saved_per_patch(v: dict, b: int) -> int:
     return 8 * v["hidden"] + b * (6 * v["hidden"] + 3 * v["intermediate"])
 
 
+@dataclasses.dataclass
+class RunSizes:
+    """What every phase of estimate() counts with, worked out once: the run's settings, the models' shapes, their
+    parameter counts and the rows one process handles."""
+    args: object
+    N: int  # processes
+    shard: int  # what the student's weights, gradients and optimizer state are divided by: N under FSDP2, else 1
+    cuda: bool
+    b: int  # bytes per element of the compute dtype
+    mixed: bool  # full fine-tuning in bf16 on a GPU: float32 master weights, bf16 compute
+    param_b: int  # bytes per element of the student's weights
+    P: int  # prompt tokens
+    R: int  # response tokens
+    mb: int  # micro-batch rows
+    G: int  # rows per prompt
+    student: object  # the student's meta model, its requires_grad as training sets it
+    s: dict  # text_shape of the student, then of the (largest) teacher
+    t: dict
+    sv: dict  # vision_shape of the student, then of the teacher
+    tv: dict
+    lora: list  # lora_layers of the student ([] under full fine-tuning)
+    student_params: int
+    root_params: int  # fsdp_units of the student
+    unit_params: int
+    trainable: int
+    teacher_params: int
+    teacher_w: dict  # the teachers' weight bytes (and, in 4 bits, the quantized counts)
+    teacher_gathered: int  # the blocks a sharded teacher's forward gathers
+    dequantized: int  # the 16-bit copy of the largest 4-bit layer, made one layer at a time
+    share: bool  # --share_prompt_prefix
+    student_shared: bool  # the student reads each prompt once (--share_prompt_prefix, not under FSDP2)
+    rows: int  # this process's rollouts of a step
+    gen: int  # rows of a generate() call
+    evals: int  # rows of an evaluation generate() call
+    pixel_bytes: int  # one prompt's images, as the processor makes them
+
+    @property
+    def T(self) -> int:
+        return self.P + self.R
+
+
+def teacher_bytes(args, teachers: list, teacher, teacher_params: int, b: int, N: int) -> tuple[dict, int]:
+    """(the weight bytes of every teacher a process holds, the bytes a sharded teacher's forward gathers). Several
+    teachers (name=path pairs): every process holds all of them. --shard_teacher (16-bit only): shard_frozen
+    divides the teacher's blocks over the N processes and keeps its embeddings and LM head whole; a forward
+    gathers one block at a time (and prefetches the next)."""
+    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
+    for other in teachers:
+        if other is not teacher:
+            teacher_w["bytes"] += nf4_weights(other, other_bytes=b)["bytes"] if args.teacher_4bit else numel(other) * b
+    teacher_gathered = 0
+    if args.shard_teacher and N > 1:
+        teacher_root, teacher_unit = fsdp_units(teacher)
+        teacher_w = {"bytes": (teacher_root + (teacher_params - teacher_root) // N) * b}
+        teacher_gathered = 2 * teacher_unit * b
+    return teacher_w, teacher_gathered
+
+
+def run_sizes(args, num_processes: int, sharding: str, device: str, lengths: tuple[int, int] | None) -> RunSizes:
+    """The RunSizes of estimate()'s arguments, from the meta models. The order matters: trainable_params freezes
+    the student's vision tower, and a 4-bit teacher's layers are replaced after its shapes are read."""
+    from gndpo_minimal import teacher_paths
+
+    N, shard = num_processes, num_processes if sharding == "fsdp" else 1
+    cuda = device == "cuda"
+    b = dtype_bytes(args.dtype, device)
+    mixed = args.lora_r == 0 and args.dtype == "auto" and cuda
+    P, R = lengths or (args.max_prompt_length, args.max_new_tokens)
+    G = args.num_generations
+    # a phase's bound is the largest teacher's
+    teachers = [meta_model(path) for path in teacher_paths(args).values()]
+    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    student, teacher = meta_model(args.student_model), max(teachers, key=numel)
+    s, t = text_shape(student), text_shape(teacher)
+    sv, tv = vision_shape(student), vision_shape(teacher)
+    lora = lora_layers(student, args.lora_target_modules) if args.lora_r else []
+    student_params = sum(p.numel() for p in student.parameters())
+    root_params, unit_params = fsdp_units(student)
+    trainable = trainable_params(student, args)
+    teacher_params = numel(teacher)
+    teacher_w, teacher_gathered = teacher_bytes(args, teachers, teacher, teacher_params, b, N)
+    rows = args.prompts_per_step * G // N
+    return RunSizes(
+        args=args, N=N, shard=shard, cuda=cuda, b=b, mixed=mixed, param_b=4 if mixed else b, P=P, R=R,
+        mb=args.micro_batch_size, G=G, student=student, s=s, t=t, sv=sv, tv=tv, lora=lora,
+        student_params=student_params, root_params=root_params, unit_params=unit_params, trainable=trainable,
+        teacher_params=teacher_params, teacher_w=teacher_w, teacher_gathered=teacher_gathered,
+        dequantized=b * teacher_w.get("largest_quantized", 0), share=args.share_prompt_prefix,
+        # sharded weights: every process runs one forward per sample
+        student_shared=args.share_prompt_prefix and shard == 1, rows=rows, gen=args.generation_batch_size or rows,
+        evals=args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / N)),
+        pixel_bytes=P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"]))
+
+
+# The pieces the phases are made of, each in bytes.
+
+
+def device_pixels(r: RunSizes, n: int) -> int:
+    """The pixels of n prompts that a forward moves to the GPU (on a CPU they are counted where they are made)."""
+    return n * r.pixel_bytes if r.cuda else 0
+
+
+def host_pixels(r: RunSizes, n: int) -> int:
+    """The pixels of n prompts held in host memory, which on a CPU is the device's."""
+    return 0 if r.cuda else n * r.pixel_bytes
+
+
+def patches(v: dict, n: int, tokens: int) -> int:
+    """The vision tower's tokens over n prompts of `tokens` tokens."""
+    return round(n * v["patches_per_token"] * tokens)
+
+
+def kv_cache(shape: dict, n: int, tokens: int, b: int) -> int:
+    """The cache of n sequences of `tokens` tokens: keys and values of every attention layer, and the fixed-size
+    state of every linear-attention layer."""
+    return n * (tokens * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+                + shape["linear_layers"] * linear_state_bytes(shape, b))
+
+
+def vision_forward(r: RunSizes, v: dict, n: int) -> int:
+    """One vision layer's working set over the patches of n prompts."""
+    return patches(v, n, r.P) * r.b * (6 * v["hidden"] + 2 * v["intermediate"])
+
+
+def head_forward(r: RunSizes, vocab: int, n: int) -> int:
+    """head_logps / token_logps without grad over n tokens: a chunk's logits, then its float32 copy and
+    log-softmax (the logits are dropped once copied); without --lean_logps all of them at once."""
+    if not r.args.lean_logps:
+        return n * vocab * (r.b + 8)
+    return min(CHUNK_ELEMENTS, n * vocab) * max(r.b + 4, 8)
+
+
+def no_grad_forward(r: RunSizes, shape: dict, v: dict, n: int, tokens: int, vision_rows: int) -> int:
+    """One forward of n rows that keeps nothing but the residual stream, the images of vision_rows of them."""
+    b = r.b
+    return (n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b) + vision_forward(r, v, vision_rows)
+            + device_pixels(r, vision_rows))
+
+
+def scoring_forward(r: RunSizes, shape: dict, v: dict, n: int, prompt: int, response: int, shared: bool,
+                    weights_dequantized: int) -> int:
+    """A no-grad scoring forward of n rows: plain, or the distinct prompts once then the responses on the
+    cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention)."""
+    b = r.b
+    if not shared:  # the head's chunks come after the last layer: only the final hidden states outlive it
+        return max(no_grad_forward(r, shape, v, n, prompt + response, n),
+                   n * (prompt + response) * shape["hidden"] * b + head_forward(r, shape["vocab"], n * (response + 1))
+                   ) + weights_dequantized
+    u = distinct_prompts_in(n, r.G)
+    prompt_pass = no_grad_forward(r, shape, v, u, prompt, u) + kv_cache(shape, u, prompt, b)
+    joined = n * (prompt + response) * 2 * shape["kv_heads"] * shape["head_dim"] * b  # one layer's cat
+    response_pass = (kv_cache(shape, n, prompt, b) + no_grad_forward(r, shape, v, n, response, 0) + joined
+                     + head_forward(r, shape["vocab"], n * response) + n * shape["vocab"] * b)
+    return max(prompt_pass, response_pass) + weights_dequantized
+
+
+def full_inputs(r: RunSizes, tokens: int, layers: int) -> int:
+    """Full fine-tuning: the trained linear layers keep their inputs (2 norm outputs, down's input)."""
+    return tokens * layers * r.b * (2 * r.s["hidden"] + r.s["intermediate"]) if not r.args.lora_r else 0
+
+
+def vision_kept(r: RunSizes, n: int, checkpointed: bool) -> int:
+    """The vision tower's activations for n prompts: enable_input_require_grads (set with gradient checkpointing)
+    makes its output require grad, so it keeps them; checkpointed, each block keeps its input and one block is
+    recomputed at a time."""
+    sv, b = r.sv, r.b
+    if not r.args.gradient_checkpointing:
+        return 0
+    per_patch = sv["layers"] * vision_saved_per_patch(sv, b)
+    if checkpointed:
+        per_patch = sv["layers"] * sv["hidden"] * b + 2 * vision_saved_per_patch(sv, b)
+    return patches(sv, n, r.P) * per_patch
+
+
+def head_backward(r: RunSizes, n_tokens: int) -> int:
+    """The head's chunked backward over n_tokens; a trainable head goes by blocks of the vocabulary."""
+    s, b = r.s, r.b
+    if not r.args.lean_logps:
+        return n_tokens * s["vocab"] * (b * (1 + LOGIT_GRAD_COPIES) + 8)
+    chunk = min(CHUNK_ELEMENTS, n_tokens * s["vocab"])
+    hidden = n_tokens * s["hidden"] * b * 2  # the kept last hidden states and their gradient
+    return hidden + chunk * (4 + 2 * b) + (n_tokens * s["hidden"] * 4 if not r.args.lora_r else 0)
+
+
+def update_forward(r: RunSizes, n: int, prompt: int, response: int, shared: bool) -> int:
+    """Activations and working set of one micro-batch's forward and backward (gradients apart)."""
+    args, s, b, lora = r.args, r.s, r.b, r.lora
+    L, tokens = s["layers"], prompt + response
+    if not shared:
+        if args.gradient_checkpointing:
+            kept = n * tokens * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r,
+                                                                                    tokens, largest=True))
+            kept += full_inputs(r, n * tokens, 2)
+        else:
+            kept = n * tokens * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
+            kept += full_inputs(r, n * tokens, L)
+        return kept + vision_kept(r, n, True) + head_backward(r, n * (response + 1)) + device_pixels(r, n)
+    u = distinct_prompts_in(n, r.G)
+    # the prompt's forward, outside gradient checkpointing: every layer keeps everything, the vision tower too
+    prompt_kept = (u * prompt * L * layer_saved_for_backward(s, b, lora, args.lora_r, prompt)
+                   + full_inputs(r, u * prompt, L) + vision_kept(r, u, False) + kv_cache(s, u, prompt, b))
+    cache = kv_cache(s, n, prompt, b)  # indexed to the n rows, read by every response layer
+    joined = n * tokens * 2 * s["heads"] * s["head_dim"] * b  # one layer's prompt + response keys and values
+    if args.gradient_checkpointing:
+        response_kept = n * response * (L * s["hidden"] * b + 2 * layer_saved_for_backward(
+            s, b, lora, args.lora_r, tokens, largest=True)) + 2 * joined + full_inputs(r, n * response, 2)
+    else:
+        response_kept = (n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
+                         + L * joined + full_inputs(r, n * response, L))
+    return (prompt_kept + cache + response_kept + head_backward(r, n * response) + n * s["vocab"] * (b + 8)
+            + device_pixels(r, u))
+
+
+def grad_bytes(r: RunSizes) -> int:
+    """Bytes per element of the student's gradients: a LoRA adapter's are float32, the others the weights'."""
+    return 4 if r.args.lora_r else r.param_b
+
+
+def autocast_copies(r: RunSizes) -> int:
+    """The bf16 casts of the float32 master weights, cached within autocast (FSDP2 gathers bf16 units instead:
+    fsdp_gathered)."""
+    return 2 * r.trainable if r.mixed and r.shard == 1 else 0
+
+
+def fsdp_unsharded_grads(r: RunSizes) -> int:
+    """FSDP2's unsharded gradients, in the gathered weights' dtype (the compute dtype; a LoRA adapter's float32).
+    Accelerate gives the final norm and the LM head a unit of their own that stays gathered from the forward to
+    the backward, so the head's gradient is made whole on every process, then copied whole into the reduce-
+    scatter's input. Micro-batches before an update's last run under no_sync (set_requires_gradient_sync(False)):
+    every unit keeps its whole gradient until the last micro-batch reduce-scatters them."""
+    args, s = r.args, r.s
+    if r.shard == 1:
+        return 0
+    head = 0 if args.lora_r else s["vocab"] * s["hidden"]
+    micro_batches = max(1, math.ceil(r.rows / r.mb) // max(args.steps_per_generation, 1))
+    whole = r.trainable if micro_batches > 1 else head
+    return (whole + max(head, r.trainable // s["layers"])) * (4 if args.lora_r else r.b)
+
+
+# The phases: what each adds above the resident bytes at its highest.
+
+
+def phase_update(r: RunSizes) -> int:
+    """The update: the gradients and autocast's bf16 copies, then the largest of what runs one after the other:
+    one micro-batch's forward and backward (with FSDP2's unsharded gradients), the optimizer step, update_size's
+    float64 chunks."""
+    args, lora = r.args, r.lora
+    gradients = r.trainable * grad_bytes(r) // r.shard
+    # the optimizer step: foreach AdamW on a GPU makes a float32 temporary of every moment (sqrt); on a CPU it
+    # goes parameter by parameter
+    largest_param = max(p.numel() for p in r.student.parameters() if p.requires_grad) if not args.lora_r else 0
+    optimizer_step = r.trainable * 4 // r.shard if r.cuda else 2 * 4 * max(largest_param, max(
+        (i * args.lora_r for _, i, _ in lora), default=0))
+    # update_norm after the step: float64 chunks of a parameter and its two moments (update_size)
+    largest_trainable = largest_param or max((max(i, o) * args.lora_r for _, i, o in lora), default=0)
+    update_norm = min(UPDATE_SIZE_CHUNK, largest_trainable) * 8 * UPDATE_SIZE_COPIES
+    return gradients + autocast_copies(r) + max(update_forward(r, r.mb, r.P, r.R, r.student_shared)
+                                                + fsdp_unsharded_grads(r), optimizer_step, update_norm)
+
+
+def fsdp_gather_buffer(r: RunSizes) -> int:
+    """FSDP2 gathers a unit into a flat all-gather buffer, then copies it out to the unit's parameters: the buffer
+    of the largest unit a sampling forward gathers (the LM head's, the input embedding's) comes on top for a time."""
+    return max(r.s["vocab"] * r.s["hidden"], r.unit_params) * r.b if r.shard > 1 else 0
+
+
+def phase_rollout(r: RunSizes) -> int:
+    """Rollout: one generate() call (or the shared sampler) over gen rows: the student's cache, the prompt
+    forward (once per distinct prompt where the rollout shares prompts) and the sampler's float32 rows."""
+    s, sv, gen = r.s, r.sv, r.gen
+    u_gen = distinct_prompts_in(gen, r.G) if r.student_shared else gen
+    return (kv_cache(s, gen, r.T, r.b) + no_grad_forward(r, s, sv, u_gen, r.P, u_gen)
+            + gen * s["vocab"] * 4 * SAMPLER_COPIES + autocast_copies(r)
+            + host_pixels(r, u_gen + (distinct_prompts_in(gen, r.G) if r.share else 0)) + fsdp_gather_buffer(r))
+
+
+def phase_teacher_eval(r: RunSizes) -> int:
+    """The teacher's greedy evaluation before training: its cache, its prompt forward and one float32 row of
+    logits per sequence."""
+    t, evals = r.t, r.evals
+    return (kv_cache(t, evals, r.T, r.b) + no_grad_forward(r, t, r.tv, evals, r.P, evals) + evals * t["vocab"] * 4
+            + r.dequantized + r.teacher_gathered)
+
+
+def phase_scoring(r: RunSizes) -> int:
+    """The teacher's scoring forward of one micro-batch."""
+    return scoring_forward(r, r.t, r.tv, r.mb, r.P, r.R, r.share, r.dequantized) + r.teacher_gathered
+
+
+def phase_check(r: RunSizes) -> int:
+    """The start-up checks of --share_prompt_prefix: two prompts' rows, responses cut, whatever the micro-batch
+    size; the largest of the roles they check (teacher plain and shared, student rollout, student gradients)."""
+    if not r.share:
+        return 0
+    t, tv, P, dequantized = r.t, r.tv, r.P, r.dequantized
+    n_c, R_c = CHECK_PROMPTS * r.G, min(r.R, CHECK_TOKENS)
+    roles = [scoring_forward(r, t, tv, n_c, P, R_c, False, dequantized) + r.teacher_gathered,
+             scoring_forward(r, t, tv, n_c, P, R_c, True, dequantized) + r.teacher_gathered]
+    if r.student_shared:  # the student's plain forward, then both forwards' gradients flattened to float32
+        roles.append(scoring_forward(r, r.s, r.sv, n_c, P, R_c, False, 0) + autocast_copies(r))
+        grads, flat = r.trainable * grad_bytes(r), 4 * r.trainable
+        roles.append(autocast_copies(r) + max(update_forward(r, n_c, P, R_c, False) + grads,
+                                              flat + update_forward(r, n_c, P, R_c, True) + grads, 2 * flat + grads))
+    return max(roles) + host_pixels(r, n_c + CHECK_PROMPTS)
+
+
+def resident_state(r: RunSizes) -> tuple[int, int, int]:
+    """(the student's weights, its optimizer state, the units FSDP2 gathers in a forward), per process: what
+    stays allocated through the whole step."""
+    if r.args.lora_r:
+        student_weights, train_state = r.student_params * r.b, r.trainable * 12  # float32 adapter, two moments
+    else:
+        student_weights, train_state = r.student_params * r.param_b, r.trainable * 8  # AdamW's float32 moments
+    gathered = (r.root_params + 2 * r.unit_params) * r.b if r.shard > 1 else 0
+    return student_weights // r.shard, train_state // r.shard, gathered
+
+
 def estimate(args, num_processes: int = 1, sharding: str = "none", device: str = "cuda",
              lengths: tuple[int, int] | None = None) -> dict:
     """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring.
@@ -354,201 +672,27 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     own lengths). Each phase_* is what the phase adds above the resident bytes."""
     if sharding not in ("none", "fsdp"):
         raise ValueError(f"sharding must be none or fsdp, not {sharding!r}")
-    N, shard = num_processes, num_processes if sharding == "fsdp" else 1
-    cuda = device == "cuda"
-    b = dtype_bytes(args.dtype, device)
-    mixed = args.lora_r == 0 and args.dtype == "auto" and cuda  # float32 master weights, bf16 compute
-    param_b = 4 if mixed else b
-    P, R = lengths or (args.max_prompt_length, args.max_new_tokens)
-    T, mb, G = P + R, args.micro_batch_size, args.num_generations
-    from gndpo_minimal import teacher_paths
-
-    # several teachers (name=path pairs): every process holds all of them; a phase's bound is the largest one's
-    teachers = [meta_model(path) for path in teacher_paths(args).values()]
-    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    student, teacher = meta_model(args.student_model), max(teachers, key=numel)
-    s, t = text_shape(student), text_shape(teacher)
-    sv, tv = vision_shape(student), vision_shape(teacher)
-    lora = lora_layers(student, args.lora_target_modules) if args.lora_r else []
-    student_params = sum(p.numel() for p in student.parameters())
-    root_params, unit_params = fsdp_units(student)
-    trainable = trainable_params(student, args)
-    teacher_params = numel(teacher)
-    teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
-    for other in teachers:
-        if other is not teacher:
-            teacher_w["bytes"] += nf4_weights(other, other_bytes=b)["bytes"] if args.teacher_4bit else numel(other) * b
-    # --shard_teacher (16-bit only): shard_frozen divides the teacher's blocks over the N processes and keeps its
-    # embeddings and LM head whole; a forward gathers one block at a time (and prefetches the next)
-    teacher_gathered = 0
-    if args.shard_teacher and N > 1:
-        teacher_root, teacher_unit = fsdp_units(teacher)
-        teacher_w = {"bytes": (teacher_root + (teacher_params - teacher_root) // N) * b}
-        teacher_gathered = 2 * teacher_unit * b
-    dequantized = b * teacher_w.get("largest_quantized", 0)  # bitsandbytes dequantizes one layer at a time
-    share = args.share_prompt_prefix
-    student_shared = share and shard == 1  # sharded weights: every process runs one forward per sample
-
-    rows = args.prompts_per_step * G // N  # this process's rollouts of a step
-    gen = args.generation_batch_size or rows
-    evals = args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / N))
-    pixel_bytes = P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"])  # one prompt's images
-    # pixels a forward moves to the GPU (on a CPU they are already there and counted where they are made)
-    device_pixels = (lambda n: n * pixel_bytes) if cuda else (lambda n: 0)  # noqa: E731
-    host_pixels = (lambda n: 0) if cuda else (lambda n: n * pixel_bytes)  # noqa: E731
-    patches = lambda v, n, tokens=P: round(n * v["patches_per_token"] * tokens)  # noqa: E731
-
-    def kv_cache(shape, n, tokens=T):  # keys and values of every attention layer, linear layers' states
-        return n * (tokens * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
-                    + shape["linear_layers"] * linear_state_bytes(shape, b))
-
-    def vision_forward(v, n):  # one vision layer's working set over the patches of n prompts
-        return patches(v, n) * b * (6 * v["hidden"] + 2 * v["intermediate"])
-
-    def head_forward(vocab, n):  # head_logps / token_logps without grad: a chunk's logits, then its float32 copy
-        if not args.lean_logps:  # and log-softmax (the logits are dropped once copied)
-            return n * vocab * (b + 8)
-        return min(CHUNK_ELEMENTS, n * vocab) * max(b + 4, 8)
-
-    def no_grad_forward(shape, v, n, tokens, vision_rows):  # one forward, nothing kept but the residual stream
-        return (n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b) + vision_forward(v, vision_rows)
-                + device_pixels(vision_rows))
-
-    def scoring(shape, v, n, prompt, response, shared, weights_dequantized):
-        """A no-grad scoring forward of n rows: plain, or the distinct prompts once then the responses on the
-        cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention)."""
-        if not shared:  # the head's chunks come after the last layer: only the final hidden states outlive it
-            return max(no_grad_forward(shape, v, n, prompt + response, n),
-                       n * (prompt + response) * shape["hidden"] * b + head_forward(shape["vocab"], n * (response + 1))
-                       ) + weights_dequantized
-        u = distinct_prompts_in(n, G)
-        prompt_pass = no_grad_forward(shape, v, u, prompt, u) + kv_cache(shape, u, prompt)
-        joined = n * (prompt + response) * 2 * shape["kv_heads"] * shape["head_dim"] * b  # one layer's cat
-        response_pass = (kv_cache(shape, n, prompt) + no_grad_forward(shape, v, n, response, 0) + joined
-                         + head_forward(shape["vocab"], n * response) + n * shape["vocab"] * b)
-        return max(prompt_pass, response_pass) + weights_dequantized
-
-    def full_inputs(tokens, layers):  # full fine-tuning: trained linear layers keep their inputs (2 norm outputs,
-        return tokens * layers * b * (2 * s["hidden"] + s["intermediate"]) if not args.lora_r else 0  # down's input)
-
-    def vision_kept(n, checkpointed):  # enable_input_require_grads (set with gradient checkpointing) makes the
-        if not args.gradient_checkpointing:  # vision tower's output require grad: it keeps its activations
-            return 0
-        per_patch = sv["layers"] * vision_saved_per_patch(sv, b)
-        if checkpointed:  # each block keeps its input; one block recomputed at a time
-            per_patch = sv["layers"] * sv["hidden"] * b + 2 * vision_saved_per_patch(sv, b)
-        return patches(sv, n) * per_patch
-
-    def head_backward(n_tokens):  # the head's chunked backward; a trainable head goes by blocks of the vocabulary
-        if not args.lean_logps:
-            return n_tokens * s["vocab"] * (b * (1 + LOGIT_GRAD_COPIES) + 8)
-        chunk = min(CHUNK_ELEMENTS, n_tokens * s["vocab"])
-        hidden = n_tokens * s["hidden"] * b * 2  # the kept last hidden states and their gradient
-        return hidden + chunk * (4 + 2 * b) + (n_tokens * s["hidden"] * 4 if not args.lora_r else 0)
-
-    def update_forward(n, prompt, response, shared):
-        """Activations and working set of one micro-batch's forward and backward (gradients apart)."""
-        L, tokens = s["layers"], prompt + response
-        if not shared:
-            if args.gradient_checkpointing:
-                kept = n * tokens * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r,
-                                                                                        tokens, largest=True))
-                kept += full_inputs(n * tokens, 2)
-            else:
-                kept = n * tokens * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
-                kept += full_inputs(n * tokens, L)
-            return kept + vision_kept(n, True) + head_backward(n * (response + 1)) + device_pixels(n)
-        u = distinct_prompts_in(n, G)
-        # the prompt's forward, outside gradient checkpointing: every layer keeps everything, the vision tower too
-        prompt_kept = (u * prompt * L * layer_saved_for_backward(s, b, lora, args.lora_r, prompt)
-                       + full_inputs(u * prompt, L) + vision_kept(u, False) + kv_cache(s, u, prompt))
-        cache = kv_cache(s, n, prompt)  # indexed to the n rows, read by every response layer
-        joined = n * tokens * 2 * s["heads"] * s["head_dim"] * b  # one layer's prompt + response keys and values
-        if args.gradient_checkpointing:
-            response_kept = n * response * (L * s["hidden"] * b + 2 * layer_saved_for_backward(
-                s, b, lora, args.lora_r, tokens, largest=True)) + 2 * joined + full_inputs(n * response, 2)
-        else:
-            response_kept = (n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
-                             + L * joined + full_inputs(n * response, L))
-        return (prompt_kept + cache + response_kept + head_backward(n * response) + n * s["vocab"] * (b + 8)
-                + device_pixels(u))
-
-    grad_b = 4 if args.lora_r else param_b
-    gradients = trainable * grad_b // shard
-    # the optimizer step: foreach AdamW on a GPU makes a float32 temporary of every moment (sqrt); on a CPU it
-    # goes parameter by parameter
-    largest_param = max(p.numel() for p in student.parameters() if p.requires_grad) if not args.lora_r else 0
-    optimizer_step = trainable * 4 // shard if cuda else 2 * 4 * max(largest_param, max((i * args.lora_r for _, i, _
-                                                                                           in lora), default=0))
-    # bf16 casts of the float32 weights, cached within autocast (FSDP2 gathers bf16 units instead: fsdp_gathered)
-    autocast_copies = 2 * trainable if mixed and shard == 1 else 0
-    # update_norm after the step: float64 chunks of a parameter and its two moments (update_size)
-    largest_trainable = largest_param or max((max(i, o) * args.lora_r for _, i, o in lora), default=0)
-    update_norm = min(UPDATE_SIZE_CHUNK, largest_trainable) * 8 * UPDATE_SIZE_COPIES
-    # FSDP2's unsharded gradients, in the gathered weights' dtype (the compute dtype; a LoRA adapter's float32).
-    # Accelerate gives the final norm and the LM head a unit of their own that stays gathered from the forward to
-    # the backward, so the head's gradient is made whole on every process, then copied whole into the reduce-
-    # scatter's input. Micro-batches before an update's last run under no_sync (set_requires_gradient_sync(False)):
-    # every unit keeps its whole gradient until the last micro-batch reduce-scatters them.
-    fsdp_unsharded_grads = 0
-    if shard > 1:
-        head = 0 if args.lora_r else s["vocab"] * s["hidden"]
-        micro_batches = max(1, math.ceil(rows / mb) // max(args.steps_per_generation, 1))
-        whole = trainable if micro_batches > 1 else head
-        fsdp_unsharded_grads = (whole + max(head, trainable // s["layers"])) * (4 if args.lora_r else b)
-    update = gradients + autocast_copies + max(update_forward(mb, P, R, student_shared) + fsdp_unsharded_grads,
-                                               optimizer_step, update_norm)
-
-    # rollout: one generate() call (or the shared sampler) over gen rows
-    shared_rollout = share and shard == 1
-    u_gen = distinct_prompts_in(gen, G) if shared_rollout else gen
-    # FSDP2 gathers a unit into a flat all-gather buffer, then copies it out to the unit's parameters: the buffer
-    # of the largest unit a sampling forward gathers (the LM head's, the input embedding's) comes on top for a time
-    gather_buffer = max(s["vocab"] * s["hidden"], unit_params) * b if shard > 1 else 0
-    rollout = (kv_cache(s, gen) + no_grad_forward(s, sv, u_gen, P, u_gen) + gen * s["vocab"] * 4 * SAMPLER_COPIES
-               + autocast_copies + host_pixels(u_gen + (distinct_prompts_in(gen, G) if share else 0)) + gather_buffer)
-    teacher_eval = (kv_cache(t, evals) + no_grad_forward(t, tv, evals, P, evals) + evals * t["vocab"] * 4 + dequantized
-                    + teacher_gathered)
-    score = scoring(t, tv, mb, P, R, share, dequantized) + teacher_gathered
-
-    # the start-up checks: two prompts' rows, responses cut, whatever the micro-batch size
-    check = 0
-    if share:
-        n_c, R_c = CHECK_PROMPTS * G, min(R, CHECK_TOKENS)
-        roles = [scoring(t, tv, n_c, P, R_c, False, dequantized) + teacher_gathered,
-                 scoring(t, tv, n_c, P, R_c, True, dequantized) + teacher_gathered]
-        if shared_rollout:
-            roles.append(scoring(s, sv, n_c, P, R_c, False, 0) + autocast_copies)
-        if student_shared:  # both forwards' gradients of every trainable parameter, flattened to float32
-            grads, flat = trainable * grad_b, 4 * trainable
-            roles.append(autocast_copies + max(update_forward(n_c, P, R_c, False) + grads,
-                                               flat + update_forward(n_c, P, R_c, True) + grads, 2 * flat + grads))
-        check = max(roles) + host_pixels(n_c + CHECK_PROMPTS)
-
-    if args.lora_r:
-        student_weights, train_state = student_params * b, trainable * 12  # float32 adapter and its two moments
-    else:
-        student_weights, train_state = student_params * param_b, trainable * 8  # AdamW's two float32 moments
-    student_weights, train_state = student_weights // shard, train_state // shard
-    gathered = (root_params + 2 * unit_params) * b if shard > 1 else 0  # FSDP2's unsharded units in a forward
-
+    r = run_sizes(args, num_processes, sharding, device, lengths)
+    student_weights, train_state, gathered = resident_state(r)
+    mb, R = r.mb, r.R
     out = {
-        "num_processes": N, "sharding": sharding, "device": device, "prompt_tokens": P, "response_tokens": R,
-        "student_params": student_params, "trainable_params": trainable, "student_weights": student_weights,
-        "lora_params": trainable if args.lora_r else 0, "lora_train_state": train_state if args.lora_r else 0,
-        "train_state": train_state, "gradients": gradients, "fsdp_gathered": gathered,
-        "fsdp_unsharded_grads": fsdp_unsharded_grads, "fsdp_gather_buffer": gather_buffer,
-        "teacher_params": teacher_params, "teacher_weights": teacher_w["bytes"], "teacher_gathered": teacher_gathered,
-        "teacher_quantized_params": teacher_w.get("quantized_params", 0),
-        "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if cuda else 0,
-        "generation_rows": gen, "evaluation_rows": evals,
-        "kv_cache_student": kv_cache(s, gen), "kv_cache_teacher": kv_cache(t, evals),
-        "logits_scoring": head_forward(t["vocab"], mb * (R + 1)), "logits_update": head_backward(mb * (R + 1)),
-        "activations_update": update_forward(mb, P, R, student_shared),
-        "host_pixels_per_step": rows * pixel_bytes,
-        "student_reads_prompt_once": student_shared,
+        "num_processes": r.N, "sharding": sharding, "device": device, "prompt_tokens": r.P, "response_tokens": R,
+        "student_params": r.student_params, "trainable_params": r.trainable, "student_weights": student_weights,
+        "lora_params": r.trainable if args.lora_r else 0, "lora_train_state": train_state if args.lora_r else 0,
+        "train_state": train_state, "gradients": r.trainable * grad_bytes(r) // r.shard, "fsdp_gathered": gathered,
+        "fsdp_unsharded_grads": fsdp_unsharded_grads(r), "fsdp_gather_buffer": fsdp_gather_buffer(r),
+        "teacher_params": r.teacher_params, "teacher_weights": r.teacher_w["bytes"],
+        "teacher_gathered": r.teacher_gathered, "teacher_quantized_params": r.teacher_w.get("quantized_params", 0),
+        "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if r.cuda else 0,
+        "generation_rows": r.gen, "evaluation_rows": r.evals,
+        "kv_cache_student": kv_cache(r.s, r.gen, r.T, r.b), "kv_cache_teacher": kv_cache(r.t, r.evals, r.T, r.b),
+        "logits_scoring": head_forward(r, r.t["vocab"], mb * (R + 1)), "logits_update": head_backward(r, mb * (R + 1)),
+        "activations_update": update_forward(r, mb, r.P, R, r.student_shared),
+        "host_pixels_per_step": r.rows * r.pixel_bytes,
+        "student_reads_prompt_once": r.student_shared,
     }
-    phases = {"rollout": rollout, "teacher_eval": teacher_eval, "scoring": score, "update": update, "check": check}
+    phases = {"rollout": phase_rollout(r), "teacher_eval": phase_teacher_eval(r), "scoring": phase_scoring(r),
+              "update": phase_update(r), "check": phase_check(r)}
     resident = student_weights + train_state + gathered + out["teacher_weights"] + out["cuda_context"]
     out.update({f"phase_{k}": v for k, v in phases.items()})
     out["peak_phase"] = max(phases, key=phases.get)
@@ -556,7 +700,7 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     out["peak"] = resident + max(phases.values())
     out["fits_24gb"] = out["peak"] <= GPU_GIB * GiB
     out["fits_80gb"] = out["peak"] <= GPU_GIB_80 * GiB
-    out["sequences_per_step"] = rows
+    out["sequences_per_step"] = r.rows
     return out
 
 
@@ -665,6 +809,92 @@ def flop_shape(model) -> dict:
             "gathered": numel(decoder.layers) + (0 if head is embed else embed.numel())}
 
 
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """What step_time()'s parts are divided by: the GPU, its rates as a run reaches them, the processes, and the
+    run's dtype and lengths."""
+    gpu: GPU
+    N: int  # processes
+    b: int  # bytes per element of the compute dtype
+    P: int  # prompt tokens
+    R: int  # response tokens
+    rate: float  # FLOP/s reached
+    bandwidth: float  # bytes/s reached
+
+
+def attention_flops(shape: dict, n: int, tokens: float, start: float = 0) -> float:
+    """Causal attention of n sequences of `tokens` more tokens after `start` of context, every attention layer."""
+    return 4 * shape["heads"] * shape["head_dim"] * shape["kv_layers"] * n * tokens * (start + tokens / 2)
+
+
+def forward_flops(shape: dict, f: dict, v: dict, n: int, prompt: int, response: int, prompts_read: int,
+                  head_tokens: int) -> float:
+    """n rows of prompt + response, the prompts of prompts_read of them read (the others' taken from them)."""
+    tokens = prompts_read * prompt + n * response
+    vision = 2 * f["vision"] * v["patches_per_token"] * prompt * prompts_read
+    return (2 * f["body"] * tokens + 2 * f["head"] * head_tokens + vision + attention_flops(shape, prompts_read, prompt)
+            + attention_flops(shape, n, response, prompt))
+
+
+def decode_weight_bytes(f: dict, nf4: bool, n: int, b: int) -> float:
+    """The weights a decode step of n rows reads: a 4-bit layer at n > 1 is dequantized to a 16-bit copy
+    (written, then read by the matmul), at n = 1 read packed by bitsandbytes' matrix-vector kernel."""
+    packed = f["block_linear"] if nf4 else 0
+    return (f["body"] + f["head"] - packed) * b + packed * (0.5 + (2 * b if n > 1 else 0))
+
+
+def decode_step(c: Roofline, shape: dict, f: dict, n: int, nf4: bool, adapters: int,
+                sharded: bool) -> tuple[float, str, float, dict]:
+    """(seconds, what bounds it, bytes read, every bound) of one decode step of n rows: the largest of the bytes it
+    reads over the bandwidth, its FLOPs, the host's launches and, sharded, the all-gather of the blocks."""
+    b = c.b
+    context = c.P + c.R / 2  # the cache's mean length over the response
+    memory = (decode_weight_bytes(f, nf4, n, b) + adapters * 4 + n * shape["vocab"] * 4 * SAMPLER_COPIES
+              + n * (context * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+                     + shape["linear_layers"] * 2 * linear_state_bytes(shape, b)))
+    bounds = {"memory": memory / c.bandwidth,
+              "compute": n * (2 * (f["body"] + f["head"]) + 4 * shape["heads"] * shape["head_dim"]
+                              * shape["kv_layers"] * context) / c.rate,
+              "host": shape["layers"] * HOST_SECONDS_PER_LAYER}
+    if sharded:  # every block gathered again at every step, prefetched while the previous one computes
+        bounds["all-gather"] = f["gathered"] * b * (c.N - 1) / c.N / (c.gpu.link * LINK_FRACTION)
+    bound = max(bounds, key=bounds.get)
+    return bounds[bound], bound, memory, bounds
+
+
+def update_flops(args, s: dict, fs: dict, sv: dict, rows: int, prompts_read: int) -> float:
+    """The student's forward and backward over a step's rows, per weight FLOP of the forward: the backward's
+    input and weight gradients (frozen LoRA weights get none), the forward again under gradient checkpointing,
+    the chunked LM head's logits made again in the backward."""
+    P, R = args.max_prompt_length, args.max_new_tokens
+    recompute = 1 if args.gradient_checkpointing else 0
+    body = 1 + (2 if not args.lora_r else 1) + recompute
+    head = 1 + 1 + (2 if not args.lora_r else 1)  # forward, its logits again in backward, its gradients
+    vision = 1 + 2 * recompute  # frozen; its output requires grad under checkpointing (enable_input_require_grads)
+    tokens = prompts_read * P + rows * R
+    return (body * 2 * fs["body"] * tokens + head * 2 * fs["head"] * rows * (R + 1)
+            + vision * 2 * fs["vision"] * sv["patches_per_token"] * P * prompts_read
+            + (3 + recompute) * (attention_flops(s, prompts_read, P) + attention_flops(s, rows, R, P)))
+
+
+def evaluation_time(c: Roofline, args, models: dict, lora: int, student_sharded: bool) -> dict:
+    """The evaluation before training: the teacher's generate() calls, then the student's, greedy, at full
+    length. models: "teacher" and "student", each (text_shape, flop_shape, vision_shape)."""
+    (t, ft, tv), (s, fs, sv) = models["teacher"], models["student"]
+    P, R, N = c.P, c.R, c.N
+    eval_rows = math.ceil(args.num_eval_samples / N) if args.num_eval_samples else 0
+    eval_batch = args.generation_batch_size or eval_rows
+    eval_calls = math.ceil(eval_rows / eval_batch) if eval_rows else 0
+    teacher_step = decode_step(c, t, ft, eval_batch, args.teacher_4bit, 0, args.shard_teacher and N > 1)[0]
+    student_step = decode_step(c, s, fs, eval_batch, False, lora, student_sharded)[0]
+    eval_prefill = lambda shape, f, v: forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows) / c.rate
+    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv)
+    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv)
+    return {"eval_rows": eval_rows, "eval_calls": eval_calls, "eval_teacher_step": teacher_step,
+            "eval_student_step": student_step, "eval_teacher": teacher_eval, "eval_student": student_eval,
+            "evaluation": teacher_eval + student_eval}
+
+
 def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | None = None) -> dict:
     """Seconds of one step of the run `args` describes, on each of num_processes GPUs, at full length (every
     prompt max_prompt_length tokens, every response max_new_tokens: generate() runs until a batch's last row
@@ -686,9 +916,10 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
     4 x query width x context FLOPs per token and layer (causal), the vision tower 2 x its params per patch."""
     gpu = gpu or gpu_for(args)
     N = num_processes
-    b = dtype_bytes(args.dtype)
     P, R, G = args.max_prompt_length, args.max_new_tokens, args.num_generations
-    rate, bandwidth = gpu.bf16_flops * COMPUTE_FRACTION, gpu.bandwidth * BANDWIDTH_FRACTION
+    c = Roofline(gpu=gpu, N=N, b=dtype_bytes(args.dtype), P=P, R=R, rate=gpu.bf16_flops * COMPUTE_FRACTION,
+                 bandwidth=gpu.bandwidth * BANDWIDTH_FRACTION)
+    rate, bandwidth = c.rate, c.bandwidth
     from gndpo_minimal import teacher_paths
 
     numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
@@ -706,37 +937,7 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
     student_sharded = sharding == "fsdp" and N > 1
     distinct = lambda n: distinct_prompts_in(n, G) if share else n  # noqa: E731  (rows whose prompt is read)
 
-    def attention(shape, n, tokens, start=0):  # n sequences of `tokens` more tokens after `start` of context
-        return 4 * shape["heads"] * shape["head_dim"] * shape["kv_layers"] * n * tokens * (start + tokens / 2)
-
-    def forward_flops(shape, f, v, n, prompt, response, prompts_read, head_tokens):
-        """n rows of prompt + response, the prompts of prompts_read of them read (the others' taken from them)."""
-        tokens = prompts_read * prompt + n * response
-        vision = 2 * f["vision"] * v["patches_per_token"] * prompt * prompts_read
-        return (2 * f["body"] * tokens + 2 * f["head"] * head_tokens + vision + attention(shape, prompts_read, prompt)
-                + attention(shape, n, response, prompt))
-
-    def weight_bytes(f, nf4, n):
-        """The weights a decode step of n rows reads: a 4-bit layer at n > 1 is dequantized to a 16-bit copy
-        (written, then read by the matmul), at n = 1 read packed by bitsandbytes' matrix-vector kernel."""
-        packed = f["block_linear"] if nf4 else 0
-        return (f["body"] + f["head"] - packed) * b + packed * (0.5 + (2 * b if n > 1 else 0))
-
-    def decode_step(shape, f, n, nf4, adapters, sharded):
-        context = P + R / 2  # the cache's mean length over the response
-        memory = (weight_bytes(f, nf4, n) + adapters * 4 + n * shape["vocab"] * 4 * SAMPLER_COPIES
-                  + n * (context * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
-                         + shape["linear_layers"] * 2 * linear_state_bytes(shape, b)))
-        bounds = {"memory": memory / bandwidth,
-                  "compute": n * (2 * (f["body"] + f["head"]) + 4 * shape["heads"] * shape["head_dim"]
-                                  * shape["kv_layers"] * context) / rate,
-                  "host": shape["layers"] * HOST_SECONDS_PER_LAYER}
-        if sharded:  # every block gathered again at every step, prefetched while the previous one computes
-            bounds["all-gather"] = f["gathered"] * b * (N - 1) / N / (gpu.link * LINK_FRACTION)
-        bound = max(bounds, key=bounds.get)
-        return bounds[bound], bound, memory, bounds
-
-    latency, bound, decode_bytes, decode_bounds = decode_step(s, fs, gen, False, lora, student_sharded)
+    latency, bound, decode_bytes, decode_bounds = decode_step(c, s, fs, gen, False, lora, student_sharded)
     rollout_decode = R * latency * calls
     prefill = forward_flops(s, fs, sv, rows, P, 0, distinct(gen) * calls if share and not student_sharded
                             else rows, rows) / rate
@@ -745,37 +946,19 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
     mb = args.micro_batch_size
     forwards = math.ceil(rows / mb)
     score_flops = forward_flops(t, ft, tv, rows, P, R, distinct(mb) * forwards, rows * (R + 1))
-    scoring = max(score_flops / rate, forwards * weight_bytes(ft, args.teacher_4bit, mb) / bandwidth)
-    # update: the student's forward and backward, per weight FLOP of the forward
-    recompute = 1 if args.gradient_checkpointing else 0
-    body = 1 + (2 if not args.lora_r else 1) + recompute
-    head = 1 + 1 + (2 if not args.lora_r else 1)  # forward, its logits again in backward, its gradients
-    vision = 1 + 2 * recompute  # frozen; its output requires grad under checkpointing (enable_input_require_grads)
+    scoring = max(score_flops / rate, forwards * decode_weight_bytes(ft, args.teacher_4bit, mb, c.b) / bandwidth)
     prompts_read = distinct(mb) * forwards if share and not student_sharded else rows
-    tokens = prompts_read * P + rows * R
-    update_flops = (body * 2 * fs["body"] * tokens + head * 2 * fs["head"] * rows * (R + 1)
-                    + vision * 2 * fs["vision"] * sv["patches_per_token"] * P * prompts_read
-                    + (3 + recompute) * (attention(s, prompts_read, P) + attention(s, rows, R, P)))
-    update = update_flops / rate
-    # the evaluation before training: the teacher's generate() calls, then the student's, greedy, at full length
-    eval_rows = math.ceil(args.num_eval_samples / N) if args.num_eval_samples else 0
-    eval_batch = args.generation_batch_size or eval_rows
-    eval_calls = math.ceil(eval_rows / eval_batch) if eval_rows else 0
-    teacher_step = decode_step(t, ft, eval_batch, args.teacher_4bit, 0, args.shard_teacher and N > 1)[0]
-    student_step = decode_step(s, fs, eval_batch, False, lora, student_sharded)[0]
-    eval_prefill = lambda shape, f, v: forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows) / rate  # noqa: E731
-    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv)
-    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv)
+    train_flops = update_flops(args, s, fs, sv, rows, prompts_read)
+    update = train_flops / rate
+    evaluation = evaluation_time(c, args, {"teacher": (t, ft, tv), "student": (s, fs, sv)}, lora, student_sharded)
     step = rollout_decode + prefill + scoring + update
     return {"gpu": gpu, "layers": s["layers"], "rows": rows, "generation_batch_size": gen, "generate_calls": calls,
             "decode_steps": R, "decode_bytes": decode_bytes, "decode_latency": latency, "decode_bound": bound,
             "decode_bounds": decode_bounds, "rollout_decode": rollout_decode, "rollout_prefill": prefill,
-            "scoring_flops": score_flops, "scoring": scoring, "update_flops": update_flops, "update": update,
-            "step": step, "eval_rows": eval_rows, "eval_calls": eval_calls, "eval_teacher_step": teacher_step,
-            "eval_student_step": student_step, "eval_teacher": teacher_eval, "eval_student": student_eval,
-            "evaluation": teacher_eval + student_eval,
+            "scoring_flops": score_flops, "scoring": scoring, "update_flops": train_flops, "update": update,
+            "step": step, **evaluation,
             # the run: every step, the evaluation before training, and the student's after
-            "run": args.max_steps * step + teacher_eval + 2 * student_eval}
+            "run": args.max_steps * step + evaluation["eval_teacher"] + 2 * evaluation["eval_student"]}
 
 
 def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dict:
@@ -799,6 +982,15 @@ def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dic
     return t
 
 
+def time_assumptions() -> str:
+    """The figures step_time() assumes, as print_step_time and docs/recipes.md's time table state them."""
+    gpus = "; ".join(f"{g.name}: {g.bandwidth / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s dense bf16"
+                     + f", {g.link / 1e9:,.0f} GB/s each way over {g.link_name}" for g in (RTX_4090, H100_SXM))
+    return (f"Assumed: {gpus} (spec sheets); a run reaches {BANDWIDTH_FRACTION:.0%} of the bandwidth, "
+            f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link; generate() costs the host "
+            f"{HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and token at least.")
+
+
 def flops(x: float) -> str:
     return f"{x:.2g}".replace("e+", "e")
 
@@ -811,12 +1003,6 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 2 * 3600 else f"{seconds / 3600:.1f} h"
 
 
-# ---------------------------------------------------------------------------------------------
-# docs/recipes.md's table, generated
-# ---------------------------------------------------------------------------------------------
-
-RECIPES_PAGE = os.path.join(HERE, "docs", "recipes.md")
-TABLE_START, TABLE_END = "<!-- estimate_memory:table -->\n", "<!-- /estimate_memory:table -->"
 # a recipe that shards its student says how it launches on its first comment lines: --num_processes N and an FSDP
 # config (configs/fsdp*.yaml)
 LAUNCH = re.compile(r"accelerate launch (?:--config_file (\S+) )?--num_processes (\d+)")
@@ -831,113 +1017,15 @@ def recipe_launch(path: str) -> tuple[int, str]:
     return int(m.group(2)), "fsdp" if m.group(1) and "fsdp" in m.group(1) else "none"
 
 
-def fits_text(e: dict) -> str:
-    if e["fits_24gb"]:
-        return "24 GB (RTX 3090/4090) and up"
-    return "80 GB (H100/A100 80GB)" if e["fits_80gb"] else "no single GPU"
+def recipes_page():
+    """bench/recipes_page.py, which writes docs/recipes.md's tables from these estimates (loaded by its path:
+    bench/ is no package)."""
+    import importlib.util
 
-
-def headroom_text(e: dict, gpu: GPU) -> str:
-    room, share = headroom(e, gpu)
-    return f"{room:.2f} GiB ({share:.1%}) of {gpu.memory_gib} GiB ({gpu.name})"
-
-
-def markdown_table(paths: list[str]) -> str:
-    """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
-    from gndpo_minimal import parse_args
-
-    lines = ["| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "
-             "| peak bound per GPU | fits | headroom |", "|" + " --- |" * 10]
-    for path in paths:
-        args = parse_args([path])
-        n, sharding = recipe_launch(path)
-        e = estimate(args, n, sharding)
-        gib = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
-        student = (f"{os.path.basename(args.student_model)} ({'LoRA' if args.lora_r else 'full, float32 master'}), "
-                   f"{gib(e['student_weights'] + e['train_state'] + e['fsdp_gathered'])}")
-        teacher = f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'}), " \
-                  f"{gib(e['teacher_weights'])}"
-        where = f"{n}, FSDP2" if sharding == "fsdp" else str(n)
-        lines.append(f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
-                     f"{'yes' if args.share_prompt_prefix and e['student_reads_prompt_once'] else 'no'} | "
-                     f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
-                     f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, gpu_for(args))} |")
-    return "\n".join(lines)
-
-
-def headroom(e: dict, gpu: GPU) -> tuple[float, float]:
-    """(GiB, fraction) of the GPU's memory above the peak bound; negative where the bound does not fit."""
-    room = gpu.memory_gib - e["peak"] / GiB
-    return room, room / gpu.memory_gib
-
-
-TIME_START, TIME_END = "<!-- estimate_memory:time -->\n", "<!-- /estimate_memory:time -->"
-
-
-def time_assumptions() -> str:
-    """The figures step_time() assumes, as docs/recipes.md lists them above its time table."""
-    gpus = "; ".join(f"{g.name}: {g.bandwidth / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s dense bf16"
-                     + f", {g.link / 1e9:,.0f} GB/s each way over {g.link_name}" for g in (RTX_4090, H100_SXM))
-    return (f"Assumed: {gpus} (spec sheets); a run reaches {BANDWIDTH_FRACTION:.0%} of the bandwidth, "
-            f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link; generate() costs the host "
-            f"{HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and token at least.")
-
-
-def time_table(paths: list[str]) -> str:
-    """docs/recipes.md's time table: one row per recipe at its own launch, each figure with its arithmetic."""
-    from gndpo_minimal import parse_args
-
-    lines = ["| recipe | GPU | generate() calls per step, per process | one decode step | rollout | teacher scoring "
-             "| student update | step | evaluation before training | run |",
-             "|" + " --- |" * 10]
-    for path in paths:
-        args = parse_args([path])
-        n, sharding = recipe_launch(path)
-        t = step_time(args, n, sharding)
-        gpu, bounds = t["gpu"], t["decode_bounds"]
-        rate = f"{gpu.bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
-        step = (f"{bounds['memory'] * gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.1f} GB / "
-                f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; host "
-                f"{t['layers']} x {HOST_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['host'])}"
-                + (f"; all-gather {duration(bounds['all-gather'])}" if "all-gather" in bounds else "")
-                + f": **{duration(t['decode_latency'])}** ({t['decode_bound']})")
-        calls = (f"{args.prompts_per_step} x {args.num_generations} / {n} / {t['generation_batch_size']} = "
-                 f"{t['generate_calls']}")
-        rollout = (f"{t['decode_steps']} x {duration(t['decode_latency'])} x {t['generate_calls']} = "
-                   f"{duration(t['rollout_decode'])}, + prefill {duration(t['rollout_prefill'])}")
-        evaluation = (f"{t['eval_calls']} x {t['decode_steps']} x ({duration(t['eval_teacher_step'])} teacher + "
-                      f"{duration(t['eval_student_step'])} student), + prefill = {duration(t['evaluation'])}")
-        lines.append(f"| `recipes/{os.path.basename(path)}` | {gpu.name} | {calls} | {step} | {rollout} | "
-                     f"{flops(t['scoring_flops'])} FLOP / {rate} = {duration(t['scoring'])} | "
-                     f"{flops(t['update_flops'])} FLOP / {rate} = {duration(t['update'])} | "
-                     f"**{duration(t['step'])}** | {evaluation} | {args.max_steps} steps + evaluations = "
-                     f"{duration(t['run'])} |")
-    return time_assumptions() + "\n\n" + "\n".join(lines)
-
-
-def real_recipes() -> list[str]:
-    return sorted(glob.glob(os.path.join(HERE, "recipes", "geometry3k_*.yaml")))
-
-
-def between(text: str, start_marker: str, end_marker: str) -> str:
-    """What docs/recipes.md holds between two of its markers, stripped."""
-    start = text.index(start_marker) + len(start_marker)
-    return text[start:text.index(end_marker, start)].strip()
-
-
-def write_docs(page: str = RECIPES_PAGE) -> str:
-    """Rewrites the memory table and the time table between docs/recipes.md's markers; returns the page."""
-    with open(page) as f:
-        text = f.read()
-    recipes = real_recipes()
-    for (start_marker, end_marker), table in (((TABLE_START, TABLE_END), markdown_table(recipes)),
-                                              ((TIME_START, TIME_END), time_table(recipes))):
-        start = text.index(start_marker) + len(start_marker)
-        end = text.index(end_marker, start)
-        text = text[:start] + table + "\n" + text[end:]
-    with open(page, "w") as f:
-        f.write(text)
-    return text
+    spec = importlib.util.spec_from_file_location("recipes_page", os.path.join(HERE, "bench", "recipes_page.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_args(argv: list[str]):
@@ -968,12 +1056,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\nthe run's own flags: python gndpo_minimal.py --help")
         return
     try:
-        if own.write_docs:
-            write_docs()
-            print(f"rewrote the memory and time tables in {os.path.relpath(RECIPES_PAGE)}")
-            return
-        if own.markdown:
-            print(markdown_table(rest or real_recipes()) + "\n\n" + time_table(rest or real_recipes()))
+        if own.write_docs or own.markdown:
+            recipes_page().main(["--print", *rest] if own.markdown else [])
             return
         recipe = next((a for a in rest if a.endswith((".yaml", ".yml"))), None)
         n, sharding = recipe_launch(recipe) if recipe else (1, "none")

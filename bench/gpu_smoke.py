@@ -358,17 +358,10 @@ def base_args(tiny: bool, student: str, teacher: str, output_dir: str) -> g.Args
     return dataclasses.replace(args, min_new_tokens=args.max_new_tokens)
 
 
-def run_phases(smoke: Smoke, args: g.Args, log) -> None:
-    """The models section, then one micro-batch of each phase, then the checks."""
+def setup_phase(smoke: Smoke, setup_args: g.Args, args: g.Args, log) -> dict | None:
+    """The models section: the script's own set-up (setup_step), with its seconds and what it left resident.
+    Returns the set-up, or None where it failed (every phase is then marked not run: nothing to run them on)."""
     cuda, result = smoke.cuda, smoke.result
-    G, gen, micro = args.num_generations, args.generation_batch_size, args.micro_batch_size
-    # the set-up makes one micro-batch a step: the update is one micro-batch, one optimizer step
-    setup_args = dataclasses.replace(args, prompts_per_step=1, num_generations=micro)
-    rollout_args = dataclasses.replace(args, prompts_per_step=max(1, (gen or G) // G))  # one generate() call
-    check_tokens = min(args.max_new_tokens, CHECK_TOKENS)
-    check_args = dataclasses.replace(args, prompts_per_step=CHECK_PROMPTS, share_prompt_prefix=True,
-                                     max_new_tokens=check_tokens, min_new_tokens=check_tokens)
-    phases = result.setdefault("phases", {})
     try:
         t0 = time.perf_counter()
         setup = setup_step(setup_args, log)
@@ -382,26 +375,35 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
     except Exception as e:
         result["models"].update(smoke.fail("models", e))
         for phase in PHASES:
-            phases[phase] = {"error": "not run: the set-up failed"}
-        smoke.save()
-        return
-    smoke.save()
-    acc, train_ds, keep = setup["accelerator"], setup["train_ds"], setup["train_keep"]
-    estimates = {}
+            result["phases"][phase] = {"error": "not run: the set-up failed"}
+        return None
+    return setup
 
-    # rollout: one generate() call of generation_batch_size rows, cut into micro-batches as the step does
-    rollouts = None
+
+def rollout_phase(smoke: Smoke, setup: dict, rollout_args: g.Args) -> tuple:
+    """rollout: one generate() call of generation_batch_size rows, cut into micro-batches as the step does.
+    Returns (the prompts, the rollouts); the rollouts are None where the phase failed."""
+    phases, gen = smoke.result["phases"], rollout_args.generation_batch_size
+    prompts = rollouts = None
     try:
-        prompts = g.step_prompts(train_ds, keep, rollout_args, 0)
-        rollouts, stats = measure(lambda: g.sample_rollouts(models, prompts, rollout_args), cuda)
+        prompts = g.step_prompts(setup["train_ds"], setup["train_keep"], rollout_args, 0)
+        rollouts, stats = measure(lambda: g.sample_rollouts(setup["models"], prompts, rollout_args), smoke.cuda)
         rows = len(prompts.prompts)
         phases["rollout"] = phase_record(stats, rollouts, generate_calls=math.ceil(rows / (gen or rows)))
     except Exception as e:
         phases["rollout"] = smoke.fail("rollout", e)
-    # the estimate at the measured prompt length and the forced response length, as bench/memory.py compares
+    return prompts, rollouts
+
+
+def estimate_phases(smoke: Smoke, args: g.Args, rollout_args: g.Args, rollouts) -> tuple[dict, float | None]:
+    """estimate_memory's figures at the measured prompt length and the forced response length, as bench/memory.py
+    compares them, for the plain step and for the checks (--share_prompt_prefix on). Returns (the estimates, the
+    estimated resident bytes); the bytes are None where the estimate failed."""
+    result = smoke.result
+    estimates = {}
     try:
-        lengths = (phases["rollout"]["prompt_tokens"], args.max_new_tokens) if rollouts else None
-        device = "cuda" if cuda else "cpu"
+        lengths = (result["phases"]["rollout"]["prompt_tokens"], args.max_new_tokens) if rollouts else None
+        device = "cuda" if smoke.cuda else "cpu"
         estimates["plain"] = estimate(rollout_args, device=device, lengths=lengths)
         estimates["check"] = estimate(dataclasses.replace(rollout_args, share_prompt_prefix=True), device=device,
                                       lengths=lengths)
@@ -413,53 +415,61 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
     except Exception as e:
         result["models"]["estimate_error"] = smoke.fail("estimate", e)["error"]
         resident = None
-    if rollouts:
-        compare(phases["rollout"], estimates.get("plain", {}).get("phase_rollout"), resident)
-    smoke.save()
+    return estimates, resident
 
-    # teacher scoring: the teacher's log-probs of one micro-batch
-    if rollouts:
-        try:
-            with torch.no_grad():
-                _, stats = measure(lambda: models.teacher_logps_of(rollouts[0]), cuda)
-            phases["scoring"] = phase_record(stats, rollouts[:1])
-            compare(phases["scoring"], estimates.get("plain", {}).get("phase_scoring"), resident)
-        except Exception as e:
-            phases["scoring"] = smoke.fail("scoring", e)
-    else:
+
+def scoring_phase(smoke: Smoke, models: g.Models, rollouts, estimates: dict, resident: float | None) -> None:
+    """teacher scoring: the teacher's log-probs of one micro-batch of the rollout phase's rollouts."""
+    phases = smoke.result["phases"]
+    if not rollouts:
         phases["scoring"] = {"error": "not run: the rollout phase failed"}
-    smoke.save()
+        return
+    try:
+        with torch.no_grad():
+            _, stats = measure(lambda: models.teacher_logps_of(rollouts[0]), smoke.cuda)
+        phases["scoring"] = phase_record(stats, rollouts[:1])
+        compare(phases["scoring"], estimates.get("plain", {}).get("phase_scoring"), resident)
+    except Exception as e:
+        phases["scoring"] = smoke.fail("scoring", e)
 
-    # update: one micro-batch; a first update makes AdamW's state, which is resident from then on (the estimate
-    # counts it there), then the measured one on the same rollouts
-    if rollouts:
-        try:
-            group_ids = torch.tensor(prompts.group_ids[:rollouts[0].response_ids.shape[0]])
-            batch = g.score_rollouts(models, rollouts[:1], group_ids, setup_args, log)
-            update = lambda: g.update_student(models, setup["optimizer"], setup["scheduler"], acc, batch,  # noqa: E731
-                                              setup_args, log=log)
-            t0 = time.perf_counter()
-            update()
-            sync(cuda)
-            first = time.perf_counter() - t0
-            applied, stats = measure(update, cuda)
-            phases["update"] = phase_record(
-                stats, batch.rollouts, first_update_seconds=first,
-                **{k: applied[k] for k in ("loss", "grad_norm", "logp_mismatch", "update_norm",
-                                                "skipped_updates")})
-            compare(phases["update"], estimates.get("plain", {}).get("phase_update"), resident)
-        except Exception as e:
-            phases["update"] = smoke.fail("update", e)
-    else:
+
+def update_phase(smoke: Smoke, setup: dict, setup_args: g.Args, prompts, rollouts, estimates: dict,
+                 resident: float | None, log) -> None:
+    """update: one micro-batch of the rollout phase's rollouts; a first update makes AdamW's state, which is
+    resident from then on (the estimate counts it there), then the measured one on the same rollouts."""
+    cuda, phases = smoke.cuda, smoke.result["phases"]
+    if not rollouts:
         phases["update"] = {"error": "not run: the rollout phase failed"}
-    rollouts = batch = None  # the step's rollouts go before the checks sample their own
-    smoke.save()
+        return
+    try:
+        models, acc = setup["models"], setup["accelerator"]
+        group_ids = torch.tensor(prompts.group_ids[:rollouts[0].response_ids.shape[0]])
+        batch = g.score_rollouts(models, rollouts[:1], group_ids, setup_args, log)
+        update = lambda: g.update_student(models, setup["optimizer"], setup["scheduler"], acc, batch,  # noqa: E731
+                                          setup_args, log=log)
+        t0 = time.perf_counter()
+        update()
+        sync(cuda)
+        first = time.perf_counter() - t0
+        applied, stats = measure(update, cuda)
+        phases["update"] = phase_record(
+            stats, batch.rollouts, first_update_seconds=first,
+            **{k: applied[k] for k in ("loss", "grad_norm", "logp_mismatch", "update_norm", "skipped_updates")})
+        compare(phases["update"], estimates.get("plain", {}).get("phase_update"), resident)
+    except Exception as e:
+        phases["update"] = smoke.fail("update", e)
 
-    # the start-up checks: the same student and teacher, Models made with --share_prompt_prefix on; the checks
-    # run inside the first sample_rollouts, measured on their own by wrapping run_checks on this instance
+
+def check_phase(smoke: Smoke, setup: dict, check_args: g.Args, estimates: dict, resident: float | None) -> None:
+    """The start-up checks: the same student and teacher, Models made with --share_prompt_prefix on; the checks
+    run inside the first sample_rollouts, measured on their own by wrapping run_checks on this instance. Records
+    the phase, and in result["checks"] which roles kept the speed-up and what the checks logged."""
+    cuda, result, phases = smoke.cuda, smoke.result, smoke.result["phases"]
+    models = setup["models"]
     lines = []
     try:
-        shared = g.make_models(check_args, acc, models.processor, models.student, models.teacher, lines.append)
+        shared = g.make_models(check_args, setup["accelerator"], models.processor, models.student, models.teacher,
+                               lines.append)
         sharing, seen = shared.sampling.sharing, {}
         run_checks = sharing.run_checks
 
@@ -469,7 +479,7 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
             return ok
 
         sharing.run_checks = checked
-        prompts = g.step_prompts(train_ds, keep, check_args, 1)
+        prompts = g.step_prompts(setup["train_ds"], setup["train_keep"], check_args, 1)
         t0 = time.perf_counter()
         sampled = g.sample_rollouts(shared, prompts, check_args)
         sync(cuda)
@@ -488,8 +498,37 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
     except Exception as e:
         phases["check"] = smoke.fail("check", e)
         result["checks"] = {"error": phases["check"]["error"], "log": lines}
+
+
+def run_phases(smoke: Smoke, args: g.Args, log) -> None:
+    """The models section, then one micro-batch of each phase, then the checks; the JSON is saved after each, so
+    that a run cut short keeps what it measured."""
+    G, gen, micro = args.num_generations, args.generation_batch_size, args.micro_batch_size
+    # the set-up makes one micro-batch a step: the update is one micro-batch, one optimizer step
+    setup_args = dataclasses.replace(args, prompts_per_step=1, num_generations=micro)
+    rollout_args = dataclasses.replace(args, prompts_per_step=max(1, (gen or G) // G))  # one generate() call
+    check_tokens = min(args.max_new_tokens, CHECK_TOKENS)
+    check_args = dataclasses.replace(args, prompts_per_step=CHECK_PROMPTS, share_prompt_prefix=True,
+                                     max_new_tokens=check_tokens, min_new_tokens=check_tokens)
+    phases = smoke.result.setdefault("phases", {})
+    setup = setup_phase(smoke, setup_args, args, log)
     smoke.save()
-    acc.free_memory()  # the Accelerator holds the prepared student and optimizer: main() loads its own next
+    if setup is None:
+        return
+    prompts, rollouts = rollout_phase(smoke, setup, rollout_args)
+    estimates, resident = estimate_phases(smoke, args, rollout_args, rollouts)
+    if rollouts:
+        compare(phases["rollout"], estimates.get("plain", {}).get("phase_rollout"), resident)
+    smoke.save()
+    scoring_phase(smoke, setup["models"], rollouts, estimates, resident)
+    smoke.save()
+    update_phase(smoke, setup, setup_args, prompts, rollouts, estimates, resident, log)
+    prompts = rollouts = None  # the step's rollouts go before the checks sample their own
+    smoke.save()
+    check_phase(smoke, setup, check_args, estimates, resident)
+    smoke.save()
+    # the Accelerator holds the prepared student and optimizer: main() loads its own next
+    setup["accelerator"].free_memory()
 
 
 def run_resume(args: g.Args, tokens: int, cuda: bool) -> dict:

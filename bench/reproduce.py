@@ -192,6 +192,7 @@ RESULTS = {
     "families": (ONE_THREAD, bench_script("families")),
     "two_teachers": (ONE_THREAD, main_run("recipes/tiny_two_teachers.yaml")),
     "memory": (ONE_THREAD, bench_script("memory")),
+    "sampler": ({}, bench_script("sampler", "--record", "")),
 }
 
 
@@ -211,6 +212,8 @@ def rounds_of(name: str, result: dict) -> object:
                 for mode in ("no autograd", "with backward")}
     if name == "families":
         return {family: r["steps_seconds"] for family, r in result.items()}
+    if name == "sampler":  # each sampler's timed calls, per shape and distribution
+        return {k: {d: v["runs_seconds"] for d, v in s["distributions"].items()} for k, s in result["shapes"].items()}
     if name == "memory":  # one step a workload: the measured bytes of each phase
         return {w: {phase: v["measured_bytes"] for phase, v in r["phases"].items()}
                 for w, r in result["workloads"].items()}

@@ -185,6 +185,144 @@ def summarize(measured: list[dict]) -> dict:
             "skipped_updates": sum(m["skipped_updates"] for m in measured), "steps": n}
 
 
+def step_args(student_dir: str, teacher_dir: str, output_dir: str, quick: bool, prompts: int | None,
+              generations: int | None, max_new_tokens: int | None, micro_batch_size: int | None,
+              warmup: int | None, steps: int | None, *, teacher_4bit: bool, steps_per_generation: int,
+              num_iterations: int, gradient_checkpointing: bool) -> tuple[g.Args, int, int]:
+    """(the Args the steps run with, warm-up steps, measured steps): what is not given is Args' default (a tiny
+    batch with quick), so that the step measured is the step gndpo_minimal.py runs by default."""
+    defaults = g.Args()
+    B = prompts or (2 if quick else defaults.prompts_per_step)
+    G = generations or (2 if quick else defaults.num_generations)
+    warmup = 1 if warmup is None else warmup
+    steps = steps or (2 if quick else 5)
+    # as many rows as the steps draw prompts: every step gets B rows no earlier step saw
+    args = g.Args(student_model=student_dir, teacher_model=teacher_dir, teacher_4bit=teacher_4bit,
+                  dataset_name=tiny_dataset(), max_train_samples=B * (warmup + steps), num_eval_samples=0,
+                  prompts_per_step=B, num_generations=G,
+                  max_new_tokens=max_new_tokens or (4 if quick else defaults.max_new_tokens),
+                  micro_batch_size=micro_batch_size or (B * G if quick else min(defaults.micro_batch_size, B * G)),
+                  steps_per_generation=steps_per_generation, num_iterations=num_iterations,
+                  gradient_checkpointing=gradient_checkpointing, output_dir=output_dir)
+    return args, warmup, steps
+
+
+def measure_steps(args: g.Args, warmup: int, steps: int, compare: bool, log) -> tuple[dict, dict, bool]:
+    """Sets the step up, then runs warmup + steps steps, timed by part and by model; returns (one_step's results of
+    the measured steps per side, {side: (Args, Models)}, whether the student recomputes in its backward). compare
+    adds the side "plain"; the two alternate which goes first, so that the order favours neither."""
+    setup = setup_step(args, log)
+    models = setup["models"]
+    clock = Clock()
+    time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
+    policy = g.unwrap(models.student)  # the model with generate(), inside any DDP wrapper
+    timers = {"student": ForwardTimer(policy.get_base_model()), "teacher": ForwardTimer(models.teacher)}
+    sides = {"shared": (args, models)}
+    if compare:  # the same student, optimizer and teacher; every forward plain, no distinct prompts encoded
+        plain_args = dataclasses.replace(args, share_prompt_prefix=False)
+        sides["plain"] = (plain_args, g.make_models(plain_args, setup["accelerator"], models.processor,
+                                                    models.student, models.teacher, setup["log"]))
+    runs = {side: [] for side in sides}
+    for step in range(warmup + steps):
+        for side in (list(sides) if step % 2 == 0 else list(sides)[::-1]):
+            result = one_step(step, sides[side][0], setup, clock, timers, sides[side][1])
+            if step >= warmup:
+                runs[side].append(result)
+    # the model's own flag (set on each layer that recomputes): what gradient_checkpointing_enable() did
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in policy.modules())
+    return runs, sides, checkpointing
+
+
+def model_compute(measured: list[dict], parts: dict[str, float]) -> dict:
+    """Per COMPUTE_PARTS part: its mean seconds, the mean model and vision tower seconds inside it, and their
+    shares (of the part, of the model's)."""
+    n = len(measured)
+    part_time = {"generate": parts["generate"], "teacher scoring": parts["teacher scoring"],
+                 "student update": parts["student forward"] + parts["student backward"] + parts["optimizer"]}
+    compute = {}
+    for part, _ in COMPUTE_PARTS:
+        model = sum(m["compute"][part]["model"] for m in measured) / n
+        vision = sum(m["compute"][part]["vision"] for m in measured) / n
+        # 0 where a hook saw nothing (the tests catch that; the report still prints)
+        compute[part] = {"part_seconds": part_time[part], "model_seconds": model, "vision_seconds": vision,
+                         "model_share_of_part": model / part_time[part] if part_time[part] > 0 else 0.0,
+                         "vision_share_of_model": vision / model if model > 0 else 0.0}
+    return compute
+
+
+def step_record(measured: list[dict], models: g.Models, args: g.Args, warmup: int, vocab: int, which: str,
+                checkpointing: bool) -> dict:
+    """The JSON record of the measured steps: the means (summarize), part shares, tokens/s, the model compute
+    split, what the steps ran (prompt sharing, gradient checkpointing) and the configuration."""
+    mean = summarize(measured)
+    parts, step_time = mean["parts"], mean["step"]
+    compute = model_compute(measured, parts)
+    all_model = sum(f["model_seconds"] for f in compute.values())
+    all_vision = sum(f["vision_seconds"] for f in compute.values())
+    config = {"prompts": args.prompts_per_step, "G": args.num_generations, "max_new_tokens": args.max_new_tokens,
+              "micro_batch_size": args.micro_batch_size, "teacher_4bit": args.teacher_4bit,
+              "steps_per_generation": args.steps_per_generation, "num_iterations": args.num_iterations,
+              "gradient_checkpointing": args.gradient_checkpointing, "warmup": warmup, "vocab": vocab}
+    return {**mean, "shares": {p: parts[p] / step_time for p in PARTS}, "accounted": sum(parts.values()) / step_time,
+            "tokens_per_second": mean["tokens_per_step"] / step_time, "model_compute": compute,
+            "vision_share_of_all_model_compute": all_vision / all_model if all_model > 0 else 0.0,
+            # what the measured steps ran: the forwards that read each prompt once (PrefixSharing's decisions) and
+            # whether the student recomputes its activations in the backward (the model's own flag)
+            "share_prompt_prefix": models.sampling.sharing_summary(), "student_gradient_checkpointing": checkpointing,
+            "models": which, "threads": torch.get_num_threads(), "config": config}
+
+
+def step_sections(out: dict, args: g.Args, which: str, warmup: int) -> list:
+    """The report's heading, the table of parts and the table of model compute, for benchutil.report."""
+    n, parts, step_time, tokens = out["steps"], out["parts"], out["step"], out["tokens_per_step"]
+    compute = out["model_compute"]
+    all_model = sum(f["model_seconds"] for f in compute.values())
+    all_vision = sum(f["vision_seconds"] for f in compute.values())
+    part_rows = [[p, parts[p], percent(parts[p], step_time)] for p in PARTS]
+    part_rows.append(["step (measured)", step_time, f"{percent(sum(parts.values()), step_time)} accounted"])
+    compute_rows = [[f"{part} ({model})", compute[part]["model_seconds"],
+                     percent(compute[part]["model_seconds"], compute[part]["part_seconds"]),
+                     compute[part]["vision_seconds"], percent(compute[part]["vision_seconds"],
+                                                              compute[part]["model_seconds"])]
+                    for part, model in COMPUTE_PARTS]
+    compute_rows.append(["all parts", all_model, "", all_vision, percent(all_vision, all_model)])
+    read_once = ", ".join(f"{role} {'yes' if done else 'no'}" for role, done in out["share_prompt_prefix"].items())
+    return [
+        (f"GNDPO step on {which}; B={args.prompts_per_step} x G={args.num_generations}, max_new_tokens="
+         f"{args.max_new_tokens}, micro-batch {args.micro_batch_size}, "
+         f"{args.steps_per_generation * args.num_iterations} update(s) per step, teacher "
+         f"{'4-bit nf4' if args.teacher_4bit else 'fp32'}, gradient checkpointing "
+         f"{'on' if args.gradient_checkpointing else 'off'}, {torch.get_num_threads()} thread(s); mean of {n} step(s) "
+         f"after {warmup} warm-up"),
+        f"each prompt read once: {read_once}",
+        (["part", "seconds", "share"], part_rows),
+        f"response tokens per step {tokens:.0f}, tokens per second {tokens / step_time:.1f}",
+        "",
+        ("model compute inside the parts (forward hooks on the model and its vision tower), and the vision "
+         "tower's share:"),
+        (["part (model)", "model compute s", "share of the part", "vision tower s", "share of the model compute"],
+         compute_rows),
+    ]
+
+
+def compare_sides(out: dict, plain_measured: list[dict], plain_models: g.Models) -> list:
+    """With --compare: adds "plain", "shared_vs_plain" (shared / plain per part) and "largest_part" to `out`, and
+    returns the report's sections that set the two sides side by side."""
+    parts, step_time = out["parts"], out["step"]
+    plain = summarize(plain_measured)
+    out["plain"] = {**plain, "largest_part": max(plain["parts"], key=plain["parts"].get),
+                    "share_prompt_prefix": plain_models.sampling.sharing_summary()}
+    out["shared_vs_plain"] = {"step": step_time / plain["step"],
+                              **{p: parts[p] / plain["parts"][p] for p in PARTS if plain["parts"][p] > 0}}
+    out["largest_part"] = max(parts, key=parts.get)
+    return ["", ("each prompt read once (shared) against every sample reading its own (plain, "
+                 "--share_prompt_prefix false), alternating step by step:"),
+            (["part", "plain s", "shared s", "shared / plain"],
+             [[p, plain["parts"][p], parts[p], parts[p] / plain["parts"][p] if plain["parts"][p] > 0 else ""]
+              for p in PARTS] + [["step", plain["step"], step_time, step_time / plain["step"]]]),
+            f"largest part: plain {out['plain']['largest_part']}, shared {out['largest_part']}"]
+
+
 def run(quick: bool = False, prompts: int | None = None, generations: int | None = None,
         max_new_tokens: int | None = None, micro_batch_size: int | None = None, warmup: int | None = None,
         steps: int | None = None, teacher_4bit: bool = True, vocab: int = 0, student: str | None = None,
@@ -201,105 +339,17 @@ def run(quick: bool = False, prompts: int | None = None, generations: int | None
         if vocab:
             student_dir, teacher_dir = padded_models(student_dir, teacher_dir, vocab, tmp)
             which += f", vocabulary padded to {vocab}"
-        defaults = g.Args()
-        B = prompts or (2 if quick else defaults.prompts_per_step)
-        G = generations or (2 if quick else defaults.num_generations)
-        warmup = 1 if warmup is None else warmup
-        steps = steps or (2 if quick else 5)
-        # as many rows as the steps draw prompts: every step gets B rows no earlier step saw
-        args = g.Args(student_model=student_dir, teacher_model=teacher_dir, teacher_4bit=teacher_4bit,
-                      dataset_name=tiny_dataset(), max_train_samples=B * (warmup + steps), num_eval_samples=0,
-                      prompts_per_step=B, num_generations=G,
-                      max_new_tokens=max_new_tokens or (4 if quick else defaults.max_new_tokens),
-                      micro_batch_size=micro_batch_size or (B * G if quick else min(defaults.micro_batch_size, B * G)),
-                      steps_per_generation=steps_per_generation, num_iterations=num_iterations,
-                      gradient_checkpointing=gradient_checkpointing, output_dir=os.path.join(tmp, "run"))
-        setup = setup_step(args, print if verbose else (lambda msg: None))
-        models = setup["models"]
-        clock = Clock()
-        time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
-        policy = g.unwrap(models.student)  # the model with generate(), inside any DDP wrapper
-        timers = {"student": ForwardTimer(policy.get_base_model()), "teacher": ForwardTimer(models.teacher)}
-        sides = {"shared": (args, models)}
-        if compare:  # the same student, optimizer and teacher; every forward plain, no distinct prompts encoded
-            plain_args = dataclasses.replace(args, share_prompt_prefix=False)
-            sides["plain"] = (plain_args, g.make_models(plain_args, setup["accelerator"], models.processor,
-                                                        models.student, models.teacher, setup["log"]))
-        runs = {side: [] for side in sides}
-        for step in range(warmup + steps):
-            for side in (list(sides) if step % 2 == 0 else list(sides)[::-1]):
-                result = one_step(step, sides[side][0], setup, clock, timers, sides[side][1])
-                if step >= warmup:
-                    runs[side].append(result)
-        # the model's own flag (set on each layer that recomputes): what gradient_checkpointing_enable() did
-        checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in policy.modules())
-        measured = runs["shared"]
-
-    mean = summarize(measured)
-    n, parts, step_time, tokens = mean["steps"], mean["parts"], mean["step"], mean["tokens_per_step"]
-    part_time = {"generate": parts["generate"], "teacher scoring": parts["teacher scoring"],
-                 "student update": parts["student forward"] + parts["student backward"] + parts["optimizer"]}
-    compute = {}
-    for part, _ in COMPUTE_PARTS:
-        model = sum(m["compute"][part]["model"] for m in measured) / n
-        vision = sum(m["compute"][part]["vision"] for m in measured) / n
-        # 0 where a hook saw nothing (the tests catch that; the report still prints)
-        compute[part] = {"part_seconds": part_time[part], "model_seconds": model, "vision_seconds": vision,
-                         "model_share_of_part": model / part_time[part] if part_time[part] > 0 else 0.0,
-                         "vision_share_of_model": vision / model if model > 0 else 0.0}
-    all_model = sum(f["model_seconds"] for f in compute.values())
-    all_vision = sum(f["vision_seconds"] for f in compute.values())
-    config = {"prompts": B, "G": G, "max_new_tokens": args.max_new_tokens, "micro_batch_size": args.micro_batch_size,
-              "teacher_4bit": teacher_4bit, "steps_per_generation": steps_per_generation,
-              "num_iterations": num_iterations, "gradient_checkpointing": gradient_checkpointing, "warmup": warmup,
-              "vocab": vocab}
-    out = {**mean, "shares": {p: parts[p] / step_time for p in PARTS}, "accounted": sum(parts.values()) / step_time,
-           "tokens_per_second": tokens / step_time, "model_compute": compute,
-           "vision_share_of_all_model_compute": all_vision / all_model if all_model > 0 else 0.0,
-           # what the measured steps ran: the forwards that read each prompt once (PrefixSharing's decisions) and
-           # whether the student recomputes its activations in the backward (the model's own flag)
-           "share_prompt_prefix": models.sampling.sharing_summary(), "student_gradient_checkpointing": checkpointing,
-           "models": which, "threads": torch.get_num_threads(), "config": config}
-
-    part_rows = [[p, parts[p], percent(parts[p], step_time)] for p in PARTS]
-    part_rows.append(["step (measured)", step_time, f"{percent(sum(parts.values()), step_time)} accounted"])
-    compute_rows = [[f"{part} ({model})", compute[part]["model_seconds"],
-                     percent(compute[part]["model_seconds"], compute[part]["part_seconds"]),
-                     compute[part]["vision_seconds"], percent(compute[part]["vision_seconds"],
-                                                              compute[part]["model_seconds"])]
-                    for part, model in COMPUTE_PARTS]
-    compute_rows.append(["all parts", all_model, "", all_vision, percent(all_vision, all_model)])
-    read_once = ", ".join(f"{role} {'yes' if done else 'no'}" for role, done in out["share_prompt_prefix"].items())
-    extra = []
+        args, warmup, steps = step_args(student_dir, teacher_dir, os.path.join(tmp, "run"), quick, prompts,
+                                        generations, max_new_tokens, micro_batch_size, warmup, steps,
+                                        teacher_4bit=teacher_4bit, steps_per_generation=steps_per_generation,
+                                        num_iterations=num_iterations, gradient_checkpointing=gradient_checkpointing)
+        log = print if verbose else (lambda msg: None)
+        runs, sides, checkpointing = measure_steps(args, warmup, steps, compare, log)
+    out = step_record(runs["shared"], sides["shared"][1], args, warmup, vocab, which, checkpointing)
+    sections = step_sections(out, args, which, warmup)
     if compare:
-        plain = summarize(runs["plain"])
-        out["plain"] = {**plain, "largest_part": max(plain["parts"], key=plain["parts"].get),
-                        "share_prompt_prefix": sides["plain"][1].sampling.sharing_summary()}
-        out["shared_vs_plain"] = {"step": step_time / plain["step"],
-                                  **{p: parts[p] / plain["parts"][p] for p in PARTS if plain["parts"][p] > 0}}
-        out["largest_part"] = max(parts, key=parts.get)
-        extra = ["", ("each prompt read once (shared) against every sample reading its own (plain, "
-                      "--share_prompt_prefix false), alternating step by step:"),
-                 (["part", "plain s", "shared s", "shared / plain"],
-                  [[p, plain["parts"][p], parts[p], parts[p] / plain["parts"][p] if plain["parts"][p] > 0 else ""]
-                   for p in PARTS] + [["step", plain["step"], step_time, step_time / plain["step"]]]),
-                 f"largest part: plain {out['plain']['largest_part']}, shared {out['largest_part']}"]
-    return report(out, [
-        (f"GNDPO step on {which}; B={B} x G={G}, max_new_tokens={args.max_new_tokens}, micro-batch "
-         f"{args.micro_batch_size}, {steps_per_generation * num_iterations} update(s) per step, teacher "
-         f"{'4-bit nf4' if teacher_4bit else 'fp32'}, gradient checkpointing "
-         f"{'on' if gradient_checkpointing else 'off'}, {torch.get_num_threads()} thread(s); mean of {n} step(s) "
-         f"after {warmup} warm-up"),
-        f"each prompt read once: {read_once}",
-        (["part", "seconds", "share"], part_rows),
-        f"response tokens per step {tokens:.0f}, tokens per second {tokens / step_time:.1f}",
-        "",
-        ("model compute inside the parts (forward hooks on the model and its vision tower), and the vision "
-         "tower's share:"),
-        (["part (model)", "model compute s", "share of the part", "vision tower s", "share of the model compute"],
-         compute_rows),
-        *extra,
-    ], json_path, verbose)
+        sections += compare_sides(out, runs["plain"], sides["plain"][1])
+    return report(out, sections, json_path, verbose)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -175,7 +175,8 @@ def accuracy_curve(steps: list[dict], summary: dict) -> tuple[list[int], list[fl
     return xs, ys
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The driver's own flags, and the flags after `--` (with --world's) that go to every run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["none", "center", "scale", "global"], choices=list(NAMES))
@@ -196,22 +197,19 @@ def main() -> None:
     parser.add_argument("--tag", default="opd_vs_gndpo", help="name of the .md/.png written under --out_dir")
     parser.add_argument("--out_dir", default=OUT_DIR, help="folder of the table and plot (default: docs/studies)")
     args, extra = parser.parse_known_args()
-    extra = WORLDS[args.world] + [a for a in extra if a != "--"]
-    settings = dict(s.split("=", 1) for s in args.settings) if args.settings else {"": ""}
-    # a block of the tables and a row of plots per (setting, lr)
-    lrs = [(name, lr) for name in settings for lr in (args.lrs or [None])]
+    return args, WORLDS[args.world] + [a for a in extra if a != "--"]
 
-    def folder(mode: str, lr: tuple, seed: int) -> str:
-        name = f"{mode}_seed{seed}" if lr[1] is None else f"{mode}_lr{lr[1]:g}_seed{seed}"
-        return os.path.join(args.runs_dir, f"{lr[0]}_{name}" if lr[0] else name)
 
-    jobs = [(mode, lr, seed, folder(mode, lr, seed)) for lr in lrs for mode in args.modes for seed in args.seeds]
-    if not args.no_run:
-        todo = [(mode, lr[1], seed, out, settings[lr[0]].split()) for mode, lr, seed, out in jobs
-                if not (args.skip_existing and os.path.exists(os.path.join(out, "summary.json")))]
-        run_all(todo, extra, args.jobs)
-    results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
+def run_folder(runs_dir: str, mode: str, lr: tuple, seed: int) -> str:
+    """Where the run of (mode, (setting, lr), seed) goes: the setting and the lr are in the name only when given,
+    so that a grid without --settings and --lrs finds the folders such grids have always used."""
+    name = f"{mode}_seed{seed}" if lr[1] is None else f"{mode}_lr{lr[1]:g}_seed{seed}"
+    return os.path.join(runs_dir, f"{lr[0]}_{name}" if lr[0] else name)
 
+
+def write_tables(args: argparse.Namespace, lrs: list[tuple], jobs: list[tuple], results: dict) -> None:
+    """The markdown page (<out_dir>/<tag>.md), also printed: who made the runs, a row per run and a mean per
+    (setting, lr, mode), the means again together, then the scale of scores and advantages."""
     header = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
               "reverse KL step 1 -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
               "update size median / max | update size at the largest grad norm | response length first 10 -> "
@@ -244,6 +242,10 @@ def main() -> None:
         f.write(table + "\n")
     print(table)
 
+
+def plot(args: argparse.Namespace, lrs: list[tuple], results: dict) -> None:
+    """The plot (<out_dir>/<tag>.png): a row per (setting, lr), a line per run, of grad norm, reverse KL, response
+    length and, where any run evaluated during training, greedy accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,6 +277,23 @@ def main() -> None:
     axes[0][-1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out_dir, f"{args.tag}.png"), dpi=100)
+
+
+def main() -> None:
+    """Runs the grid of (setting, lr, mode, seed) unless --no_run, then writes its tables and its plot."""
+    args, extra = parse_args()
+    settings = dict(s.split("=", 1) for s in args.settings) if args.settings else {"": ""}
+    # a block of the tables and a row of plots per (setting, lr)
+    lrs = [(name, lr) for name in settings for lr in (args.lrs or [None])]
+    jobs = [(mode, lr, seed, run_folder(args.runs_dir, mode, lr, seed))
+            for lr in lrs for mode in args.modes for seed in args.seeds]
+    if not args.no_run:
+        todo = [(mode, lr[1], seed, out, settings[lr[0]].split()) for mode, lr, seed, out in jobs
+                if not (args.skip_existing and os.path.exists(os.path.join(out, "summary.json")))]
+        run_all(todo, extra, args.jobs)
+    results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
+    write_tables(args, lrs, jobs, results)
+    plot(args, lrs, results)
     print("wrote", os.path.join(args.out_dir, f"{args.tag}.md"), "and .png")
 
 

@@ -35,26 +35,30 @@ from estimate_memory import (
     LOGIT_GRAD_COPIES,
     RTX_4090,
     SAMPLER_COPIES,
+    GiB,
+    estimate,
+    flop_shape,
+    layer_saved_for_backward,
+    lora_layers,
+    meta_model,
+    recipe_launch,
+    step_time,
+    text_shape,
+    trainable_params,
+    vision_shape,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from recipes_page import (  # noqa: E402  (docs/recipes.md's writer, beside the other doc writers in bench/)
     TABLE_END,
     TABLE_START,
     TIME_END,
     TIME_START,
-    GiB,
     between,
-    estimate,
-    flop_shape,
     headroom,
-    layer_saved_for_backward,
-    lora_layers,
     markdown_table,
-    meta_model,
     real_recipes,
-    recipe_launch,
-    step_time,
-    text_shape,
     time_table,
-    trainable_params,
-    vision_shape,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,14 +218,14 @@ def test_recipe_fits_its_gpu_and_its_micro_batch_is_the_largest_that_does(recipe
 
 def test_recipes_page_table_is_what_estimate_memory_prints():
     """docs/recipes.md's memory table (with each recipe's headroom) and its time table are estimate_memory.py's
-    (python estimate_memory.py --write_docs)."""
+    (python bench/recipes_page.py writes them; python estimate_memory.py --write_docs runs it)."""
     with open(os.path.join(ROOT, "docs", "recipes.md")) as f:
         page = f.read()
     table = between(page, TABLE_START, TABLE_END)
-    assert table == markdown_table(real_recipes()), "run: python estimate_memory.py --write_docs"
+    assert table == markdown_table(real_recipes()), "run: python bench/recipes_page.py"
     assert len(table.splitlines()) == 2 + len(RECIPES)
     times = between(page, TIME_START, TIME_END)
-    assert times == time_table(real_recipes()), "run: python estimate_memory.py --write_docs"
+    assert times == time_table(real_recipes()), "run: python bench/recipes_page.py"
     assert len([line for line in times.splitlines() if line.startswith("| `recipes/")]) == len(RECIPES)
 
 
