@@ -63,8 +63,9 @@ import sys
 
 import torch
 
+from gndpo_extras import UPDATE_SIZE_CHUNK
 from gndpo_fast import head_logps
-from gndpo_minimal import UPDATE_SIZE_CHUNK, check_rollout
+from gndpo_minimal import check_rollout, speedup_on
 
 
 def script_default(fn, name: str):
@@ -426,14 +427,15 @@ def run_sizes(args, num_processes: int, sharding: str, device: str, lengths: tup
     teacher_params = numel(teacher)
     teacher_w, teacher_gathered = teacher_bytes(args, teachers, teacher, teacher_params, b, N)
     rows = args.prompts_per_step * G // N
+    share = speedup_on(args, "share_prompt_prefix")
     return RunSizes(
         args=args, N=N, shard=shard, cuda=cuda, b=b, mixed=mixed, param_b=4 if mixed else b, P=P, R=R,
         mb=args.micro_batch_size, G=G, student=student, s=s, t=t, sv=sv, tv=tv, lora=lora,
         student_params=student_params, root_params=root_params, unit_params=unit_params, trainable=trainable,
         teacher_params=teacher_params, teacher_w=teacher_w, teacher_gathered=teacher_gathered,
-        dequantized=b * teacher_w.get("largest_quantized", 0), share=args.share_prompt_prefix,
+        dequantized=b * teacher_w.get("largest_quantized", 0), share=share,
         # sharded weights: every process runs one forward per sample
-        student_shared=args.share_prompt_prefix and shard == 1, rows=rows, gen=args.generation_batch_size or rows,
+        student_shared=share and shard == 1, rows=rows, gen=args.generation_batch_size or rows,
         evals=args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / N)),
         pixel_bytes=P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"]))
 
@@ -471,7 +473,7 @@ def vision_forward(r: RunSizes, v: dict, n: int) -> int:
 def head_forward(r: RunSizes, vocab: int, n: int) -> int:
     """head_logps / token_logps without grad over n tokens: a chunk's logits, then its float32 copy and
     log-softmax (the logits are dropped once copied); without --lean_logps all of them at once."""
-    if not r.args.lean_logps:
+    if not speedup_on(r.args, "lean_logps"):
         return n * vocab * (r.b + 8)
     return min(CHUNK_ELEMENTS, n * vocab) * max(r.b + 4, 8)
 
@@ -521,7 +523,7 @@ def vision_kept(r: RunSizes, n: int, checkpointed: bool) -> int:
 def head_backward(r: RunSizes, n_tokens: int) -> int:
     """The head's chunked backward over n_tokens; a trainable head goes by blocks of the vocabulary."""
     s, b = r.s, r.b
-    if not r.args.lean_logps:
+    if not speedup_on(r.args, "lean_logps"):
         return n_tokens * s["vocab"] * (b * (1 + LOGIT_GRAD_COPIES) + 8)
     chunk = min(CHUNK_ELEMENTS, n_tokens * s["vocab"])
     hidden = n_tokens * s["hidden"] * b * 2  # the kept last hidden states and their gradient
@@ -754,7 +756,7 @@ def fit_text(e: dict, args, batch_flag: str) -> str:
         return f"fits a 24 GB GPU ({GPU_GIB} GiB)"
     if e["fits_80gb"]:
         return f"fits an 80 GB GPU ({GPU_GIB_80} GiB), not a 24 GB one"
-    shared = args.share_prompt_prefix and (e["peak_phase"] == "check" or (e["peak_phase"] == "update"
+    shared = speedup_on(args, "share_prompt_prefix") and (e["peak_phase"] == "check" or (e["peak_phase"] == "update"
                                                                           and e["student_reads_prompt_once"]))
     hint = "--share_prompt_prefix false, " if shared else ""
     return (f"does NOT fit an 80 GB GPU ({GPU_GIB_80} GiB): try {hint}a lower --{batch_flag} or --max_new_tokens"
@@ -933,7 +935,7 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
     rows = args.prompts_per_step * G // N
     gen = args.generation_batch_size or rows
     calls = math.ceil(rows / gen)
-    share = args.share_prompt_prefix
+    share = speedup_on(args, "share_prompt_prefix")
     student_sharded = sharding == "fsdp" and N > 1
     distinct = lambda n: distinct_prompts_in(n, G) if share else n  # noqa: E731  (rows whose prompt is read)
 

@@ -1397,10 +1397,8 @@ def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, nu
 def extract_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
     start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
     i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
+    for j in range(i, len(text) if start >= 0 else i):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i:j].strip()
@@ -1417,13 +1415,9 @@ def _strip_answer(text: str) -> str:
 def grade_answer(response: str, reference: str) -> bool:
     """True when the last \\boxed{} of `response` equals `reference`: as text after light normalization (degrees,
     \\dfrac, spaces, case), or mathematically by math-verify (8\\sqrt{3}+24 and 24+8\\sqrt{3})."""
-    pred = extract_boxed(response)
-    if pred is None:
-        return False
-    if _strip_answer(pred) == _strip_answer(reference):
-        return True
+    if (pred := extract_boxed(response)) is None or _strip_answer(pred) == _strip_answer(reference):
+        return pred is not None
     from math_verify import parse, verify  # imported lazily: only real-data runs need it
-
     try:
         gold, guess = parse("$" + _strip_answer(reference) + "$"), parse("$" + _strip_answer(pred) + "$")
         return bool(gold) and bool(guess) and bool(verify(gold, guess))
@@ -1432,31 +1426,26 @@ def grade_answer(response: str, reference: str) -> bool:
 
 
 def task_rewards(processor, rollouts: list[Rollout], answers: list) -> torch.Tensor:
-    """(n,) float32 task reward of each response of the rollouts (rows in order): 1.0 when its last \\boxed{} equals
-    the reference answer (grade_answer), 0.0 when not, NaN for a row without a reference answer."""
+    """(n,) float32 task reward of each response (rows in order): grade_answer as 1.0 / 0.0, NaN without a reference."""
     texts = [t for r in rollouts for t in processor.tokenizer.batch_decode(r.response_ids, skip_special_tokens=True)]
     return torch.tensor([float("nan") if a is None else float(grade_answer(t, a)) for t, a in zip(texts, answers)])
 
 
 def is_well_formed(response: str, require_think: bool = False) -> bool:
     """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
-    if require_think:
-        return re.fullmatch(r"\s*<think>.*?</think>.*\\boxed\{.*\}.*", response, flags=re.DOTALL) is not None
-    return extract_boxed(response) is not None
+    think = r"\s*<think>.*?</think>.*\\boxed\{.*\}.*"
+    return (re.fullmatch(think, response, re.DOTALL) if require_think else extract_boxed(response)) is not None
 
 
 @torch.no_grad()
 def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_config,
              synced_gpus: bool = False) -> dict:
-    """Greedy decoding on (question, images, answer) rows, sharded over processes, args.generation_batch_size rows
-    per generate() (0: all). Returns accuracy (grade_answer) and format_rate (is_well_formed) over all rows."""
+    """Greedy answers to (question, images, answer) rows, sharded over processes, args.generation_batch_size (0: all)
+    per generate(): accuracy (grade_answer) and format_rate (is_well_formed) over all rows."""
     was_training = model.training
     model.eval()
-    mine = rows[accelerator.process_index::accelerator.num_processes]
-    n_mine = len(mine)
-    # With sharded weights (synced_gpus) every process must run as many generate() calls as the others:
-    # shorter shares are topped up with a repeated row whose answer is not counted.
-    mine = mine + rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)
+    n_mine = len(mine := rows[accelerator.process_index::accelerator.num_processes])
+    mine += rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)  # synced_gpus: as many calls each
     counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
     batch_size = args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
@@ -1466,9 +1455,8 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
             out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
-        counts[0] += sum(grade_answer(t, row[2]) for t, row in zip(texts, part))
-        counts[1] += sum(is_well_formed(t, args.require_think) for t in texts)
-        counts[2] += len(part)
+        counts += counts.new_tensor([sum(grade_answer(t, row[2]) for t, row in zip(texts, part)),
+                                     sum(is_well_formed(t, args.require_think) for t in texts), len(part)])
     counts = accelerator.reduce(counts, reduction="sum").tolist()
     model.train(was_training)
     return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1)}
@@ -1477,41 +1465,30 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
 def per_teacher(result: dict, key: str) -> dict:
     """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
     return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
+
+
 # --- Checkpoints: atomic saves, resume, one run per output_dir
-
-
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints (a trainer_state.json inside, no .tmp suffix) as (step, path), oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = CHECKPOINT_RE.match(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    found = [(re.match(r"checkpoint-(\d+)$", name), os.path.join(output_dir, name)) for name in names]
+    return sorted((int(m.group(1)), p) for m, p in found if m and os.path.isfile(os.path.join(p, "trainer_state.json")))
 
 
 def weights_are_sharded(accelerator) -> bool:
     """True when no process holds the student's whole weights (FSDP)."""
-    from accelerate.utils import DistributedType
-
-    return accelerator.distributed_type == DistributedType.FSDP
+    return accelerator.distributed_type == "FSDP"  # accelerate's DistributedType is a str enum
 
 
 def student_folder(args) -> str:
-    """Where a run (and each checkpoint) keeps the trained student: adapter/ for LoRA, model/ for full fine-tuning.
-    args: Args or its asdict()."""
+    """The student's folder in a run and its checkpoints: adapter/ (LoRA) or model/ (full). args: Args or asdict()."""
     return "model" if (args["lora_r"] if isinstance(args, dict) else args.lora_r) == 0 else "adapter"
 
 
 def save_student(accelerator, student, processor, path: str) -> None:
-    """Writes the trained student (the LoRA adapter, or under full fine-tuning the whole model) and the processor to
-    `path`. Every process must call it: with sharded weights, collecting the state dict is a collective."""
+    """Saves the student (adapter or whole model) and processor to `path`; on every process (sharded: a collective)."""
     state_dict = accelerator.get_state_dict(student) if weights_are_sharded(accelerator) else None
     if accelerator.is_main_process:
         accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)
@@ -1519,15 +1496,20 @@ def save_student(accelerator, student, processor, path: str) -> None:
 
 
 def save_checkpoint(accelerator, student, processor, output_dir: str, step: int, state: dict, keep: int) -> str:
-    """Writes checkpoint-<step> atomically: everything goes to a .tmp folder that is renamed when complete,
-    so a crash mid-save never leaves a checkpoint that looks whole. Keeps the `keep` newest."""
+    """Writes checkpoint-<step> as a .tmp folder renamed when complete (a crash never leaves one that looks whole);
+    keeps the `keep` newest."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    with _quiet_shared_tensor_notice():
+    import logging  # to hide Accelerate's "Removed shared tensor": a tied LM head, saved once, is tied again on load
+    logger, drop = logging.getLogger("accelerate.utils.other"), lambda r: "Removed shared tensor" not in r.getMessage()
+    logger.addFilter(drop)
+    try:
         accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
+    finally:
+        logger.removeFilter(drop)
     save_student(accelerator, student, processor, os.path.join(tmp, student_folder(state["args"])))
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -1540,75 +1522,41 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
     return final
 
 
-@contextlib.contextmanager
-def _quiet_shared_tensor_notice():
-    """Within it Accelerate does not log that safetensors stores a tied LM head once ("Removed shared tensor ..."):
-    from_pretrained ties it again on load, so the notice asks nothing of the user."""
-    import logging
-
-    class _Drop(logging.Filter):
-        def filter(self, record):
-            return "Removed shared tensor" not in record.getMessage()
-
-    logger, drop = logging.getLogger("accelerate.utils.other"), _Drop()
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-
-def clear_run(output_dir: str) -> None:
-    """Removes a run's checkpoints, metrics.jsonl and summary.json (the adapter is overwritten at the end)."""
-    for _, path in list_checkpoints(output_dir):
-        shutil.rmtree(path)
-    for name in ("metrics.jsonl", "summary.json"):
-        if os.path.exists(os.path.join(output_dir, name)):
-            os.remove(os.path.join(output_dir, name))
-
-
 def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir: the checkpoint folder to
     resume from, or None for a fresh start."""
-    holds_run = (os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl"))
-                 or bool(list_checkpoints(args.output_dir)))
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if found:
-            return found[-1][1]
-        if holds_run:  # a run that crashed before its first save: nothing to resume, and its metrics would repeat steps
-            log(f"no checkpoint in {args.output_dir} yet: its metrics.jsonl is from a run that saved none; "
-                f"starting over at step 0")
-            if is_main:
-                clear_run(args.output_dir)
-        else:
-            log(f"no checkpoint in {args.output_dir} yet: starting from step 0")
-        return None
-    if args.resume_from_checkpoint:
-        if not os.path.isfile(os.path.join(args.resume_from_checkpoint, "trainer_state.json")):
-            raise ValueError(f"{args.resume_from_checkpoint} is not a complete checkpoint (no trainer_state.json)")
-        return args.resume_from_checkpoint
-    if holds_run and not args.overwrite_output_dir:
+    resume, found = args.resume_from_checkpoint, list_checkpoints(args.output_dir)
+    if resume and resume != "latest":
+        if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+            raise ValueError(f"{resume} is not a complete checkpoint (no trainer_state.json)")
+        return resume
+    holds_run = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl")) or bool(found)
+    if resume and found:
+        return found[-1][1]
+    if resume:  # with metrics.jsonl: a run that crashed before its first save, whose metrics would repeat steps
+        log(f"no checkpoint in {args.output_dir} yet: " + ("its metrics.jsonl is from a run that saved none; "
+            "starting over at step 0" if holds_run else "starting from step 0"))
+    elif holds_run and not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
                          f"to continue it, --overwrite_output_dir to start over, or another --output_dir")
-    if holds_run and is_main:
-        clear_run(args.output_dir)
+    if holds_run and is_main:  # the run's checkpoints, metrics.jsonl and summary.json (adapter/ is overwritten)
+        for _, path in found:
+            shutil.rmtree(path)
+        for name in ("metrics.jsonl", "summary.json"):
+            if os.path.exists(path := os.path.join(args.output_dir, name)):
+                os.remove(path)
     return None
 
 
 def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tuple[int, dict]:
-    """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl back to the checkpoint's step.
-    Returns (step, counters)."""
+    """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl back to the checkpoint: (step, counters)."""
     accelerator.load_state(resume_from)
     with open(os.path.join(resume_from, "trainer_state.json")) as f:
         saved = json.load(f)
     if accelerator.is_main_process and os.path.exists(metrics_path):  # drop lines logged after the checkpoint
-        with open(metrics_path) as f:
-            lines = []
-            for ln in f:  # a half-written last line (crash mid-write) has no newline: drop it too
-                logged = re.match(r'\{"step": (\d+)', ln)
-                if logged and ln.endswith("\n") and int(logged.group(1)) <= saved["step"]:
-                    lines.append(ln)
+        with open(metrics_path) as f:  # and a half-written last line (crash mid-write), which has no newline
+            lines = [ln for ln in f if ln.endswith("\n") and (logged := re.match(r'\{"step": (\d+)', ln))
+                     and int(logged.group(1)) <= saved["step"]]
         with open(metrics_path, "w") as f:
             f.writelines(lines)
     return saved["step"], saved["counters"]

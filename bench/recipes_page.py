@@ -58,7 +58,7 @@ def headroom_text(e: dict, gpu: GPU) -> str:
 
 def markdown_table(paths: list[str]) -> str:
     """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
-    from gndpo_minimal import parse_args
+    from gndpo_minimal import parse_args, speedup_on
 
     lines = ["| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "
              "| peak bound per GPU | fits | headroom |", "|" + " --- |" * 10]
@@ -72,8 +72,9 @@ def markdown_table(paths: list[str]) -> str:
         teacher = f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'}), " \
                   f"{gib(e['teacher_weights'])}"
         where = f"{n}, FSDP2" if sharding == "fsdp" else str(n)
+        shares = speedup_on(args, "share_prompt_prefix")
         lines.append(f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
-                     f"{'yes' if args.share_prompt_prefix and e['student_reads_prompt_once'] else 'no'} | "
+                     f"{'yes' if shares and e['student_reads_prompt_once'] else 'no'} | "
                      f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
                      f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, gpu_for(args))} |")
     return "\n".join(lines)

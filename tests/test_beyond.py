@@ -14,6 +14,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
+import gndpo_extras
 import gndpo_minimal as g
 from worlds import tiny_world
 
@@ -170,7 +171,7 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
                                          base_of_the_student)
         batch = g.generate_and_score(holder["models"], g.step_prompts(train_ds, keep, run_args, 0), run_args)
         valid = batch.response_mask.bool()
-        results[floor] = (g.score_std(batch.scores, batch.response_mask),
+        results[floor] = (gndpo_extras.score_std(batch.scores, batch.response_mask),
                           batch.advantages[valid].double().std().item(), batch.std_floored)
     noise, spread, flag = results[0.0]
     assert 1e-4 < noise < 0.05  # the scores are small noise

@@ -4,15 +4,9 @@ import pytest
 import torch
 
 import gndpo_fast as fast
+from gndpo_extras import group_reward_advantages, score_std
 from gndpo_fast import head_logps, token_logps
-from gndpo_minimal import (
-    distill_scores,
-    group_reward_advantages,
-    normalize_scores,
-    policy_loss,
-    power_scores,
-    score_std,
-)
+from gndpo_minimal import distill_scores, normalize_scores, policy_loss, power_scores
 
 
 def random_mask(B, T, gen, min_len=1):

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import estimate_memory
+import gndpo_extras
 import gndpo_fast as fast
 import gndpo_minimal as g
 from estimate_memory import (
@@ -246,7 +247,7 @@ def test_estimate_memory_reads_the_scripts_own_defaults():
     assert CHUNK_ELEMENTS == default(fast.head_logps, "chunk_elements") == default(fast.token_logps, "chunk_elements")
     assert (CHECK_PROMPTS, CHECK_TOKENS) == (default(g.check_rollout, "n_prompts"),
                                              default(g.check_rollout, "max_tokens"))
-    assert estimate_memory.UPDATE_SIZE_CHUNK is g.UPDATE_SIZE_CHUNK
+    assert estimate_memory.UPDATE_SIZE_CHUNK is gndpo_extras.UPDATE_SIZE_CHUNK
 
 
 def test_fsdp2_update_holds_the_whole_head_gradient_and_no_syncs_unsharded_gradients():
