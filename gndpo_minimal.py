@@ -1566,57 +1566,46 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
 
 def check_args(args: Args, num_processes: int) -> int:
     """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
-    problems = []
+    problems, value = [], lambda flag: getattr(args, flag)
+    problem = lambda bad, text: problems.append(text) if bad else None
     for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
-        if getattr(args, flag) < 1:
-            problems.append(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+        problem(value(flag) < 1, f"--{flag} must be at least 1, got {value(flag)}")
     for flag in ("cpu_threads", "min_new_tokens", "lora_r"):
-        if getattr(args, flag) < 0:
-            problems.append(f"--{flag} must be >= 0, got {getattr(args, flag)}")
-    if args.min_new_tokens > args.max_new_tokens:
-        problems.append(f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}")
-    if args.generation_batch_size < 0:
-        problems.append(f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), "
-                        f"got {args.generation_batch_size}")
-    if problems:
+        problem(value(flag) < 0, f"--{flag} must be >= 0, got {value(flag)}")
+    problem(args.min_new_tokens > args.max_new_tokens,
+            f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}")
+    problem(args.generation_batch_size < 0, "--generation_batch_size must be >= 0 (0 = all of a process's rollouts), "
+            f"got {args.generation_batch_size}")
+    if problems:  # the checks below divide by these
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     for flag, choices in (("advantage_mode", ADVANTAGE_MODES), ("loss_type", LOSS_TYPES),
                           ("score_type", tuple(SCORES)), ("optimizer", ("adamw", "sgd"))):
-        if getattr(args, flag) not in choices:
-            problems.append(f"--{flag} {getattr(args, flag)!r} is not one of {choices}")
+        problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}")
     for flag in ("power_alpha", "score_clip"):
-        if getattr(args, flag) <= 0:
-            problems.append(f"--{flag} must be > 0, got {getattr(args, flag)}")
+        problem(value(flag) <= 0, f"--{flag} must be > 0, got {value(flag)}")
     for flag in ("reward_weight", "score_std_floor"):
-        if getattr(args, flag) < 0:
-            problems.append(f"--{flag} must be >= 0 (0 = off), got {getattr(args, flag)}")
+        problem(value(flag) < 0, f"--{flag} must be >= 0 (0 = off), got {value(flag)}")
     for flag in SPEEDUPS:
-        if str(getattr(args, flag)).lower() not in ("auto", "true", "false"):
-            problems.append(f"--{flag} {getattr(args, flag)!r} is not one of auto, true, false")
+        problem(str(value(flag)).lower() not in ("auto", "true", "false"),
+                f"--{flag} {value(flag)!r} is not one of auto, true, false")
     several = len(teacher_paths(args)) > 1
-    if args.advantage_mode == "per_teacher" and not several:
-        problems.append("--advantage_mode per_teacher whitens each teacher's tokens on their own: it needs several "
-                        "teachers (--teacher_model name=path,name=path)")
-    if args.shard_teacher and (several or args.teacher_4bit):
-        problems.append("--shard_teacher shards one 16-bit or float32 teacher with FSDP2, which cannot shard "
-                        "bitsandbytes' 4-bit weights: pass --teacher_4bit false and a single --teacher_model")
-    if args.advantage_mode == "group" and args.num_generations < 2:
-        problems.append("--advantage_mode group whitens over the G samples of a prompt: it needs "
-                        "--num_generations >= 2")
-    if args.temperature <= 0:
-        problems.append("--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
-    if args.prompts_per_step % num_processes:
-        problems.append(f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: "
-                        f"use a multiple of {num_processes}")
+    problem(args.advantage_mode == "per_teacher" and not several, "--advantage_mode per_teacher whitens each "
+            "teacher's tokens on their own: it needs several teachers (--teacher_model name=path,name=path)")
+    problem(args.shard_teacher and (several or args.teacher_4bit), "--shard_teacher shards one 16-bit or float32 "
+            "teacher with FSDP2, which cannot shard bitsandbytes' 4-bit weights: pass --teacher_4bit false and a "
+            "single --teacher_model")
+    problem(args.advantage_mode == "group" and args.num_generations < 2,
+            "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2")
+    problem(args.temperature <= 0, "--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
+    problem(args.prompts_per_step % num_processes, f"--prompts_per_step {args.prompts_per_step} does not divide "
+            f"across {num_processes} processes: use a multiple of {num_processes}")
     seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
-    if not problems and seqs % args.micro_batch_size:
-        problems.append(f"each process holds {seqs} sequences per step (prompts_per_step*G/processes), which "
-                        f"--micro_batch_size {args.micro_batch_size} does not divide")
+    problem(not problems and seqs % args.micro_batch_size, f"each process holds {seqs} sequences per step "
+            f"(prompts_per_step*G/processes), which --micro_batch_size {args.micro_batch_size} does not divide")
     micro_batches = seqs // args.micro_batch_size if not problems else 0
-    if not problems and micro_batches % args.steps_per_generation:
-        problems.append(f"each process holds {micro_batches} micro-batches per step, which --steps_per_generation "
-                        f"{args.steps_per_generation} does not divide (every update gets whole micro-batches): "
-                        f"change --micro_batch_size or --steps_per_generation")
+    problem(not problems and micro_batches % args.steps_per_generation, f"each process holds {micro_batches} "
+            f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
+            "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation")
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     for flag in SPEEDUPS:
@@ -1627,9 +1616,7 @@ def check_args(args: Args, num_processes: int) -> int:
 
 
 def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
-    """Stops where an NVIDIA driver is installed but torch cannot use CUDA (a torch build for a newer CUDA than the
-    driver's, a CPU build), instead of training on the CPU without a word. A CPU run on such a machine is asked for
-    with accelerate launch --cpu (or CUDA_VISIBLE_DEVICES='')."""
+    """Stops where an NVIDIA driver is installed but torch cannot use CUDA (a CPU run: accelerate launch --cpu)."""
     available = torch.cuda.is_available() if cuda_available is None else cuda_available
     if available or not os.path.exists(driver_file) or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         return
@@ -1645,15 +1632,11 @@ def make_accelerator(args: Args):
     """(Accelerator, micro-batches per update), after checking the launch and the arguments."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, parse_flag_from_env
-
-    # Accelerate joins processes over gloo on CPU only when told cpu=True; without it, processes started on
-    # a machine without GPUs (accelerate launch --multi_gpu, torchrun) would each train alone, all of them
-    # writing the same output_dir.
-    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()
-    if not cpu:
-        # the caching allocator's fixed-size segments fragment under generate()'s growing KV caches
+    asked_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
+    cpu = asked_cpu or not torch.accelerator.is_available()  # without cpu=True, CPU processes would each train alone
+    if not cpu:  # the caching allocator's fixed-size segments fragment under generate()'s growing KV caches
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    elif not parse_flag_from_env("ACCELERATE_USE_CPU"):
+    elif not asked_cpu:
         check_cuda()
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         raise ValueError("DeepSpeed is not supported: shard the student with FSDP2 instead (configs/fsdp_lora.yaml, "
@@ -1663,51 +1646,44 @@ def make_accelerator(args: Args):
         raise RuntimeError(f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
                            f"{state.num_processes} ({state.distributed_type}): check the launch command")
     accum = check_args(args, state.num_processes)
-    # accelerate launch gives each CPU process one thread unless told --num_cpu_threads_per_process: a run would
-    # use one core of many. OMP_NUM_THREADS that a user set (no launcher variable beside it) is left alone.
+    # accelerate launch gives each CPU process one thread unless told otherwise; a user's own OMP_NUM_THREADS stays
     launched_with_one = "ACCELERATE_DYNAMO_BACKEND" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1"
     if state.device.type == "cpu" and (args.cpu_threads or launched_with_one):
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(args.cpu_threads or max(1, cores // local))
-    report_to = None if args.report_to == "none" else args.report_to.split(",")
+        torch.set_num_threads(args.cpu_threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     # full fine-tuning follows the paper's setting on a GPU: float32 master weights, bf16 compute (dtype auto)
     precision = "bf16" if args.lora_r == 0 and args.dtype == "auto" and state.device.type == "cuda" else None
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, log_with=report_to,
-                              project_dir=args.output_dir, mixed_precision=precision)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, project_dir=args.output_dir,
+                              log_with=None if args.report_to == "none" else args.report_to.split(","),
+                              mixed_precision=precision)
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
                          "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
-    # Accelerate turns an FSDP config into FSDP on GPUs only; on CPU processes it trains whole replicas (DDP)
-    # instead, without a word, so memory and checkpoints would not be what the config asked for.
+    # on CPU processes Accelerate silently trains whole replicas (DDP) for an FSDP config
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
+        kind = accelerator.distributed_type.value
         raise ValueError(f"the Accelerate config asks for FSDP, but Accelerate runs FSDP on GPUs only: on "
-                         f"{accelerator.device.type} it would train unsharded replicas "
-                         f"({accelerator.distributed_type.value}); launch CPU processes with `accelerate launch "
-                         f"--multi_gpu --num_processes N` instead")
+                         f"{accelerator.device.type} it would train unsharded replicas ({kind}); launch CPU processes "
+                         "with `accelerate launch --multi_gpu --num_processes N` instead")
     return accelerator, accum
 
 
 def load_models(args: Args, accelerator, log=print) -> tuple:
-    """(processor, student, frozen teacher or {name: teacher}) after checking that every teacher shares the student's
-    tokenizer and makes the same inputs from a prompt and image (only the student's processor encodes)."""
+    """(processor, student, frozen teacher or {name: teacher}), each teacher checked to read the student's inputs."""
     from transformers import AutoProcessor
-
     processor = AutoProcessor.from_pretrained(args.student_model)
     paths = teacher_paths(args)
-    for name, path in paths.items():  # every teacher scores the ids and images the student's processor makes
+    for name, path in paths.items():
         teacher_processor = AutoProcessor.from_pretrained(path)
         try:
             check_same_tokenizer(processor.tokenizer, teacher_processor.tokenizer)
             check_same_image_inputs(processor, teacher_processor)
         except ValueError as e:
             raise ValueError(f"teacher {name!r} ({path}): {e}" if len(paths) > 1 else str(e)) from None
-    tokenizer = processor.tokenizer
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+    if processor.tokenizer.pad_token_id in (None, processor.tokenizer.eos_token_id):
         raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
                          "the first end token; a pad equal to it would end every padded row at once)")
     dtype = resolve_dtype(args.dtype, accelerator.device)
-    # full fine-tuning on a GPU: float32 master weights, bf16 compute through Accelerate's mixed precision
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
     if args.shard_teacher and accelerator.num_processes > 1:
@@ -1715,8 +1691,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
                                                   accelerator.num_processes)
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    what = "LoRA" if args.lora_r else "full: language model, projector, LM head"
-    log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable ({what}) of "
+    log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable "
+        f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}) of "
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
         f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
         f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
@@ -1725,8 +1701,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
 
 
 def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
-    """(train dataset, its usable row indices, skip counts, eval rows [(prompt, images, answer)]). Training rows
-    need images and prompts only."""
+    """(train dataset, its usable row indices, skip counts, eval rows [(prompt, images, answer)])."""
     split_log = log if is_main else None  # None also hides the progress bar elsewhere
     train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split), args, processor,
                                                         args.train_split, args.max_train_samples, split_log)
@@ -1740,14 +1715,10 @@ def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
 
 
 def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
-    """(prepared student, prepared optimizer (AdamW, or SGD), LR scheduler) for the trainable parameters. The
-    scheduler is stepped by hand once per update and only registered for checkpointing: through prepare()
-    Accelerate would step it once per process, N times too fast on N processes."""
+    """(prepared student, prepared AdamW or SGD, LR scheduler); prepared, Accelerate would step it per process."""
     params = [p for p in student.parameters() if p.requires_grad]
-    if args.optimizer == "sgd":  # plain SGD: the update is the gradient itself, scale included
-        optimizer = torch.optim.SGD(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(
+        params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     student, optimizer = accelerator.prepare(student, optimizer)  # the teacher is never prepared
     accelerator.register_for_checkpointing(scheduler)
@@ -1755,13 +1726,10 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
 
 
 def startup_line(args: Args, accelerator, student) -> str:
-    """Where and how the run computes, e.g. 'device cpu, student float32, teacher 4-bit nf4, mixed precision no,
-    2 threads; plain paths': a GPU run on the CPU, bf16 weights where float32 was meant, show here first; and which
-    paths run (the speed-ups of gndpo_fast, or the plain ones), so a reader knows where to look."""
+    """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
-    teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, accelerator.device)).removeprefix(
-        "torch.")
     device = accelerator.device
+    teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag)]
     paths = (f"speed-ups of gndpo_fast: {', '.join(on)}" if on else
@@ -1789,12 +1757,10 @@ def speedup_on(args: Args, flag: str) -> bool:
 
 
 def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):
-    """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. With sharded weights
-    every forward gathers them from every process, so all must run the same forwards: rollouts keep generate()
-    (synced_gpus) and the update one forward per sample; a sharded teacher reads every row's prompt. A replaced
-    teacher forward (main's teacher_forward) is not ours to share."""
+    """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. Sharded weights are
+    gathered by every forward, so all processes must run the same ones; a replaced teacher forward is not ours."""
     n = accelerator.num_processes
-    agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),  # noqa: E731
+    agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),
                                           reduction="sum").item() == n
     reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
     teacher_reason = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
@@ -1807,22 +1773,15 @@ def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, t
 
 
 def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
-    """The step's Models: the prepared student, the teacher (or {name: teacher}), the ids sampling suppresses, each
-    model's scoring forward (plain, or gndpo_fast's where its flags are on) and how rollouts are drawn (Sampling).
-    teacher_forward replaces the teacher's scoring forward."""
+    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling."""
     from torch.distributed.fsdp import register_fsdp_forward_method
-
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
-    # generate() calls the model's inner modules, never the FSDP2 root's forward, so the root's own parameters
-    # (embeddings, vision merger, ...) would stay sharded: run the root's unshard hooks around generate too (a
-    # no-op unless FSDP2). Inner wrapped layers gather themselves in their own forward.
-    register_fsdp_forward_method(policy, "generate")
+    # generate() never calls the FSDP2 root's forward, which would leave the root's own parameters sharded
+    register_fsdp_forward_method(policy, "generate")  # a no-op unless FSDP2
     sample_config, _ = generation_configs(processor.tokenizer, policy, args)
     ignore_ids = (torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
                   if sample_config.suppress_tokens else None)
-    # With sharded weights each forward gathers parameters from every process, so all of them must keep
-    # stepping generate() until the last one is done.
-    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1
+    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1  # all step to the end
     lean = speedup_on(args, "lean_logps")
     plain = fast.lean_forward(sequence_inputs) if lean else response_logps
     sharing = (prefix_sharing(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
@@ -1843,7 +1802,7 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
 
 @dataclass
 class Run:
-    """What setup() made for a run: main()'s state, and what the tutorials and benchmarks step through."""
+    """What setup() made: main()'s state, and what the tutorials and benchmarks step through."""
 
     args: Args
     accelerator: object
@@ -1860,28 +1819,17 @@ class Run:
     summary: dict = field(default_factory=dict)  # summary.json's contents so far
     mismatch: object = None  # MismatchWatch
     wall_start: float = field(default_factory=time.time)
-
-    @property
-    def policy(self):
-        return unwrap(self.models.student)
-
-    @property
-    def metrics_path(self) -> str:
-        return os.path.join(self.args.output_dir, "metrics.jsonl")
-
-    @property
-    def summary_path(self) -> str:
-        return os.path.join(self.args.output_dir, "summary.json")
+    policy = property(lambda self: unwrap(self.models.student))
+    metrics_path = property(lambda self: os.path.join(self.args.output_dir, "metrics.jsonl"))
+    summary_path = property(lambda self: os.path.join(self.args.output_dir, "summary.json"))
 
     def evaluate(self, model) -> dict:
-        """evaluate() of the student (run.policy) or the teacher(s) on the eval rows; rows of several teachers add
-        accuracy_per_teacher (each teacher on its own rows, the student on each teacher's rows)."""
+        """evaluate() of run.policy or the teacher(s) on the eval rows (several teachers: accuracy_per_teacher too)."""
         args, models = self.args, self.models
         config = generation_configs(models.processor.tokenizer, self.policy, args)[1]
         synced = (args.shard_teacher and self.accelerator.num_processes > 1 if model is models.teacher
                   else models.sampling.synced_gpus)  # sharded weights: every process steps generate() alike
-        one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config,  # noqa: E731
-                                       synced_gpus=synced)
+        one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config, synced_gpus=synced)
         if not isinstance(models.teacher, dict):
             return one(model, self.eval_rows)
         each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model)
@@ -1889,11 +1837,9 @@ class Run:
 
 
 def setup(args: Args, teacher_forward=None) -> Run:
-    """A run set up as main() runs it: the launch, the output folder (resumed from a checkpoint if asked), the models,
-    the data, the optimizer and the step's Models. teacher_forward: see main()."""
+    """main()'s set-up: the launch, output folder (resumed if asked), models, data, optimizer and the step's Models."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
-
     wall_start = time.time()
     accelerator, accum = make_accelerator(args)
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
@@ -1919,28 +1865,26 @@ def setup(args: Args, teacher_forward=None) -> Run:
         accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
                                                    if isinstance(v, (int, float, str, bool))})
     return run
+
+
 # --- The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
 
 
 def old_policy_logps(models: Models, parts: list[tuple], start: int, temperature: float) -> dict[int, torch.Tensor]:
-    """{micro-batch index: (n, R) log-probs of the policy that sampled} for the micro-batches from `start` on (the
-    later mini-batches of steps_per_generation > 1): one no-grad forward each, in eval mode as the policy sampled,
-    before the first update moves the policy. Empty with one mini-batch."""
+    """{micro-batch index: (n, R) sampling policy's log-probs} from `start` on, in eval mode, before any update."""
     with torch.no_grad(), evaluating(models.student):
         return {i: models.student_logps_of(parts[i][0], temperature) for i in range(start, len(parts))}
 
 
 def sequence_counts(accelerator, parts: list[tuple], K: int) -> list[float]:
-    """(K,) valid sequences (a valid token left) of each of the K mini-batches, all processes together: GSPO's mean
-    over sequences is taken over them, so the loss does not depend on how the mini-batch is cut."""
+    """(K,) valid sequences per mini-batch over all processes: GSPO's mean divides by them, however batches are cut."""
     per = len(parts) // K
     counts = [sum(float((mask.sum(1) > 0).sum()) for _, _, mask in parts[k * per:(k + 1) * per]) for k in range(K)]
     return accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
 
 
 def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
-    """True when the update's loss and pre-clip gradient norm are finite on every process. One NaN would poison the
-    weights for good, and every process must take the same decision, or the replicas drift apart."""
+    """Whether loss and pre-clip grad norm are finite on every process: all decide alike, or the replicas drift."""
     ok = math.isfinite(loss) and grad_norm is not None and math.isfinite(float(grad_norm))
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
 
@@ -1953,8 +1897,7 @@ class UpdateStats:
         self.update_loss, self.grad_norms, self.lr, self.skipped, self.size_squares = 0.0, [], float("nan"), 0, 0.0
 
     def micro_batch(self, loss, m: dict, mask, old_logps, sampled_logps=None) -> None:
-        """A micro-batch's loss and policy_loss metrics; with sampled_logps (the first pass), the mismatch between
-        the log-probs recorded while sampling and the training forward's for the policy that sampled."""
+        """A micro-batch's loss and metrics; with sampled_logps (first pass), their mismatch with the forward's."""
         n_tok, s = mask.sum().item(), self.sums
         self.update_loss += loss.item()
         s["clipped_tokens"] += m["clip_frac"] * n_tok
@@ -1969,16 +1912,11 @@ class UpdateStats:
         self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         self.sums["loss"] += self.update_loss
         self.update_loss, self.lr = 0.0, lr
-        if size is None:
-            self.skipped += 1
-        else:
-            self.size_squares += size**2
+        self.skipped += size is None
+        self.size_squares += 0.0 if size is None else size**2
 
     def result(self, seconds: float) -> dict:
-        """loss (this process's share of each update's loss, averaged over the updates), clip_frac and ratio_mean
-        (over the updates' tokens), logp_mismatch (per token: ~0 when the scoring inputs are right), grad_norm (mean
-        pre-clip norm) and grad_norm_max, lr (the last update's), updates, skipped_updates, the token counts behind
-        the means, update_norm (the root of the applied updates' summed squared sizes), time_update."""
+        """The update's metrics, means over updates or tokens (docs/metrics_and_arguments.md)."""
         s, n, updates = self.sums, max(self.sums["tokens"], 1.0), len(self.grad_norms)
         return {"loss": s["loss"] / updates, "clip_frac": s["clipped_tokens"] / n, "ratio_mean": s["ratio"] / n,
                 "logp_mismatch": s["mismatch"] / max(s["mismatch_tokens"], 1.0),
@@ -1993,12 +1931,8 @@ class UpdateStats:
 
 def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float,
                  score_clip: float | None = 5.0) -> dict:
-    """One step's metrics over the global batch (sums, minima and maxima gathered from every process).
-
-    Every statistic weighs the valid tokens of the global batch equally, except loss (the updates' mean loss over
-    the global mini-batches: the sum of every process's share) and grad_norm / lr (identical on every process).
-    score_clamped_frac counts the tokens at the clamp score_clip (None: the score has none, and the key is left out).
-    """
+    """One step's metrics over the global batch, every valid token weighing alike (loss: the sum of the processes'
+    shares; grad_norm, lr: the same everywhere). score_clamped_frac: tokens at the clamp (none with score_clip None)."""
     mask = batch.response_mask.bool()
     student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
     scores, advantages = batch.scores[mask], batch.advantages[mask]
@@ -2043,38 +1977,30 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
 
 
 def spread(n: float, total: float, total_sq: float) -> float:
-    """The (population) standard deviation of n values from their running sum and sum of squares, as the metrics
-    line reports it."""
+    """The population std of n values from their sum and sum of squares."""
     return math.sqrt(max(total_sq / n - (total / n) ** 2, 0.0))
 
 
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
     """Sums, minima and maxima over processes, in one gather."""
-    keys = list(sums) + list(lows) + list(highs)
-    local = torch.tensor([sums[k] for k in sums] + [lows[k] for k in lows] + [highs[k] for k in highs],
-                         dtype=torch.float64, device=accelerator.device)
+    local = torch.tensor([*sums.values(), *lows.values(), *highs.values()], dtype=torch.float64,
+                         device=accelerator.device)
     every = accelerator.gather(local[None]).double()  # (processes, K)
-    n_sum, n_low = len(sums), len(lows)
-    out = (every[:, :n_sum].sum(0).tolist() + every[:, n_sum:n_sum + n_low].min(0).values.tolist()
-           + every[:, n_sum + n_low:].max(0).values.tolist())
-    return dict(zip(keys, out))
+    a, b = len(sums), len(sums) + len(lows)
+    return dict(zip([*sums, *lows, *highs], every[:, :a].sum(0).tolist() + every[:, a:b].min(0).values.tolist()
+                    + every[:, b:].max(0).values.tolist()))
 
 
 def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
-    """How far two forwards' log-probs may differ and still count as equal (the largest difference over valid
-    tokens, in nats; the relative difference of the gradients): float32 rounding (1e-4) when the model computes in
-    float32. 16-bit compute (16-bit weights, or float32 weights under mixed precision's autocast: compute_dtype),
-    and 4-bit weights (bitsandbytes' CPU kernel computes in bf16 whatever the compute dtype, and its rounding changes
-    with the batch's shape), round logits to about 3 significant digits: there the tolerance is 0.05 (a wrong
-    position or mask moves a trained model's log-probs by whole nats)."""
+    """The largest log-prob difference (nats) at which two forwards still agree: float32 rounding in float32; 16-bit
+    compute or 4-bit weights (bitsandbytes' CPU kernel: bf16) round logits to ~3 digits; a wrong input moves nats."""
     quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {compute_dtype or torch.float32}
     return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
 
 
 class MismatchWatch:
-    """Reports once when logp_mismatch (the log-probs rollouts recorded against the training forward's, for the same
-    tokens) stays above `threshold` for `steps` steps in a row."""
+    """Reports once when logp_mismatch stays above `threshold` for `steps` steps in a row."""
 
     def __init__(self, threshold: float, steps: int = 3, log=print):
         self.threshold, self.steps, self.log, self.run, self.reported = threshold, steps, log, 0, False
@@ -2090,21 +2016,16 @@ class MismatchWatch:
                      f"reading each prompt once (--share_prompt_prefix false)")
 
 
-def format_metrics(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-
-
 def log_step(run: Run, metrics: dict, show: Callable) -> None:
     """A step's metrics to metrics.jsonl, the progress bar (show()), the full line every logging_steps, trackers."""
-    args = run.args
+    args, step = run.args, metrics["step"]
     if run.accelerator.is_main_process:
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         show()
-        step = metrics["step"]
         if args.logging_steps and (step % args.logging_steps == 0 or step == args.max_steps):
-            run.log(format_metrics(metrics))
-    run.accelerator.log(metrics, step=metrics["step"])
+            run.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+    run.accelerator.log(metrics, step=step)
 
 
 def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
@@ -2117,8 +2038,7 @@ def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
 
 
 def finish_run(run: Run) -> None:
-    """Completes summary.json (main process) after printing the accuracy table; closes trackers and the process
-    group."""
+    """Prints the accuracy table, completes summary.json; closes trackers and the process group."""
     args, accelerator, summary, log = run.args, run.accelerator, run.summary, run.log
     summary.update(steps=args.max_steps, wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
                    advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(run.train_keep),
@@ -2147,7 +2067,6 @@ def finish_run(run: Run) -> None:
 def parse_args(argv: list[str] | None = None) -> Args:
     """Command line flags, or a YAML/JSON file of them first, with flags after it overriding its values."""
     from transformers import HfArgumentParser
-
     parser = HfArgumentParser(Args)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
@@ -2159,14 +2078,14 @@ def parse_args(argv: list[str] | None = None) -> Args:
         if unknown:
             raise SystemExit(f"{argv[0]}: unknown setting(s) {unknown}; `python gndpo_minimal.py --help` lists "
                              "the settings a recipe can hold")
-        for flag in SPEEDUPS:  # auto | true | false: YAML's booleans as the flag's words
-            if isinstance(values.get(flag), bool):
-                values[flag] = str(values[flag]).lower()
+        # auto | true | false: YAML's booleans as the flag's words
+        values.update({f: str(values[f]).lower() for f in SPEEDUPS if isinstance(values.get(f), bool)})
         if isinstance(values.get("teacher_model"), dict):  # several teachers as a mapping {name: path}
             values["teacher_model"] = ",".join(f"{k}={v}" for k, v in values["teacher_model"].items())
         parser.set_defaults(**values)  # the file's values stand where flags are absent
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(argv)[0]
+
 
 if __name__ == "__main__":
     main(parse_args())

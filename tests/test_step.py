@@ -271,13 +271,11 @@ def test_steps_per_generation_must_divide_the_micro_batches():
 
 
 def math_section() -> str:
-    """The text of gndpo_minimal.py from the GNDPO math section's header to the next section's header."""
+    """The text of gndpo_minimal.py from the GNDPO math section's header line to the next section's."""
     with open(SCRIPT) as f:
         text = f.read()
-    rule = "# " + "-" * 93 + "\n"
-    start = text.index(rule + "# GNDPO math:")
-    end = text.index(rule, text.index(rule, start + len(rule)) + len(rule))
-    return text[start:end]
+    start = text.index("# --- GNDPO math:")
+    return text[start:text.index("\n# --- ", start) + 1]
 
 
 def test_math_section_runs_pasted_alone():
