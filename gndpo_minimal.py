@@ -554,8 +554,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
 
 
 def step_seed(seed: int, step: int, process_index: int) -> int:
-    """A step's sampling seed, a function of (seed, step, process): processes draw different samples, and a resumed
-    run samples exactly what the interrupted one would have."""
+    """A step's sampling seed: each process draws its own; a resumed run, what the interrupted one would have."""
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
 
 
@@ -573,9 +572,7 @@ class Sampling:
     device: torch.device | str = "cpu"  # the step generator's
     synced_gpus: bool = False  # sharded weights: every process steps generate() until the last is done
     sharing: object = None  # gndpo_fast.PrefixSharing: which forwards read each prompt once; None: none does
-    # () -> the context sampling runs in: Accelerate's autocast under mixed precision, so that rollouts sample the
-    # policy the update's forward computes
-    precision: Callable = contextlib.nullcontext
+    precision: Callable = contextlib.nullcontext  # () -> autocast under mixed precision: sample the update's policy
 
     def sharing_summary(self) -> dict:
         """Which forwards read each prompt once, for summary.json."""
@@ -583,34 +580,27 @@ class Sampling:
 
 
 def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
-    """The rollouts of a step's prompts (already repeated G times), in micro-batches of args.micro_batch_size rows,
-    every draw from one torch.Generator seeded with prompts.seed (the global generator is left alone). With
-    gndpo_fast, the first step also runs the checks that decide which forwards read each prompt once."""
+    """A step's rollouts in micro-batches, from a generator seeded with prompts.seed (gndpo_fast's checks at first)."""
     sampling = models.sampling
     if sampling is None:
         raise ValueError("Models.sampling is None: make_models sets it; with rollouts of your own, call "
                          "score_rollouts instead of generate_and_score")
-    sharing = sampling.sharing
-    generator = torch.Generator(sampling.device).manual_seed(prompts.seed)
+    sharing, generator = sampling.sharing, torch.Generator(sampling.device).manual_seed(prompts.seed)
     shared = sharing is not None and sharing.decided["rollout"] is not False
     generated = generate_rollouts(models, prompts, args, generator, shared)
-    if sharing is not None and sharing.pending():
-        check = check_rollout(models.processor, prompts, generated, args)
-        if not sharing.run_checks(models, check, args):
-            generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
-            generated = generate_rollouts(models, prompts, args, generator, False)
-    # every row's prompt is encoded only while some forward may still read it whole
-    row_prompts = sharing is None or not sharing.all_shared()
+    if sharing is not None and sharing.pending() and not sharing.run_checks(
+            models, check_rollout(models.processor, prompts, generated, args), args):
+        generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
+        generated = generate_rollouts(models, prompts, args, generator, False)
+    row_prompts = sharing is None or not sharing.all_shared()  # while some forward may read a row's prompt whole
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
     return route_to_teachers(models, prompts, parts, args) if prompts.teachers else parts
 
 
 def route_to_teachers(models: Models, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
-    """Several teachers (gndpo_teachers.route_to_teachers): each micro-batch's rows by teacher, in place; the rows of
-    a mixed micro-batch get their prompts encoded again, so that each teacher's forward reads only its own."""
-    encode = lambda part, rows, whole, distinct: encode_rollout_prompts(  # noqa: E731
-        models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args,
-        whole, distinct)
+    """Several teachers: each micro-batch's rows by teacher, a mixed one's prompts encoded again (gndpo_teachers)."""
+    encode = lambda part, rows, *flags: encode_rollout_prompts(  # rows: positions in the step's rows
+        models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args, *flags)
     return several_teachers().route_to_teachers(rollouts, prompts.teachers, list(models.teacher), encode)
 
 
@@ -625,18 +615,15 @@ def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generato
 
 def unwrap(model):
     """The model inside a DDP wrapper (FSDP2 shards in place and wraps nothing): the one with generate()."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    return unwrap(model.module) if hasattr(model, "module") else model
 
 
 @contextlib.contextmanager
 def evaluating(model):
     """Within it the model is in eval mode (dropout off: the policy itself, not a perturbed one); restored after."""
     was_training = model.training
-    model.eval()
     try:
-        yield model
+        yield model.eval()
     finally:
         model.train(was_training)
 
@@ -644,38 +631,27 @@ def evaluating(model):
 @torch.no_grad()
 def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampling: Sampling, args: Args,
             generator: torch.Generator | None = None, shared_prefix: bool = False) -> Rollout:
-    """One sampled response per prompt (prompts already repeated G times; group_ids (n,): each row's prompt), its
-    sampling log-probs recorded, the model in eval mode. With generate(), the rollout holds every row's prompt
-    (row_inputs); with shared_prefix, gndpo_fast's loop reads each distinct prompt once (extra["prompt_inputs"])."""
-    device = next(model.parameters()).device
-    out = Rollout(None, None, None)
-    config = sampling.config
-    with evaluating(model), sampling.precision():  # sample from the policy itself: dropout off
+    """One sampled response per row (group_ids (n,): each row's prompt), in eval mode, its sampling log-probs kept."""
+    device, config, row_inputs, extra = next(model.parameters()).device, sampling.config, None, {}
+    with evaluating(model), sampling.precision():
         if speedup_on(args, "share_prompt_prefix"):
-            out.extra.update(encode_distinct(processor, prompts, group_ids, args.instruction, device))
+            extra = encode_distinct(processor, prompts, group_ids, args.instruction, device)
         capture = SampledTokenLogps(args.temperature, config.suppress_tokens, sampling.draw, generator)
-        if shared_prefix:
-            response_ids = fast.SharedPrefix(model, out.extra["prompt_inputs"], out.extra["prompt_index"]).sample(
-                capture, config)
-        else:
-            out.row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
+        if shared_prefix:  # gndpo_fast's loop reads each distinct prompt once
+            ids = fast.SharedPrefix(model, extra["prompt_inputs"], extra["prompt_index"]).sample(capture, config)
+        else:  # generate(), which reads every row's prompt: the rollout keeps them (row_inputs)
+            row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
             config = copy.copy(config)  # the suppression moves into capture
             config.suppress_tokens = None
-            sequences = model.generate(**out.row_inputs, generation_config=config, logits_processor=[capture],
-                                       synced_gpus=sampling.synced_gpus)
-            response_ids = sequences[:, out.row_inputs["input_ids"].shape[1]:]  # (n, R)
-            out.row_inputs = pixels_on_host(out.row_inputs, device)
-    out.response_mask = response_mask_from_ids(response_ids, config.eos_token_id)
-    out.response_ids = response_ids.masked_fill(out.response_mask == 0, config.pad_token_id)
-    out.sampled_logps = capture.finish()
-    return out
+            ids = model.generate(**row_inputs, generation_config=config, logits_processor=[capture],
+                                 synced_gpus=sampling.synced_gpus)[:, row_inputs["input_ids"].shape[1]:]  # (n, R)
+            row_inputs = pixels_on_host(row_inputs, device)
+    mask = response_mask_from_ids(ids, config.eos_token_id)
+    return Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, capture.finish(), row_inputs, extra)
 
 
 class SampledTokenLogps:
-    """A generate() logits processor that draws each token itself and records log pi(y_t) under the exact
-    distribution it draws from (suppressed ids at -inf, at the temperature): the student_lp of the scores, with no
-    extra forward. It returns -inf everywhere but at the drawn id, so generate(), decoding greedily, emits that id.
-    Suppressing here, in place, saves the (n, V) copy a processor of generate()'s own would make per step."""
+    """A generate() logits processor that draws each token itself, recording its (suppressed, tempered) log-prob."""
 
     def __init__(self, temperature: float, suppress_ids: list[int] | None = None, draw: Callable = multinomial,
                  generator: torch.Generator | None = None):
@@ -683,8 +659,8 @@ class SampledTokenLogps:
         self.suppress = torch.tensor(suppress_ids) if suppress_ids else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.suppress is not None:
-            scores.index_fill_(1, self.suppress.to(scores.device), float("-inf"))  # generate() gave us a copy
+        if self.suppress is not None:  # in place: generate() gave us a copy
+            scores.index_fill_(1, self.suppress.to(scores.device), float("-inf"))
         z = scores.float() / self.temperature  # (n, V)
         lse = z.logsumexp(-1, keepdim=True)  # (n, 1)
         token = self.draw((z - lse).exp_(), self.generator)  # (n, 1)
@@ -697,10 +673,7 @@ class SampledTokenLogps:
 
 
 def generation_configs(tokenizer, model, args: Args) -> tuple:
-    """(sampling config, greedy config) for rollouts and evaluation. Rollouts sample from the full distribution, which
-    the loss assumes (checkpoints often ship top_k=50): SampledTokenLogps draws, so the sampling config decodes
-    greedily with no top-k, top-p or repetition penalty. Both suppress the vision special tokens and stop at any of
-    the tokenizer's or the model's end tokens; the sampling one holds them back for args.min_new_tokens tokens."""
+    """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily."""
     from transformers import GenerationConfig
 
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
@@ -715,43 +688,36 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
 def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
     is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
-    after_end = (is_end.cumsum(1) - is_end) > 0
-    return (~after_end).long()
+    return (is_end.cumsum(1) - is_end == 0).long()
 
 
 def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
-    """What gndpo_fast's shared prompts read: {"prompt_inputs": the processor's batch of the rows' u distinct prompts,
-    "prompt_index": (n,) each row's prompt in it}."""
+    """{"prompt_inputs": the processor batch of the u distinct prompts, "prompt_index": (n,) each row's in it}."""
     unique, index = fast.distinct_prompts(prompts, group_ids)
     return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
             "prompt_index": torch.tensor(index, device=device)}
 
 
 def pixels_on_host(inputs: dict, device) -> dict:
-    """The processor batch on `device`, but its pixel_* tensors in host memory: a step keeps all its rollouts until
-    the update, and their float32 pixels (SmolVLM's int64 pixel_attention_mask as large) would fill a GPU."""
+    """The batch on `device`, its pixel_* tensors in host memory: the step's rollouts' pixels would fill a GPU."""
     return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v
             for k, v in inputs.items()}
 
 
 def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args,
                  row_prompts: bool = True) -> list[Rollout]:
-    """The rollouts of generate() batches re-cut into micro-batches of `size` rows, responses trimmed to each one's
-    longest. Prompts are encoded again (every row's with row_prompts; the distinct ones where the rollouts carry
-    them): image tensors have a layout of each family's own that cannot be sliced by row in general."""
+    """Rollouts re-cut into micro-batches of `size` rows, prompts encoded again: image tensors don't slice by row."""
     if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
         return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
-    pad = processor.tokenizer.pad_token_id
-    mask = pad_cat([r.response_mask for r in rollouts])  # (n, R)
-    ids = pad_cat([r.response_ids for r in rollouts]).masked_fill(mask == 0, pad)
-    sampled = pad_cat([r.sampled_logps for r in rollouts])
-    distinct = "prompt_index" in rollouts[0].extra
+    cat = lambda key: pad_cat([getattr(r, key) for r in rollouts])  # (n, R)
+    mask, sampled, distinct = cat("response_mask"), cat("sampled_logps"), "prompt_index" in rollouts[0].extra
+    ids = cat("response_ids").masked_fill(mask == 0, processor.tokenizer.pad_token_id)
     out = []
     for i in range(0, len(prompts.prompts), size):
-        rows, groups = prompts.prompts[i:i + size], prompts.group_ids[i:i + size]
-        R = max(1, int(mask[i:i + size].sum(1).max()))
+        R = max(1, int(mask[i:i + size].sum(1).max()))  # the micro-batch's longest response
         part = Rollout(ids[i:i + size, :R], mask[i:i + size, :R], sampled[i:i + size, :R])
-        out.append(encode_rollout_prompts(processor, part, rows, groups, args, row_prompts, distinct))
+        out.append(encode_rollout_prompts(processor, part, prompts.prompts[i:i + size], prompts.group_ids[i:i + size],
+                                          args, row_prompts, distinct))
     return out
 
 
@@ -761,20 +727,18 @@ def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[in
     device = part.response_ids.device
     if row_prompts:
         part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
-    if distinct:
-        part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device))
+    part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device) if distinct else {})
     return part
 
 
 def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
                   max_tokens: int = 256) -> Rollout:
-    """What gndpo_fast's start-up checks compare on: all G rows of the first n_prompts prompts (rows of different
-    prompts meet in one forward), both encodings, responses cut to max_tokens (which bounds the check's memory)."""
+    """gndpo_fast's start-up checks' rollout: all G rows of the first n_prompts prompts, responses cut to max_tokens."""
     rows = n_prompts * args.num_generations
     if len(set(prompts.group_ids[:rows])) > n_prompts:
         raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
     first_rows = replace(prompts, prompts=prompts.prompts[:rows], group_ids=prompts.group_ids[:rows])
-    (first,) = cut_rollouts(processor, first_rows, rollouts, len(first_rows.prompts), args)[:1]
+    first = cut_rollouts(processor, first_rows, rollouts, len(first_rows.prompts), args)[0]
     return replace(first, response_ids=first.response_ids[:, :max_tokens],
                    response_mask=first.response_mask[:, :max_tokens], sampled_logps=first.sampled_logps[:, :max_tokens])
 
@@ -789,15 +753,10 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def sequence_inputs(rollout: Rollout) -> dict:
-    """Prompt + response as one forward's inputs, from every row's prompt (row_inputs). Every per-token input grows
-    by the response: ids by its ids, the attention mask by its mask, token types (Qwen-VL's mm_token_type_ids, Gemma
-    3's token_type_ids) by zeros. Every input the processor made goes to the model: without mm_token_type_ids
-    Qwen-VL falls back to 1-D positions, without token_type_ids Gemma 3 attends causally over an image."""
-    response, mask = rollout.response_ids, rollout.response_mask
-    inputs = dict(rollout.row_inputs)
-    prompt_shape = inputs["input_ids"].shape
-    for key, value in inputs.items():
-        if torch.is_tensor(value) and value.shape == prompt_shape:
+    """Prompt (row_inputs) + response as one forward's inputs: each per-token input (token types too) grows by it."""
+    response, mask, inputs = rollout.response_ids, rollout.response_mask, dict(rollout.row_inputs)
+    for key, value in rollout.row_inputs.items():
+        if torch.is_tensor(value) and value.shape == rollout.row_inputs["input_ids"].shape:  # token types: by zeros
             extra = {"input_ids": response, "attention_mask": mask}.get(key, torch.zeros_like(response))
             inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
     return {k: v.to(response.device) if torch.is_tensor(v) else v for k, v in inputs.items()}  # pixels: from host
@@ -805,20 +764,17 @@ def sequence_inputs(rollout: Rollout) -> dict:
 
 def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
-    """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs under softmax(logits / temperature), the ignored ids
-    (K,) at -inf (sampling never drew them)."""
+    """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs of softmax(logits / temperature), ignore_ids at -inf."""
     logits = logits.float() / temperature
-    if ignore_ids is not None:
-        logits = logits.index_fill(-1, ignore_ids, float("-inf"))
+    logits = logits if ignore_ids is None else logits.index_fill(-1, ignore_ids, float("-inf"))
     return torch.log_softmax(logits, -1).gather(-1, token_ids[..., None]).squeeze(-1)
 
 
 def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
-    """(n, R) float32 log-probs of the response tokens: one forward of each row's prompt + response, only the R + 1
-    last positions through the LM head (logits_to_keep); position t's logits predict token t + 1."""
+    """(n, R) float32 response log-probs: one forward of prompt + response, the LM head on the last R + 1 positions."""
     R = rollout.response_ids.shape[1]
     logits = model(**sequence_inputs(rollout), use_cache=False, logits_to_keep=R + 1).logits  # (n, R + 1, V)
-    return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)
+    return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)  # t's logits predict t + 1
 
 
 # --- Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
@@ -826,8 +782,7 @@ def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, tem
 
 def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                  alpha: float = 5.0) -> torch.Tensor:
-    """PowerOPD's bounded score p_T^alpha - p_S^alpha of the sampled token (arXiv 2606.17199), in [-1, 1] with no
-    clamp. All (B, T); returns (B, T) float32, 0 off the mask."""
+    """PowerOPD's score p_T^alpha - p_S^alpha (arXiv 2606.17199), in [-1, 1]: (B, T) float32, 0 off the mask."""
     scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
 
@@ -841,46 +796,39 @@ SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"auto": auto, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def lora_target_names(model, target_modules: str) -> list[str]:
-    """Full names of the language model's (get_decoder()'s) linear layers whose last name is in `target_modules`:
-    vision blocks and projectors have q/k/v/gate/up/down layers too, which a name pattern alone would adapt."""
+    """The language model's linear layers named in `target_modules`: the vision tower's of the same names excluded."""
     wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
-    decoder = model.get_decoder()
-    inside = {id(m) for m in decoder.modules()}
+    inside = {id(m) for m in model.get_decoder().modules()}
     names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
              and n.rsplit(".", 1)[-1] in wanted]
     if not names:
-        raise ValueError(f"no linear layer named {sorted(wanted)} in the language model ({type(decoder).__name__}): "
-                         f"set --lora_target_modules to names of its layers")
+        raise ValueError(f"no linear layer named {sorted(wanted)} in the language model "
+                         f"({type(model.get_decoder()).__name__}): set --lora_target_modules to names of its layers")
     return names
 
 
-# Where each family keeps its vision encoder (InternVL, Gemma 3, LLaVA: vision_tower; Qwen-VL: visual; Idefics3 and
-# SmolVLM: vision_model), and the projectors that live inside it (Qwen-VL's merger, Qwen3-VL's DeepStack mergers)
+# Each family's vision encoder: vision_tower (InternVL, Gemma 3, LLaVA), visual (Qwen-VL), vision_model (SmolVLM)
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")
-PROJECTORS_INSIDE = ("merger", "deepstack_merger_list")
 
 
 def freeze_vision_tower(model) -> None:
-    """Full fine-tuning trains what the paper trains: the language model, the projector and the LM head; the vision
-    encoder stays frozen. Raises ValueError for a model whose vision encoder is not found by name."""
+    """Full fine-tuning trains the paper's part, all but the vision encoder (found by name, else ValueError)."""
     inner = getattr(model, "model", model)
     tower = next((getattr(inner, n) for n in VISION_TOWERS if getattr(inner, n, None) is not None), None)
     if tower is None:
         raise ValueError(f"no vision encoder named {VISION_TOWERS} in {type(inner).__name__}: full fine-tuning "
                          f"(--lora_r 0) freezes it, so it must be found; use LoRA (--lora_r 16) for this model")
-    for name, p in tower.named_parameters():
-        p.requires_grad_(name.split(".")[0] in PROJECTORS_INSIDE)
+    for name, p in tower.named_parameters():  # the projectors inside: Qwen-VL's merger, Qwen3-VL's DeepStack's
+        p.requires_grad_(name.split(".")[0] in ("merger", "deepstack_merger_list"))
 
 
 def load_student(args: Args, dtype: torch.dtype):
-    """The student: a LoRA adapter on the language model's linear layers, everything else frozen; or, with
-    --lora_r 0, the whole model but its vision encoder."""
+    """A LoRA adapter on the language model's linear layers; --lora_r 0: the whole model but its vision encoder."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
@@ -891,8 +839,7 @@ def load_student(args: Args, dtype: torch.dtype):
         lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                           target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                    category=FutureWarning)
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(model, lora)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -922,25 +869,18 @@ def teacher_paths(args: Args) -> dict[str, str]:
 
 
 def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str | None = None):
-    """The frozen teacher (args.teacher_model, or `path`), in 4-bit nf4 when args.teacher_4bit (vision tower
-    included; lm_head stays): one whole replica per process."""
+    """The frozen teacher (`path` or args.teacher_model), a replica per process; teacher_4bit: nf4 but the lm_head."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 
-    kwargs = {"dtype": dtype}
-    if args.teacher_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-        kwargs["device_map"] = {"": device}
-    model = AutoModelForImageTextToText.from_pretrained(path or args.teacher_model, **kwargs)
-    if not args.teacher_4bit:
-        model.to(device)
-    model.eval().requires_grad_(False)
-    return model
+    quantized = dict(device_map={"": device}, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True),
+    ) if args.teacher_4bit else {}
+    model = AutoModelForImageTextToText.from_pretrained(path or args.teacher_model, dtype=dtype, **quantized)
+    return (model if args.teacher_4bit else model.to(device)).eval().requires_grad_(False)
 
 
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
-    """Stops unless both tokenizers map the same text and special tokens to the same ids: scores compare log-probs
-    of the same token ids (embedding tables padded to different sizes are fine)."""
+    """Stops unless both tokenizers give the same ids: scores compare log-probs of the same ids."""
     s_vocab, t_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if s_vocab != t_vocab:
         only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()), key=lambda kv: kv[1])[:5]
@@ -949,26 +889,23 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
             f"teacher and student tokenizers differ ({len(t_vocab)} vs {len(s_vocab)} entries; student-only "
             f"(token, id) e.g. {only_s}, teacher-only e.g. {only_t}). GNDPO scores the student's sampled token "
             f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family.")
-    probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
     for name in ("eos_token_id", "pad_token_id"):
         if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
             raise ValueError(f"teacher and student tokenizers disagree on {name}: "
                              f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}")
+    probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
     if student_tokenizer(probe)["input_ids"] != teacher_tokenizer(probe)["input_ids"]:
         raise ValueError("teacher and student tokenizers encode the same text to different ids: use a teacher "
                          "of the student's model family")
 
 
 def check_same_image_inputs(student_processor, teacher_processor) -> None:
-    """Stops unless both processors make the same model inputs from a prompt and a 3:2 image (which tiling
-    processors cut into tiles): the teacher scores the inputs the student's processor made, and other image
-    processing (SmolVLM2-2.2B's 384-pixel tiles against the 256M's 512) would crash or give wrong log-probs."""
+    """Stops unless both processors make the same inputs of a prompt and a 3:2 (tiled) image: the teacher reads them."""
     from PIL import Image
 
     probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
     s, t = encode_prompts(student_processor, probe), encode_prompts(teacher_processor, probe)
-    differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or s[k].shape != t[k].shape
-                    or not torch.equal(s[k], t[k]))
+    differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or not torch.equal(s[k], t[k]))
     if differ:
         shapes = {k: (tuple(s[k].shape) if k in s else None, tuple(t[k].shape) if k in t else None) for k in differ}
         raise ValueError(f"the student's and the teacher's processors make different model inputs from the same "
@@ -976,20 +913,15 @@ def check_same_image_inputs(student_processor, teacher_processor) -> None:
                          f"the student. Pick a teacher with the student's image processing and chat template.")
 
 
-VISION_TOKEN_RE = re.compile(r"image|img|vision|video|row_\d+_col_\d+", re.IGNORECASE)
-
-
 def vision_token_ids(tokenizer, config=None) -> list[int]:
-    """Ids of the image/video special tokens, which sampling suppresses and scoring gives -inf (a sampled one would
-    break the scoring forward): special tokens found by name (<|image_pad|>, <IMG_CONTEXT>, <start_of_image>,
-    <row_i_col_j>, ...), plus every image, video or vision token id the model's config names."""
+    """The image/video special tokens (by name, and the config's token ids), never sampled: they break scoring."""
     ids = {i for i, tok in tokenizer.added_tokens_decoder.items()
-           if tok.special and VISION_TOKEN_RE.search(tok.content)}
-    for key, value in (config.to_dict().items() if config is not None else ()):
-        if (isinstance(value, int) and key.endswith(("token_id", "token_index"))
-                and re.search(r"image|video|vision|boi|eoi", key)):
-            ids.add(value)
+           if tok.special and re.search(r"image|img|vision|video|row_\d+_col_\d+", tok.content, re.IGNORECASE)}
+    ids |= {v for k, v in (config.to_dict().items() if config is not None else ()) if isinstance(v, int)
+            and k.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", k)}
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
+
+
 # --- Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
 
 
