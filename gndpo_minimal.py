@@ -926,119 +926,88 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
 
 
 def load_image(value):
-    """One image from a dataset cell (PIL image, {'bytes', 'path'} dict or path) as RGB: transparency put on white,
-    16-bit grey scaled to 8 bits. Raises ValueError naming the problem for missing, unreadable or truncated images."""
-    from PIL import Image, UnidentifiedImageError
+    """A dataset cell (PIL image, {'bytes', 'path'} or path) as RGB; ValueError naming a missing or unreadable image."""
+    from PIL import Image
 
-    if value is None:
-        raise ValueError("no image")
+    if value is None or isinstance(value, dict) and value.get("bytes") is None and not value.get("path"):
+        raise ValueError("no image" if value is None else "an image cell with neither bytes nor path")
+    if isinstance(value, dict):
+        value = io.BytesIO(value["bytes"]) if value.get("bytes") is not None else value["path"]
     try:
-        if isinstance(value, dict):
-            if value.get("bytes") is not None:
-                value = Image.open(io.BytesIO(value["bytes"]))
-            elif value.get("path"):
-                value = Image.open(value["path"])
-            else:
-                raise ValueError("an image cell with neither bytes nor path")
-        elif isinstance(value, (str, os.PathLike)):
-            value = Image.open(value)
+        value = Image.open(value) if isinstance(value, (str, os.PathLike, io.BytesIO)) else value
         value.load()  # decode now, so truncated files fail here and not in the middle of a batch
-    except (OSError, UnidentifiedImageError, SyntaxError) as e:
+    except (OSError, SyntaxError) as e:  # OSError covers PIL's UnidentifiedImageError
         raise ValueError(f"unreadable image ({type(e).__name__}: {e})") from e
     if value.mode in ("RGBA", "LA", "PA") or (value.mode == "P" and "transparency" in value.info):
-        rgba = value.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    if value.mode.startswith("I;16"):  # 16-bit grey: a plain convert clips every value above 255 to white
+        value = Image.alpha_composite(Image.new("RGBA", value.size, (255,) * 4), value.convert("RGBA"))
+    elif value.mode.startswith("I;16"):  # a plain convert clips every value above 255 to white
         value = value.convert("I").point(lambda v: v / 257)
     return value.convert("RGB")
 
 
 def row_images(row: dict, image_column: str) -> list:
-    """All images of a row (the column may hold one image or a list) as RGB PIL images."""
-    value = row[image_column]
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    """All images of a row (the column holds one image or a list) as RGB PIL images."""
+    values = list(row[image_column]) if isinstance(row[image_column], (list, tuple)) else [row[image_column]]
     if not values or all(v is None for v in values):
         raise ValueError(f"no image in column {image_column!r}")
     return [load_image(v) for v in values]
 
 
-CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
-
-
 def message_text(content) -> str | None:
     """The text of a message's content (a string or a list of items), or None when it has none."""
     if isinstance(content, (list, tuple)):
-        content = "\n".join(item.get("text") or "" for item in content
-                            if isinstance(item, dict) and item.get("type") == "text")
+        content = "\n".join(i.get("text") or "" for i in content if isinstance(i, dict) and i.get("type") == "text")
     return content if isinstance(content, str) and content.strip() else None
 
 
 def split_chat(cell) -> tuple:
-    """A prompt cell as (prompt, the answer it holds or None); never raises (build_messages judges the prompt).
-    Chat messages (TRL's role/content, LLaVA's from/value) are cut after the first user turn, system turns kept; the
-    assistant turn after it is the answer, later turns are dropped: a rollout answers one turn."""
+    """A prompt cell as (prompt, its answer or None), chat messages cut after the first user turn; never raises."""
     if not isinstance(cell, (list, tuple)) or not cell or not all(isinstance(m, dict) for m in cell):
         return cell, None
-    prompt, answer = [], None
+    prompt = []
     for m in cell:
         role = m.get("role") or m.get("from")
-        role = CHAT_ROLES.get(role, role) if isinstance(role, str) else role
-        message = {"role": role, "content": m["content"] if m.get("content") is not None else m.get("value")}
-        if not prompt or prompt[-1]["role"] != "user":
-            prompt.append(message)
-        else:
-            answer = message_text(message["content"]) if message["role"] == "assistant" else None
-            break
-    return prompt, answer
+        m = {"role": {"human": "user", "gpt": "assistant"}.get(role, role) if isinstance(role, str) else role,
+             "content": m["content"] if m.get("content") is not None else m.get("value")}
+        if prompt and prompt[-1]["role"] == "user":
+            return prompt, message_text(m["content"]) if m["role"] == "assistant" else None
+        prompt.append(m)
+    return prompt, None
 
 
 def answer_text(cell) -> str | None:
     """A reference answer from an answer cell: text, a number, or messages (TRL's `completion`); None when empty."""
-    if isinstance(cell, (list, tuple)) and cell and all(isinstance(m, dict) for m in cell):
-        return message_text(cell[0].get("content", cell[0].get("value")))
-    return None if cell is None else message_text(str(cell))
+    chat = isinstance(cell, (list, tuple)) and cell and all(isinstance(m, dict) for m in cell)
+    return message_text(cell[0].get("content", cell[0].get("value")) if chat else cell if cell is None else str(cell))
 
 
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
-    """The chat the processor's template renders from a prompt (text, or split_chat's messages). Images go where
-    <image> markers or {"type": "image"} items are, else first in the user turn; the instruction ends the user turn.
-    Raises ValueError for a prompt that is neither, or whose image places do not match the row's images."""
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
+    """The chat to render from a prompt (text or messages), images at its markers or first; ValueError for a bad one."""
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
         raise ValueError(f"the prompt is {prompt!r}, not text or chat messages")
-    roles = [m.get("role") for m in prompt]
-    if roles[-1] != "user" or any(r != "system" for r in roles[:-1]):
+    if (roles := [m.get("role") for m in prompt])[-1] != "user" or any(r != "system" for r in roles[:-1]):
         raise ValueError(f"a chat prompt must be system turns then a user turn, got the roles {roles}")
     messages, markers = [], 0
     for m in prompt:
         items = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
         if not isinstance(items, (list, tuple)) or not all(isinstance(item, dict) for item in items):
             raise ValueError(f"a {m['role']} message's content is {items!r}, not text or a list of items")
-        items = list(items)
-        if m["role"] == "user" and instruction:
-            if items and items[-1].get("type") == "text":
-                items[-1] = {"type": "text", "text": (items[-1].get("text") or "") + "\n" + instruction}
-            else:
-                items.append({"type": "text", "text": instruction})
+        if m["role"] == "user" and instruction:  # joined to the turn's last text, else a text of its own
+            last = items[-1] if items and items[-1].get("type") == "text" else None
+            text = instruction if last is None else (last.get("text") or "") + "\n" + instruction
+            items = [*items[:len(items) - (last is not None)], {"type": "text", "text": text}]
         content: list[dict] = []
         for item in items:
-            if item.get("type") == "image":
-                content.append({"type": "image"})
-                markers += 1
-            elif item.get("type") != "text":
+            if item.get("type") not in ("text", "image"):
                 raise ValueError(f"a message content item of type {item.get('type')!r}, not 'text' or 'image'")
-            elif "<image>" not in (item.get("text") or ""):
-                content.append({"type": "text", "text": item.get("text") or ""})
-            else:
-                pieces = item["text"].split("<image>")
-                for k, piece in enumerate(pieces):
-                    if piece.strip():
-                        content.append({"type": "text", "text": piece.strip()})
-                    if k < len(pieces) - 1:
-                        content.append({"type": "image"})
-                markers += len(pieces) - 1
+            text = (item.get("text") or "") if item["type"] == "text" else "<image>"
+            pieces = text.split("<image>") if "<image>" in text else [text]
+            markers += len(pieces) - 1  # an image item counts as one marker; text without markers is kept as it is
+            for k, piece in enumerate(pieces):
+                content += [{"type": "image"}] if k else []
+                if piece.strip() or len(pieces) == 1:
+                    content.append({"type": "text", "text": piece if len(pieces) == 1 else piece.strip()})
         messages.append({"role": m["role"], "content": content})
     if markers == 0:
         messages[-1]["content"] = [{"type": "image"}] * num_images + messages[-1]["content"]
@@ -1048,38 +1017,30 @@ def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]
 
 
 def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> dict:
-    """[(prompt, images)] -> left-padded processor batch: input_ids, attention_mask, mm_token_type_ids (n, P),
-    pixel_values (patches, D), image_grid_thw (images, 3). A prompt is text or chat messages (build_messages)."""
+    """[(prompt, images)] -> a left-padded processor batch: input_ids, attention_mask (n, P), pixel_values, ..."""
     texts = [processor.apply_chat_template(build_messages(q, len(imgs), instruction), add_generation_prompt=True,
                                            tokenize=False) for q, imgs in prompts]
     processor.tokenizer.padding_side = "left"  # generation appends on the right
-    # A template that writes the begin-of-sequence token itself (Gemma 3's) must not get a second one from a
-    # tokenizer that adds it to any text: the prompt would start <bos><bos>, which the model never saw.
-    bos = processor.tokenizer.bos_token
+    bos = processor.tokenizer.bos_token  # a template writing it (Gemma 3's) must not get a second from the tokenizer
     extra = {"add_special_tokens": False} if bos and all(t.startswith(bos) for t in texts) else {}
     return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True, **extra)
 
 
-DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
-
-
-def split_files(folder: str, split: str) -> list[str]:
-    """A local folder's data files of a split (<split>.<ext> or shards <split>-*.<ext>, in it or data/), named so:
-    left to itself, `datasets` takes a folder with more images than data files for an image folder and drops the
-    text. [] where `datasets` reads the folder itself (save_to_disk, a README's configs). Raises ValueError listing
-    the splits there are when the split has no file."""
-    if any(os.path.isfile(os.path.join(folder, f)) for f in ("dataset_dict.json", "state.json")):
-        return []  # save_to_disk
-    readme = os.path.join(folder, "README.md")
-    if os.path.isfile(readme) and "\nconfigs:" in open(readme, encoding="utf-8", errors="replace").read():
+def split_files(name: str, split: str, strict: bool = True) -> list[str]:
+    """A file's or folder's data files of a split, so `datasets` sees no image folder; [] where it reads the name."""
+    if os.path.isfile(name):  # a single data file serves every split
+        return [name]
+    readme = os.path.join(name, "README.md")
+    if (any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json"))
+            or os.path.isfile(readme) and "\nconfigs:" in open(readme, encoding="utf-8", errors="replace").read()):
         return []
     by_split: dict[str, list[str]] = {}
-    for sub in (folder, os.path.join(folder, "data")):
-        for f in sorted(os.listdir(sub)) if os.path.isdir(sub) else []:
-            stem, ext = os.path.splitext(f)
-            if ext in DATA_FILE_BUILDERS and stem != "metadata" and os.path.isfile(os.path.join(sub, f)):
-                by_split.setdefault(stem.split("-")[0], []).append(os.path.join(sub, f))  # train-00000-of-00002
-    if by_split and split not in by_split:
+    for sub in (name, os.path.join(name, "data")):
+        for path in [os.path.join(sub, f) for f in sorted(os.listdir(sub))] if os.path.isdir(sub) else []:
+            stem, ext = os.path.splitext(os.path.basename(path))
+            if ext in (".parquet", ".jsonl", ".json", ".csv") and stem != "metadata" and os.path.isfile(path):
+                by_split.setdefault(stem.split("-")[0], []).append(path)  # train-00000-of-00002
+    if strict and by_split and split not in by_split:
         raise ValueError(f"Unknown split {split!r}. Should be one of {list(by_split)}.")
     return by_split.get(split, [])
 
@@ -1088,49 +1049,19 @@ def load_split(args: Args, split: str):
     """A split of the dataset as a `datasets.Dataset`, images left undecoded."""
     import datasets
 
-    name = args.dataset_name
     try:
-        files = [name] if os.path.isfile(name) else []  # a single data file serves every split
-        if os.path.isdir(name):
-            files = split_files(name, split)
-        if files:  # the extension names the builder
-            ext = os.path.splitext(files[0])[1]
-            ds = datasets.load_dataset(DATA_FILE_BUILDERS.get(ext, ext.lstrip(".")), data_files={split: files},
-                                       split=split)
-        elif any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
-            # a save_to_disk folder (load_dataset refuses a single saved Dataset); a saved Dataset has no
-            # splits and, like a single file, serves every split
-            ds = datasets.load_from_disk(name)
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ValueError(f"Unknown split {split!r}. Should be one of {list(ds)}.")
-                ds = ds[split]
-        else:
-            ds = datasets.load_dataset(name, args.dataset_config, split=split)
+        if files := split_files(args.dataset_name, split):  # the extension names the builder
+            ext = os.path.splitext(files[0])[1].lstrip(".")
+            return datasets.load_dataset("json" if ext == "jsonl" else ext, data_files={split: files}, split=split)
+        if any(os.path.isfile(os.path.join(args.dataset_name, f)) for f in ("dataset_dict.json", "state.json")):
+            ds = datasets.load_from_disk(args.dataset_name)  # load_dataset refuses a saved Dataset; it serves any split
+            if isinstance(ds, datasets.DatasetDict) and split not in ds:
+                raise ValueError(f"Unknown split {split!r}. Should be one of {list(ds)}.")
+            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)
     except ValueError as e:
-        raise ValueError(f"could not load split {split!r} of dataset {name!r}: {e} (--train_split and "
+        raise ValueError(f"could not load split {split!r} of dataset {args.dataset_name!r}: {e} (--train_split and "
                          f"--eval_split name the splits to use; --num_eval_samples 0 needs no eval split)") from e
-    return ds
-
-
-def image_roots(args: Args, split: str, flag_prefix: str = "--") -> tuple[list[str], str]:
-    """(folders a relative image path is looked up in, in order; where they come from, for messages)."""
-    if args.image_root:
-        return [os.path.abspath(args.image_root)], f"{os.path.abspath(args.image_root)} ({flag_prefix}image_root)"
-    name, cwd = args.dataset_name, os.getcwd()
-    folder = None
-    if os.path.isfile(name):
-        folder = os.path.dirname(os.path.abspath(name))
-    elif os.path.isdir(name):
-        try:
-            files = split_files(name, split)
-        except ValueError:  # a split load_split did not read from this folder's files
-            files = []
-        folder = os.path.dirname(os.path.abspath(files[0])) if files else os.path.abspath(name)
-    # then the current directory: paths written relative to where runs start keep working
-    roots = [folder, cwd] if folder and folder != cwd else [cwd]
-    where = [f"{r} ({'the current directory' if r == cwd else 'the data file folder'})" for r in roots]
-    return roots, " and ".join(where)
 
 
 def resolve_image(value, roots: list[str]):
@@ -1138,39 +1069,31 @@ def resolve_image(value, roots: list[str]):
     path = value.get("path") if isinstance(value, dict) and value.get("bytes") is None else value
     if not isinstance(path, str) or not path or os.path.isabs(path) or "://" in path:
         return value
-    candidates = [os.path.join(root, path) for root in roots]
-    full = next((c for c in candidates if os.path.exists(c)), candidates[0])
+    full = next((c for c in (os.path.join(r, path) for r in roots) if os.path.exists(c)), os.path.join(roots[0], path))
     return {"bytes": None, "path": full} if isinstance(value, dict) else full
 
 
-COLUMN_FALLBACKS = {"image_column": ("images",), "question_column": ("prompt", "messages", "conversations"),
-                    "answer_column": ("completion",)}
-
-
 def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
-    """The columns holding a split's images, prompts and answers, by flag (answer_column None: no answers); a flag at
-    its default also finds TRL's and LLaVA's names. Stops with the flag to set when images or prompts are missing, or
-    an answer column named explicitly (need_answer)."""
+    """{flag: its column (None: no answers)}, TRL's and LLaVA's names too at a default; stops naming a missing one."""
     columns = {}
-    for flag in ("image_column", "question_column", "answer_column"):
+    for flag, more in {"image_column": ("images",), "question_column": ("prompt", "messages", "conversations"),
+                       "answer_column": ("completion",)}.items():
         name = getattr(args, flag)
         default = name == Args.__dataclass_fields__[flag].default
-        names = [name] + list(COLUMN_FALLBACKS[flag] if default else ())
+        names = [name, *(more if default else ())]
         columns[flag] = next((c for c in names if c in ds.column_names), None)
         if columns[flag] is None and (flag != "answer_column" or (need_answer and not default)):
             also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
             raise ValueError(f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
                              f"{ds.column_names}: pass {flag_prefix}{flag} with one of them")
-    names = list(teacher_paths(args))
-    if len(names) > 1:  # several teachers: every row names its own
+    if len(names := list(teacher_paths(args))) > 1:  # several teachers: every row names its own
         several_teachers().check_teacher_column(ds, args.teacher_column, names, split)
         columns["teacher_column"] = args.teacher_column
     return columns
 
 
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
-    """Raw rows (a dict of columns) in one form under args' column names: the prompt (text or split_chat's messages),
-    the images (a list, relative paths resolved) and the answer (None when absent)."""
+    """Raw rows (a dict of columns) under args' column names: split_chat's prompts, image lists resolved, answers."""
     prompts = examples[columns["question_column"]]
     answers = examples[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
     out = {args.question_column: [], args.image_column: [], args.answer_column: []}
@@ -1187,22 +1110,25 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) 
 
 def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print, need_answer: bool = False,
                   flag_prefix: str = "--") -> tuple:
-    """Checks every row once, decoding its images and measuring its prompt: a row without a readable image, a usable
-    prompt, an answer (need_answer) or with a prompt over max_prompt_length is skipped, counted and logged (one bad
-    row should not stop a long run). Stops when no image file of the first rows exists (a wrong folder). Returns
-    (dataset whose rows are normalize_rows', kept row indices, skip counts)."""
+    """Checks each row once; one without a readable image, a usable prompt or an answer (need_answer), or too long, is
+    skipped, counted and logged. Returns (normalize_rows' dataset, kept row indices, skip counts)."""
     import datasets
     from tqdm.auto import tqdm
 
     if len(ds) == 0:
         raise ValueError(f"the {split!r} split of {args.dataset_name} is empty")
     columns = check_columns(ds, args, split, need_answer, flag_prefix)
-    feature = ds.features[columns["image_column"]]  # decode images ourselves, so a broken one can be skipped
-    if isinstance(feature, datasets.Image):
-        ds = ds.cast_column(columns["image_column"], datasets.Image(decode=False))
-    elif isinstance(getattr(feature, "feature", None), datasets.Image):
-        ds = ds.cast_column(columns["image_column"], datasets.List(datasets.Image(decode=False)))
-    roots, where = image_roots(args, split, flag_prefix)
+    feature, lazy = ds.features[columns["image_column"]], datasets.Image(decode=False)  # row_images decodes, so
+    if isinstance(getattr(feature, "feature", feature), datasets.Image):  # that a broken image skips its row
+        ds = ds.cast_column(columns["image_column"], datasets.List(lazy) if hasattr(feature, "feature") else lazy)
+    if args.image_root:  # the folders a relative image path is looked up in, in order, and whence (for messages)
+        roots, where = [root := os.path.abspath(args.image_root)], f"{root} ({flag_prefix}image_root)"
+    else:  # the data file's folder, then the current directory: paths relative to either keep working
+        name, cwd = args.dataset_name, os.getcwd()
+        files = split_files(name, split, strict=False)  # [] too for a split that load_split did not read from them
+        folder = os.path.dirname(os.path.abspath(files[0])) if files else os.path.isdir(name) and os.path.abspath(name)
+        roots = [folder, cwd] if folder and folder != cwd else [cwd]
+        where = " and ".join(f"{r} (the {'current directory' if r == cwd else 'data file folder'})" for r in roots)
     raw, ds = ds, ds.with_transform(lambda examples: normalize_rows(examples, columns, args, roots))
     chat = isinstance(ds[0][args.question_column], list)
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
@@ -1210,17 +1136,13 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
                    "answers from the first assistant turn" if chat else "no answers")
         log(f"{split}: prompts from column {columns['question_column']!r} ({'chat messages' if chat else 'text'}), "
             f"images from {columns['image_column']!r}, {answers}")
-    n = min(len(ds), limit) if limit else len(ds)
-    keep, skipped = [], {"no_or_unreadable_image": 0, "unusable_prompt": 0, "prompt_too_long": 0}
-    if need_answer:
-        skipped["no_answer"] = 0
-    missing, first_missing = 0, None  # rows whose image file does not exist, the first of them
-    block = 64  # rows decoded and measured together: one processor call per block, not per row
+    n, keep, missing, block = min(len(ds), limit) if limit else len(ds), [], 0, 64  # block: rows per processor call
+    skipped = dict.fromkeys(["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"]
+                            + ["no_answer"] * need_answer, 0)
     for start in tqdm(range(0, n, block), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
         good, notes = [], []  # (row index, prompt, images); skip lines, logged once the block is judged
         for i in range(start, min(start + block, n)):
-            row = ds[i]
-            reason = "no_answer"
+            row, reason = ds[i], "no_answer"
             try:
                 if need_answer and row[args.answer_column] is None:
                     raise ValueError("no reference answer")
@@ -1228,64 +1150,46 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
                 images = row_images(row, args.image_column)
                 reason = "unusable_prompt"  # neither text nor chat, <image> markers that do not match the images, ...
                 build_messages(row[args.question_column], len(images), args.instruction)
+                good.append((i, row[args.question_column], images))
             except ValueError as e:
                 skipped[reason] += 1
-                if isinstance(e.__cause__, FileNotFoundError):
-                    missing, first_missing = missing + 1, i if first_missing is None else first_missing
+                missing += isinstance(e.__cause__, FileNotFoundError)
                 notes.append(f"skipping {split} row {i}: {e}")
-                continue
-            good.append((i, row[args.question_column], images))
-        if not keep and not good and missing == min(start + block, n):  # no image file found at all
-            cell = raw[first_missing][columns["image_column"]]
+        if missing == min(start + block, n):  # no row so far has its image file: a wrong folder, not bad rows
+            cell = raw[0][columns["image_column"]]
             paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
             path = next(p for p in paths if isinstance(p, str) and not os.path.exists(resolve_image(p, roots)))
-            raise ValueError(f"the images of the {split!r} split were not found: row {first_missing}'s image "
-                             f"{path!r} was looked for in {where}. Pass {flag_prefix}image_root with the folder "
-                             f"that the image paths are relative to")
+            raise ValueError(f"the images of the {split!r} split were not found: row 0's image {path!r} was looked "
+                             f"for in {where}. Pass {flag_prefix}image_root with the folder that the image paths are "
+                             f"relative to")
         for note in notes if log else ():
             log(note)
-        if not good:
-            continue
-        inputs = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)
-        lengths = inputs["attention_mask"].sum(1)
-        for (i, _, _), length in zip(good, lengths.tolist()):
-            if length > args.max_prompt_length:
-                skipped["prompt_too_long"] += 1
-            else:
-                keep.append(i)
+        if good:
+            inputs = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)
+            too_long = (inputs["attention_mask"].sum(1) > args.max_prompt_length).tolist()
+            skipped["prompt_too_long"] += sum(too_long)
+            keep += [i for (i, _, _), long in zip(good, too_long) if not long]
     if log and skipped["prompt_too_long"]:
         log(f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
             f"--max_prompt_length {args.max_prompt_length}")
     if not keep:
-        fixes = {"no_or_unreadable_image": f"{flag_prefix}image_column and {flag_prefix}image_root",
-                 "unusable_prompt": f"{flag_prefix}question_column", "prompt_too_long": "--max_prompt_length",
-                 "no_answer": f"{flag_prefix}answer_column"}
+        fixes = {"no_or_unreadable_image": "{0}image_column and {0}image_root", "unusable_prompt": "{0}question_column",
+                 "prompt_too_long": "--max_prompt_length", "no_answer": "{0}answer_column"}
         raise ValueError(f"no usable row in the {split!r} split ({skipped}): check "
-                         + ", ".join(fixes[k] for k, v in skipped.items() if v))
+                         + ", ".join(fixes[k].format(flag_prefix) for k, v in skipped.items() if v))
     return ds, keep, skipped
 
 
-def eval_args(args: Args) -> Args:
-    """The arguments that load and check the evaluation set: each eval_* field, or its training one when unset
-    (the dataset config only when evaluating on the training dataset)."""
-    pick = {name: getattr(args, "eval_" + name) if getattr(args, "eval_" + name) is not None else getattr(args, name)
-            for name in ("dataset_name", "image_column", "question_column", "answer_column", "image_root")}
-    own = args.eval_dataset_config is not None or args.eval_dataset_name
-    config = args.eval_dataset_config if own else args.dataset_config
-    return Args(**{**asdict(args), **pick, "dataset_config": config})
-
-
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
-    """At most num_eval_samples rows [(prompt, images, answer)] (several teachers: + the teacher's name). A set
-    without answers is skipped with a log line, unless evaluation was asked for (--eval_dataset_name or
-    --num_eval_samples set): then start-up stops."""
+    """At most num_eval_samples rows [(prompt, images, answer[, teacher])] of the set the eval_* flags name."""
     if not args.num_eval_samples:
         return []
-    e = eval_args(args)
+    names = ("dataset_name", "dataset_config", "image_column", "question_column", "answer_column", "image_root")
+    pick = {n: getattr(args, "eval_" + n) for n in names if getattr(args, "eval_" + n) is not None}
+    e = replace(args, **{"dataset_config": None, **pick} if args.eval_dataset_name else pick)  # another set: its config
     ds = load_split(e, args.eval_split)
     columns = check_columns(ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
-    first_prompt = ds.select_columns([columns["question_column"]])[0][columns["question_column"]] if len(ds) else None
-    if len(ds) and not columns["answer_column"] and split_chat(first_prompt)[1] is None:
+    if len(ds) and not columns["answer_column"] and split_chat(ds[columns["question_column"]][0])[1] is None:
         problem = (f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
                    f"{e.answer_column!r}, no assistant turn in its prompts)")
         if args.eval_dataset_name is not None or args.num_eval_samples != Args.num_eval_samples:
@@ -1296,15 +1200,12 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
         return []
     ds, keep, _ = prepare_split(ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True,
                                 flag_prefix="--eval_")
-    rows = [ds[i] for i in keep]
     return [(row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
-            + ((row[e.teacher_column],) if "teacher_column" in columns else ()) for row in rows]
+            + ((row[e.teacher_column],) if "teacher_column" in columns else ()) for row in map(ds.__getitem__, keep)]
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
-    """The prompts_per_step distinct row positions (0..n_rows-1) of a step: each epoch a fresh seeded permutation
-    cut into whole steps, its remainder dropped (DataLoader's drop_last), so no step straddles epochs or holds a row
-    twice. A pure function of (step, seed): a resumed run draws the prompts the interrupted one would have."""
+    """A step's distinct row positions: each epoch's seeded permutation cut into whole steps; resumes draw the same."""
     if not 0 < prompts_per_step <= n_rows:
         raise ValueError(f"{prompts_per_step} distinct prompts per step need at least that many usable rows, "
                          f"got {n_rows}: lower --prompts_per_step or add data")
@@ -1315,9 +1216,7 @@ def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int
 
 def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, num_processes: int,
                     process_index: int) -> list[tuple[int, int]]:
-    """This process's share of a step, (group id, row position) per prompt: the step's prompts cut into one
-    contiguous block per process, so a prompt and its G samples live on one process (group mode whitens locally).
-    Group ids (step * prompts_per_step + slot) are unique over the run."""
+    """This process's contiguous block of a step's (group id, row position): a group's G samples stay on one process."""
     positions = step_prompt_indices(step, n_rows, prompts_per_step, seed)
     per_process = prompts_per_step // num_processes  # check_args made it divide
     slots = range(process_index * per_process, (process_index + 1) * per_process)
