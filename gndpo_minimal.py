@@ -12,9 +12,8 @@ Distillation for MLLM Reasoning with Global Normalization" (arXiv 2606.09091). P
 
 PART I is GNDPO: Args, the math (pure functions that copy out alone), the step (step_prompts -> generate_and_score
 -> update_student) and main(). PART II is the plain machinery, in the order the step calls it. The file runs alone;
-two optional modules beside it plug into the step's hooks: gndpo_fast.py (lean log-probs, each prompt read once, a
-faster sampler; used when it imports, each checked against the plain path) and gndpo_teachers.py (several teachers,
-the sharded teacher; loaded when their flags ask).
+optional modules beside it plug into the step's hooks: gndpo_fast.py (speed-ups, each checked against the plain
+path), gndpo_teachers.py (several teachers, the sharded teacher), gndpo_extras.py (beyond the paper, a diagnostic).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ try:  # the options beyond the paper (asked for by their flags) and the update-s
 except ImportError:
     extras = None
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -56,11 +54,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # PART I: GNDPO. Arguments, the math, the step, main(). A reader who stops at PART II knows the whole method.
 # =============================================================================================================
 
-
 def arg(default, help: str):
     """A dataclass field whose help text shows in --help."""
     return field(default=default, metadata={"help": help})
-
 
 @dataclass
 class Args:
@@ -148,7 +144,6 @@ class Args:
     resume_from_checkpoint: str | None = arg(None, "A checkpoint folder, or 'latest' (the newest in output_dir).")
     report_to: str = arg("none", "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated).")
 
-
 # --- GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
 
 import math  # noqa: E402, F811  (repeated so that the section stands alone)
@@ -159,14 +154,12 @@ import torch.distributed as dist  # noqa: E402, F811
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher")
 LOSS_TYPES = ("gspo", "ppo")
 
-
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                    clip: float = 5.0) -> torch.Tensor:
     """GNDPO's per-token reward s = clamp(teacher_lp - student_lp, -clip, clip), a one-sample estimate of
     -KL(student || teacher) at the token. All (B, T); returns (B, T) float32, exactly 0 off the mask."""
     scores = (teacher_logps.float() - student_logps.float()).clamp(-clip, clip)
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
-
 
 def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
     """(3,) float64 (count, sum, sum of squares) of the valid scores, all-reduced in one call when torch.distributed
@@ -176,7 +169,6 @@ def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> 
     if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats)
     return stats
-
 
 def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
             total_sq: torch.Tensor, eps: float, center: bool = True, scale: bool = True) -> torch.Tensor:
@@ -188,7 +180,6 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
     if scale:
         adv = adv / torch.sqrt(var + eps)
     return (adv * mask).to(scores.dtype)
-
 
 def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
                      group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True,
@@ -242,7 +233,6 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
         return _whiten(scores, mask, *(x[inv][:, None] for x in sums), eps)
     raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
 
-
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2,
                 num_sequences: float | None = None) -> tuple[torch.Tensor, dict]:
@@ -280,25 +270,20 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
                    "ratio_max": ratio.masked_fill(mask == 0, 0).max().item() if mask.any() else 0.0}
     return loss, metrics
 
-
 # --- What travels between the step's functions
-
 
 @dataclass
 class Rollout:
     """One micro-batch of n sampled responses, from any sampler (sample_rollouts, your own generate())."""
-
     response_ids: torch.Tensor  # (n, R) sampled token ids, padding after a row's end token
     response_mask: torch.Tensor  # (n, R) 1 up to and including the end token
     sampled_logps: torch.Tensor  # (n, R) float32 log pi(y_t) of the policy that sampled, recorded as it sampled
     row_inputs: dict | None = None  # the processor's batch of every row's prompt: what the scoring forward reads
     extra: dict = field(default_factory=dict)  # what the optional modules attach (distinct prompts, teachers)
 
-
 @dataclass
 class ScoredBatch:
     """A step's rollouts on this process, scored. (n, R) tensors, rows in the order of the rollouts' rows."""
-
     rollouts: list[Rollout]  # the micro-batches, in order
     group_ids: torch.Tensor  # (n,) each row's prompt id: the G samples of a prompt share one
     response_mask: torch.Tensor  # (n, R) long; 0 also where a log-prob was not finite
@@ -323,11 +308,9 @@ class ScoredBatch:
             start += n
         return out
 
-
 @dataclass
 class Models:
     """The models a step runs, and how each gives its log-probs of a rollout's sampled tokens."""
-
     student: torch.nn.Module  # trainable, as Accelerate prepared it: the update's forwards and backward
     teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared; several teachers: {name: model}
     processor: object  # the student's processor: it encodes every prompt, for both models
@@ -346,11 +329,9 @@ class Models:
         """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
         return (self.student_forward or response_logps)(self.student, rollout, self.ignore_ids, temperature)
 
-
 @dataclass
 class StepPrompts:
     """This process's prompts of a step, each repeated G times, and the seed its sampling draws from."""
-
     step: int  # 0-based
     seed: int  # step_seed(args.seed, step, process): a resumed run samples what the interrupted one would have
     prompts: list  # n = (this process's prompts) x G pairs (prompt, images), a prompt's G rows next to each other
@@ -358,9 +339,7 @@ class StepPrompts:
     answers: list  # (n,) each row's reference answer, None where the data has none
     teachers: list[str] | None = None  # several teachers: (n,) each row's teacher name (its --teacher_column)
 
-
 # --- The step: prompts -> rollouts -> scores and advantages -> student update
-
 
 def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
                  process_index: int = 0) -> StepPrompts:
@@ -376,7 +355,6 @@ def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_pro
     return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers,
                        teachers if len(teacher_paths(args)) > 1 else None)
 
-
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
     """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored by score_rollouts, then the options
     beyond the paper, each off by default."""
@@ -390,7 +368,6 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
             batch, args, whiten_or_skip, lambda: task_rewards(models.processor, rollouts, prompts.answers), log)
     batch.seconds.update(generate=t_generate, score=batch.seconds["score"] + time.time() - t0)
     return batch
-
 
 def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Tensor, args: Args,
                    log=print) -> ScoredBatch:
@@ -419,7 +396,6 @@ def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Ten
     return ScoredBatch(rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
                        {"score": time.time() - t0}, extra=extra)
 
-
 def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_ids: torch.Tensor, nonfinite: int,
                    log=print, teacher_ids: torch.Tensor | None = None, teacher_names: list | None = None):
     """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
@@ -430,7 +406,6 @@ def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_id
     except ValueError as e:
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         return torch.full_like(scores, float("nan"))
-
 
 def update_student(models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args,
                    loss_fn=policy_loss, log=print) -> dict:
@@ -475,9 +450,7 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
             # ALGO END
     return stats.result(time.time() - t0)
 
-
 # --- main(): set-up, then the loop over the step's functions
-
 
 def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) -> dict:
     """Trains the student; returns the run's summary (also written to output_dir/summary.json).
@@ -486,9 +459,8 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     replaces the teacher's scoring forward and loss_fn the policy loss (to record what a step used, or to feed
     broken numbers)."""
     from tqdm.auto import tqdm
-
     run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
-    accelerator, models, log, summary, counters = run.accelerator, run.models, run.log, run.summary, run.counters
+    accelerator, models, log, summary = run.accelerator, run.models, run.log, run.summary
     if run.eval_rows and "student_accuracy_before" not in summary:
         t, s = run.evaluate(models.teacher), run.evaluate(run.policy)
         summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
@@ -512,26 +484,19 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
                                accelerator.process_index)
         batch = generate_and_score(models, prompts, args, step_log)
         update = update_student(models, run.optimizer, run.scheduler, accelerator, batch, args, loss_fn, step_log)
-        counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
-        counters["skipped_steps"] += bool(update["skipped_updates"])
-        if batch.std_floored is not None:
-            counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
         metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step,
                                args.score_clip if args.score_type == "log_ratio" else None)
-        metrics["skipped_steps"] = counters["skipped_steps"]
-        run.mismatch.see(step + 1, metrics["logp_mismatch"])
+        count_skips(run, batch, update, metrics)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and run.eval_rows:
             e = run.evaluate(run.policy)
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"],
                            **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()})
             bar["acc"] = f"{e['accuracy']:.3f}"
-        show = lambda: progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}",  # noqa: E731, B023
-                                            gn=f"{metrics['grad_norm']:.2f}", **bar)  # noqa: B023
-        log_step(run, metrics, show)
-        stop_if_stuck(args, counters, step + 1)
+        log_step(run, metrics, progress, bar)
+        stop_if_stuck(args, run.counters, step + 1)
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
             save_checkpoint(accelerator, models.student, models.processor, args.output_dir, step + 1,
-                            {"step": step + 1, "counters": counters, "args": asdict(args)}, args.save_total_limit)
+                            {"step": step + 1, "counters": run.counters, "args": asdict(args)}, args.save_total_limit)
 
     # --- the end: the trained student (adapter/ or model/), evaluation, summary ---
     accelerator.wait_for_everyone()
@@ -549,24 +514,19 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
 # forward, models, data, evaluation, checkpoints, set-up and metrics. The optional modules plug into its hooks.
 # =============================================================================================================
 
-
 # --- Rollouts: G samples per prompt with HF generate(), the sampling policy's log-probs recorded on the fly
-
 
 def step_seed(seed: int, step: int, process_index: int) -> int:
     """A step's sampling seed: each process draws its own; a resumed run, what the interrupted one would have."""
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
 
-
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n, V) probabilities -> (n, 1) ids, one sample per row."""
     return torch.multinomial(probs, 1, generator=generator)
 
-
 @dataclass
 class Sampling:
     """How sample_rollouts draws (make_models builds it)."""
-
     config: object  # the rollouts' GenerationConfig (generation_configs)
     draw: Callable = multinomial  # (probs (n, V), generator) -> (n, 1) ids: multinomial, or gndpo_fast.draw_tokens
     device: torch.device | str = "cpu"  # the step generator's
@@ -577,7 +537,6 @@ class Sampling:
     def sharing_summary(self) -> dict:
         """Which forwards read each prompt once, for summary.json."""
         return self.sharing.summary() if self.sharing else dict.fromkeys(("teacher", "student", "rollout"), False)
-
 
 def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
     """A step's rollouts in micro-batches, from a generator seeded with prompts.seed (gndpo_fast's checks at first)."""
@@ -596,13 +555,11 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
     return route_to_teachers(models, prompts, parts, args) if prompts.teachers else parts
 
-
 def route_to_teachers(models: Models, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
     """Several teachers: each micro-batch's rows by teacher, a mixed one's prompts encoded again (gndpo_teachers)."""
     encode = lambda part, rows, *flags: encode_rollout_prompts(  # rows: positions in the step's rows
         models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args, *flags)
     return several_teachers().route_to_teachers(rollouts, prompts.teachers, list(models.teacher), encode)
-
 
 def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator,
                       shared_prefix: bool) -> list[Rollout]:
@@ -612,11 +569,9 @@ def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generato
                     prompts.group_ids[i:i + size], models.sampling, args, generator, shared_prefix)
             for i in range(0, len(prompts.prompts), size)]
 
-
 def unwrap(model):
     """The model inside a DDP wrapper (FSDP2 shards in place and wraps nothing): the one with generate()."""
     return unwrap(model.module) if hasattr(model, "module") else model
-
 
 @contextlib.contextmanager
 def evaluating(model):
@@ -626,7 +581,6 @@ def evaluating(model):
         yield model.eval()
     finally:
         model.train(was_training)
-
 
 @torch.no_grad()
 def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampling: Sampling, args: Args,
@@ -649,7 +603,6 @@ def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampli
     mask = response_mask_from_ids(ids, config.eos_token_id)
     return Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, capture.finish(), row_inputs, extra)
 
-
 class SampledTokenLogps:
     """A generate() logits processor that draws each token itself, recording its (suppressed, tempered) log-prob."""
 
@@ -671,11 +624,9 @@ class SampledTokenLogps:
         """(n, R) float32 log-probs of the R drawn tokens (after a row's end token: masked out later)."""
         return torch.stack(self.logps, 1)
 
-
 def generation_configs(tokenizer, model, args: Args) -> tuple:
     """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily."""
     from transformers import GenerationConfig
-
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
     eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
     common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
@@ -684,12 +635,10 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
                               **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}), **common)
     return sample, GenerationConfig(do_sample=False, **common)
 
-
 def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
     is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
     return (is_end.cumsum(1) - is_end == 0).long()
-
 
 def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
     """{"prompt_inputs": the processor batch of the u distinct prompts, "prompt_index": (n,) each row's in it}."""
@@ -697,12 +646,10 @@ def encode_distinct(processor, prompts: list, group_ids: list[int], instruction:
     return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
             "prompt_index": torch.tensor(index, device=device)}
 
-
 def pixels_on_host(inputs: dict, device) -> dict:
     """The batch on `device`, its pixel_* tensors in host memory: the step's rollouts' pixels would fill a GPU."""
     return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v
             for k, v in inputs.items()}
-
 
 def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args,
                  row_prompts: bool = True) -> list[Rollout]:
@@ -720,7 +667,6 @@ def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size:
                                           args, row_prompts, distinct))
     return out
 
-
 def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[int], args: Args, row_prompts: bool,
                            distinct: bool) -> Rollout:
     """`part` with its rows' prompts encoded: every row's (row_prompts), the distinct ones (distinct)."""
@@ -729,7 +675,6 @@ def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[in
         part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
     part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device) if distinct else {})
     return part
-
 
 def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
                   max_tokens: int = 256) -> Rollout:
@@ -742,15 +687,12 @@ def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args
     return replace(first, response_ids=first.response_ids[:, :max_tokens],
                    response_mask=first.response_mask[:, :max_tokens], sampled_logps=first.sampled_logps[:, :max_tokens])
 
-
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[(n_i, R_i)] -> (sum n_i, max R_i), right-padded with zeros."""
     width = max(t.shape[1] for t in tensors)
     return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
 
-
 # --- Scoring: log-probs of the sampled tokens under a model, on the same ids and images
-
 
 def sequence_inputs(rollout: Rollout) -> dict:
     """Prompt (row_inputs) + response as one forward's inputs: each per-token input (token types too) grows by it."""
@@ -761,7 +703,6 @@ def sequence_inputs(rollout: Rollout) -> dict:
             inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
     return {k: v.to(response.device) if torch.is_tensor(v) else v for k, v in inputs.items()}  # pixels: from host
 
-
 def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
     """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs of softmax(logits / temperature), ignore_ids at -inf."""
@@ -769,16 +710,13 @@ def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torc
     logits = logits if ignore_ids is None else logits.index_fill(-1, ignore_ids, float("-inf"))
     return torch.log_softmax(logits, -1).gather(-1, token_ids[..., None]).squeeze(-1)
 
-
 def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
     """(n, R) float32 response log-probs: one forward of prompt + response, the LM head on the last R + 1 positions."""
     R = rollout.response_ids.shape[1]
     logits = model(**sequence_inputs(rollout), use_cache=False, logits_to_keep=R + 1).logits  # (n, R + 1, V)
     return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)  # t's logits predict t + 1
 
-
 # --- Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
-
 
 def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
                  alpha: float = 5.0) -> torch.Tensor:
@@ -791,14 +729,11 @@ def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, respo
 SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
           "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}  # PowerOPD's bounded score
 
-
 # --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
-
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"auto": auto, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
 
 def lora_target_names(model, target_modules: str) -> list[str]:
     """The language model's linear layers named in `target_modules`: the vision tower's of the same names excluded."""
@@ -815,7 +750,6 @@ def lora_target_names(model, target_modules: str) -> list[str]:
 # Each family's vision encoder: vision_tower (InternVL, Gemma 3, LLaVA), visual (Qwen-VL), vision_model (SmolVLM)
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")
 
-
 def freeze_vision_tower(model) -> None:
     """Full fine-tuning trains the paper's part, all but the vision encoder (found by name, else ValueError)."""
     inner = getattr(model, "model", model)
@@ -826,12 +760,10 @@ def freeze_vision_tower(model) -> None:
     for name, p in tower.named_parameters():  # the projectors inside: Qwen-VL's merger, Qwen3-VL's DeepStack's
         p.requires_grad_(name.split(".")[0] in ("merger", "deepstack_merger_list"))
 
-
 def load_student(args: Args, dtype: torch.dtype):
     """A LoRA adapter on the language model's linear layers; --lora_r 0: the whole model but its vision encoder."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
-
     model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
     if args.lora_r == 0:
         freeze_vision_tower(model)
@@ -847,7 +779,6 @@ def load_student(args: Args, dtype: torch.dtype):
     model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
     return model
 
-
 def optional(module: str, flags: str):
     """An optional module beside this file, which `flags` ask for; start-up stops naming it when it is absent."""
     try:
@@ -856,28 +787,23 @@ def optional(module: str, flags: str):
         raise ValueError(f"{flags} need the optional module {module}.py beside gndpo_minimal.py: copy it there, or "
                          f"run without them") from e
 
-
 def several_teachers():
     """gndpo_teachers, behind several teachers and the sharded teacher."""
     return optional("gndpo_teachers", "several teachers (--teacher_model name=path,...) and --shard_teacher")
-
 
 def teacher_paths(args: Args) -> dict[str, str]:
     """--teacher_model as {name: path}: one path, named 'teacher', or several teachers' name=path pairs."""
     value = args.teacher_model
     return several_teachers().teacher_paths(value) if "=" in value else {"teacher": value}
 
-
 def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str | None = None):
     """The frozen teacher (`path` or args.teacher_model), a replica per process; teacher_4bit: nf4 but the lm_head."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
-
     quantized = dict(device_map={"": device}, quantization_config=BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True),
     ) if args.teacher_4bit else {}
     model = AutoModelForImageTextToText.from_pretrained(path or args.teacher_model, dtype=dtype, **quantized)
     return (model if args.teacher_4bit else model.to(device)).eval().requires_grad_(False)
-
 
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
     """Stops unless both tokenizers give the same ids: scores compare log-probs of the same ids."""
@@ -898,11 +824,9 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
         raise ValueError("teacher and student tokenizers encode the same text to different ids: use a teacher "
                          "of the student's model family")
 
-
 def check_same_image_inputs(student_processor, teacher_processor) -> None:
     """Stops unless both processors make the same inputs of a prompt and a 3:2 (tiled) image: the teacher reads them."""
     from PIL import Image
-
     probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
     s, t = encode_prompts(student_processor, probe), encode_prompts(teacher_processor, probe)
     differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or not torch.equal(s[k], t[k]))
@@ -912,7 +836,6 @@ def check_same_image_inputs(student_processor, teacher_processor) -> None:
                          f"prompt and image ({shapes}, student vs teacher): the teacher would score inputs made for "
                          f"the student. Pick a teacher with the student's image processing and chat template.")
 
-
 def vision_token_ids(tokenizer, config=None) -> list[int]:
     """The image/video special tokens (by name, and the config's token ids), never sampled: they break scoring."""
     ids = {i for i, tok in tokenizer.added_tokens_decoder.items()
@@ -921,14 +844,11 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
             and k.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", k)}
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
 
-
 # --- Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
-
 
 def load_image(value):
     """A dataset cell (PIL image, {'bytes', 'path'} or path) as RGB; ValueError naming a missing or unreadable image."""
     from PIL import Image
-
     if value is None or isinstance(value, dict) and value.get("bytes") is None and not value.get("path"):
         raise ValueError("no image" if value is None else "an image cell with neither bytes nor path")
     if isinstance(value, dict):
@@ -944,7 +864,6 @@ def load_image(value):
         value = value.convert("I").point(lambda v: v / 257)
     return value.convert("RGB")
 
-
 def row_images(row: dict, image_column: str) -> list:
     """All images of a row (the column holds one image or a list) as RGB PIL images."""
     values = list(row[image_column]) if isinstance(row[image_column], (list, tuple)) else [row[image_column]]
@@ -952,13 +871,11 @@ def row_images(row: dict, image_column: str) -> list:
         raise ValueError(f"no image in column {image_column!r}")
     return [load_image(v) for v in values]
 
-
 def message_text(content) -> str | None:
     """The text of a message's content (a string or a list of items), or None when it has none."""
     if isinstance(content, (list, tuple)):
         content = "\n".join(i.get("text") or "" for i in content if isinstance(i, dict) and i.get("type") == "text")
     return content if isinstance(content, str) and content.strip() else None
-
 
 def split_chat(cell) -> tuple:
     """A prompt cell as (prompt, its answer or None), chat messages cut after the first user turn; never raises."""
@@ -974,12 +891,10 @@ def split_chat(cell) -> tuple:
         prompt.append(m)
     return prompt, None
 
-
 def answer_text(cell) -> str | None:
     """A reference answer from an answer cell: text, a number, or messages (TRL's `completion`); None when empty."""
     chat = isinstance(cell, (list, tuple)) and cell and all(isinstance(m, dict) for m in cell)
     return message_text(cell[0].get("content", cell[0].get("value")) if chat else cell if cell is None else str(cell))
-
 
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
     """The chat to render from a prompt (text or messages), images at its markers or first; ValueError for a bad one."""
@@ -1015,7 +930,6 @@ def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]
         raise ValueError(f"the prompt has {markers} <image> markers but the row has {num_images} images")
     return messages
 
-
 def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> dict:
     """[(prompt, images)] -> a left-padded processor batch: input_ids, attention_mask (n, P), pixel_values, ..."""
     texts = [processor.apply_chat_template(build_messages(q, len(imgs), instruction), add_generation_prompt=True,
@@ -1024,7 +938,6 @@ def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> di
     bos = processor.tokenizer.bos_token  # a template writing it (Gemma 3's) must not get a second from the tokenizer
     extra = {"add_special_tokens": False} if bos and all(t.startswith(bos) for t in texts) else {}
     return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True, **extra)
-
 
 def split_files(name: str, split: str, strict: bool = True) -> list[str]:
     """A file's or folder's data files of a split, so `datasets` sees no image folder; [] where it reads the name."""
@@ -1044,11 +957,9 @@ def split_files(name: str, split: str, strict: bool = True) -> list[str]:
         raise ValueError(f"Unknown split {split!r}. Should be one of {list(by_split)}.")
     return by_split.get(split, [])
 
-
 def load_split(args: Args, split: str):
     """A split of the dataset as a `datasets.Dataset`, images left undecoded."""
     import datasets
-
     try:
         if files := split_files(args.dataset_name, split):  # the extension names the builder
             ext = os.path.splitext(files[0])[1].lstrip(".")
@@ -1063,7 +974,6 @@ def load_split(args: Args, split: str):
         raise ValueError(f"could not load split {split!r} of dataset {args.dataset_name!r}: {e} (--train_split and "
                          f"--eval_split name the splits to use; --num_eval_samples 0 needs no eval split)") from e
 
-
 def resolve_image(value, roots: list[str]):
     """An image cell whose relative path is made absolute: the first of roots that holds the file (else the first)."""
     path = value.get("path") if isinstance(value, dict) and value.get("bytes") is None else value
@@ -1071,7 +981,6 @@ def resolve_image(value, roots: list[str]):
         return value
     full = next((c for c in (os.path.join(r, path) for r in roots) if os.path.exists(c)), os.path.join(roots[0], path))
     return {"bytes": None, "path": full} if isinstance(value, dict) else full
-
 
 def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
     """{flag: its column (None: no answers)}, TRL's and LLaVA's names too at a default; stops naming a missing one."""
@@ -1091,7 +1000,6 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
         columns["teacher_column"] = args.teacher_column
     return columns
 
-
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
     """Raw rows (a dict of columns) under args' column names: split_chat's prompts, image lists resolved, answers."""
     prompts = examples[columns["question_column"]]
@@ -1107,14 +1015,12 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) 
         out[args.teacher_column] = list(examples[columns["teacher_column"]])
     return out
 
-
 def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print, need_answer: bool = False,
                   flag_prefix: str = "--") -> tuple:
     """Checks each row once; one without a readable image, a usable prompt or an answer (need_answer), or too long, is
     skipped, counted and logged. Returns (normalize_rows' dataset, kept row indices, skip counts)."""
     import datasets
     from tqdm.auto import tqdm
-
     if len(ds) == 0:
         raise ValueError(f"the {split!r} split of {args.dataset_name} is empty")
     columns = check_columns(ds, args, split, need_answer, flag_prefix)
@@ -1179,7 +1085,6 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
                          + ", ".join(fixes[k].format(flag_prefix) for k, v in skipped.items() if v))
     return ds, keep, skipped
 
-
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     """At most num_eval_samples rows [(prompt, images, answer[, teacher])] of the set the eval_* flags name."""
     if not args.num_eval_samples:
@@ -1203,7 +1108,6 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     return [(row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
             + ((row[e.teacher_column],) if "teacher_column" in columns else ()) for row in map(ds.__getitem__, keep)]
 
-
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
     """A step's distinct row positions: each epoch's seeded permutation cut into whole steps; resumes draw the same."""
     if not 0 < prompts_per_step <= n_rows:
@@ -1212,7 +1116,6 @@ def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int
     epoch, k = divmod(step, n_rows // prompts_per_step)
     perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return perm[k * prompts_per_step:(k + 1) * prompts_per_step].tolist()
-
 
 def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, num_processes: int,
                     process_index: int) -> list[tuple[int, int]]:
@@ -1224,7 +1127,6 @@ def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, nu
 
 # --- Evaluation: greedy answers, graded against the reference
 
-
 def extract_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
     start = text.rfind("\\boxed{")
@@ -1235,13 +1137,11 @@ def extract_boxed(text: str) -> str | None:
             return text[i:j].strip()
     return None
 
-
 def _strip_answer(text: str) -> str:
     text = re.sub(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}", r"\1", text)
     text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\circ", "").replace("°", "")
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
     return re.sub(r"\s+", "", text).strip().rstrip(".").lower()
-
 
 def grade_answer(response: str, reference: str) -> bool:
     """True when the last \\boxed{} of `response` equals `reference`: as text after light normalization (degrees,
@@ -1255,18 +1155,15 @@ def grade_answer(response: str, reference: str) -> bool:
     except Exception:  # math-verify raises many types on unparsable LaTeX; unparsable means not equal
         return False
 
-
 def task_rewards(processor, rollouts: list[Rollout], answers: list) -> torch.Tensor:
     """(n,) float32 task reward of each response (rows in order): grade_answer as 1.0 / 0.0, NaN without a reference."""
     texts = [t for r in rollouts for t in processor.tokenizer.batch_decode(r.response_ids, skip_special_tokens=True)]
     return torch.tensor([float("nan") if a is None else float(grade_answer(t, a)) for t, a in zip(texts, answers)])
 
-
 def is_well_formed(response: str, require_think: bool = False) -> bool:
     """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
     think = r"\s*<think>.*?</think>.*\\boxed\{.*\}.*"
     return (re.fullmatch(think, response, re.DOTALL) if require_think else extract_boxed(response)) is not None
-
 
 @torch.no_grad()
 def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_config,
@@ -1292,14 +1189,11 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
     model.train(was_training)
     return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1)}
 
-
 def per_teacher(result: dict, key: str) -> dict:
     """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
     return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
 
-
 # --- Checkpoints: atomic saves, resume, one run per output_dir
-
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints (a trainer_state.json inside, no .tmp suffix) as (step, path), oldest first."""
@@ -1307,16 +1201,13 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     found = [(re.match(r"checkpoint-(\d+)$", name), os.path.join(output_dir, name)) for name in names]
     return sorted((int(m.group(1)), p) for m, p in found if m and os.path.isfile(os.path.join(p, "trainer_state.json")))
 
-
 def weights_are_sharded(accelerator) -> bool:
     """True when no process holds the student's whole weights (FSDP)."""
     return accelerator.distributed_type == "FSDP"  # accelerate's DistributedType is a str enum
 
-
 def student_folder(args) -> str:
     """The student's folder in a run and its checkpoints: adapter/ (LoRA) or model/ (full). args: Args or asdict()."""
     return "model" if (args["lora_r"] if isinstance(args, dict) else args.lora_r) == 0 else "adapter"
-
 
 def save_student(accelerator, student, processor, path: str) -> None:
     """Saves the student (adapter or whole model) and processor to `path`; on every process (sharded: a collective)."""
@@ -1324,7 +1215,6 @@ def save_student(accelerator, student, processor, path: str) -> None:
     if accelerator.is_main_process:
         accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)
         processor.save_pretrained(path)
-
 
 def save_checkpoint(accelerator, student, processor, output_dir: str, step: int, state: dict, keep: int) -> str:
     """Writes checkpoint-<step> as a .tmp folder renamed when complete (a crash never leaves one that looks whole);
@@ -1352,7 +1242,6 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
     accelerator.wait_for_everyone()
     return final
 
-
 def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir: the checkpoint folder to
     resume from, or None for a fresh start."""
@@ -1378,7 +1267,6 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
                 os.remove(path)
     return None
 
-
 def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tuple[int, dict]:
     """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl back to the checkpoint: (step, counters)."""
     accelerator.load_state(resume_from)
@@ -1393,7 +1281,6 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
     return saved["step"], saved["counters"]
 
 # --- Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
-
 
 def check_args(args: Args, num_processes: int) -> int:
     """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
@@ -1445,7 +1332,6 @@ def check_args(args: Args, num_processes: int) -> int:
         optional("gndpo_extras", "--score_std_floor and --reward_weight")
     return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
 
-
 def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
     """Stops where an NVIDIA driver is installed but torch cannot use CUDA (a CPU run: accelerate launch --cpu)."""
     available = torch.cuda.is_available() if cuda_available is None else cuda_available
@@ -1457,7 +1343,6 @@ def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available:
                        f"{driver_file}) but torch {torch.__version__} cannot use CUDA (built for CUDA "
                        f"{torch.version.cuda or 'none: a CPU build'}): install a torch build whose CUDA this driver "
                        f"supports, or train on the CPU on purpose with accelerate launch --cpu")
-
 
 def make_accelerator(args: Args):
     """(Accelerator, micro-batches per update), after checking the launch and the arguments."""
@@ -1498,7 +1383,6 @@ def make_accelerator(args: Args):
                          "with `accelerate launch --multi_gpu --num_processes N` instead")
     return accelerator, accum
 
-
 def load_models(args: Args, accelerator, log=print) -> tuple:
     """(processor, student, frozen teacher or {name: teacher}), each teacher checked to read the student's inputs."""
     from transformers import AutoProcessor
@@ -1530,7 +1414,6 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
         f"micro-batch(es) of {args.micro_batch_size} per step")
     return processor, student, teachers if len(teachers) > 1 else next(iter(teachers.values()))
 
-
 def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
     """(train dataset, its usable row indices, skip counts, eval rows [(prompt, images, answer)])."""
     split_log = log if is_main else None  # None also hides the progress bar elsewhere
@@ -1544,7 +1427,6 @@ def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
                          f"--answer_column (or the chat's assistant turn) or leave --reward_weight at 0")
     return train_ds, train_keep, train_skipped, eval_rows
 
-
 def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     """(prepared student, prepared AdamW or SGD, LR scheduler); prepared, Accelerate would step it per process."""
     params = [p for p in student.parameters() if p.requires_grad]
@@ -1554,7 +1436,6 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     student, optimizer = accelerator.prepare(student, optimizer)  # the teacher is never prepared
     accelerator.register_for_checkpointing(scheduler)
     return student, optimizer, scheduler
-
 
 def startup_line(args: Args, accelerator, student) -> str:
     """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here."""
@@ -1568,15 +1449,12 @@ def startup_line(args: Args, accelerator, student) -> str:
     return (f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
             f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}")
 
-
 def compute_dtype(accelerator) -> torch.dtype | None:
     """The dtype Accelerate's mixed precision computes the student's forward in (autocast), None without it."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
-
 SPEEDUPS = {"lean_logps": "lean log-probs", "share_prompt_prefix": "each prompt read once",
             "fast_sampler": "the sampler"}
-
 
 def speedup_on(args: Args, flag: str) -> bool:
     """Whether a speed-up flag of gndpo_fast runs: auto where the module imports; true stops without it."""
@@ -1585,7 +1463,6 @@ def speedup_on(args: Args, flag: str) -> bool:
         raise ValueError(f"--{flag} true needs the optional module gndpo_fast.py beside gndpo_minimal.py: copy it "
                          f"there, or pass --{flag} auto (the plain path where it is absent)")
     return value == "true" or (value == "auto" and fast is not None)
-
 
 def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):
     """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. Sharded weights are
@@ -1601,7 +1478,6 @@ def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, t
     if teacher_replaced:
         sharing.decided["teacher"] = False
     return sharing
-
 
 def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
     """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling."""
@@ -1630,11 +1506,9 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     return Models(student, teacher, processor, ignore_ids, teacher_forward,
                   sharing.forward("student") if sharing else plain, sampling, extras and extras.update_size)
 
-
 @dataclass
 class Run:
     """What setup() made: main()'s state, and what the tutorials and benchmarks step through."""
-
     args: Args
     accelerator: object
     models: Models
@@ -1666,7 +1540,6 @@ class Run:
         each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model)
         return several_teachers().evaluate_each(one, each, self.eval_rows)
 
-
 def setup(args: Args, teacher_forward=None) -> Run:
     """main()'s set-up: the launch, output folder (resumed if asked), models, data, optimizer and the step's Models."""
     from accelerate.utils import set_seed
@@ -1697,15 +1570,12 @@ def setup(args: Args, teacher_forward=None) -> Run:
                                                    if isinstance(v, (int, float, str, bool))})
     return run
 
-
 # --- The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
-
 
 def old_policy_logps(models: Models, parts: list[tuple], start: int, temperature: float) -> dict[int, torch.Tensor]:
     """{micro-batch index: (n, R) sampling policy's log-probs} from `start` on, in eval mode, before any update."""
     with torch.no_grad(), evaluating(models.student):
         return {i: models.student_logps_of(parts[i][0], temperature) for i in range(start, len(parts))}
-
 
 def sequence_counts(accelerator, parts: list[tuple], K: int) -> list[float]:
     """(K,) valid sequences per mini-batch over all processes: GSPO's mean divides by them, however batches are cut."""
@@ -1713,12 +1583,10 @@ def sequence_counts(accelerator, parts: list[tuple], K: int) -> list[float]:
     counts = [sum(float((mask.sum(1) > 0).sum()) for _, _, mask in parts[k * per:(k + 1) * per]) for k in range(K)]
     return accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
 
-
 def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     """Whether loss and pre-clip grad norm are finite on every process: all decide alike, or the replicas drift."""
     ok = math.isfinite(loss) and grad_norm is not None and math.isfinite(float(grad_norm))
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
-
 
 class UpdateStats:
     """What update_student reports, summed over its micro-batches and updates."""
@@ -1756,9 +1624,7 @@ class UpdateStats:
                 "mismatch_tokens": s["mismatch_tokens"], "update_norm": math.sqrt(self.size_squares),
                 "time_update": seconds}
 
-
 # --- Metrics: one line per step, reduced over processes
-
 
 def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float,
                  score_clip: float | None = 5.0) -> dict:
@@ -1806,11 +1672,9 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
         metrics.update(extras.reward_metrics(r))
     return metrics
 
-
 def spread(n: float, total: float, total_sq: float) -> float:
     """The population std of n values from their sum and sum of squares."""
     return math.sqrt(max(total_sq / n - (total / n) ** 2, 0.0))
-
 
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
     """Sums, minima and maxima over processes, in one gather."""
@@ -1821,14 +1685,12 @@ def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], 
     return dict(zip([*sums, *lows, *highs], every[:, :a].sum(0).tolist() + every[:, a:b].min(0).values.tolist()
                     + every[:, b:].max(0).values.tolist()))
 
-
 def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
     """The largest log-prob difference (nats) at which two forwards still agree: float32 rounding in float32; 16-bit
     compute or 4-bit weights (bitsandbytes' CPU kernel: bf16) round logits to ~3 digits; a wrong input moves nats."""
     quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {compute_dtype or torch.float32}
     return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
-
 
 class MismatchWatch:
     """Reports once when logp_mismatch stays above `threshold` for `steps` steps in a row."""
@@ -1846,18 +1708,26 @@ class MismatchWatch:
                      f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
                      f"reading each prompt once (--share_prompt_prefix false)")
 
-
-def log_step(run: Run, metrics: dict, show: Callable) -> None:
-    """A step's metrics to metrics.jsonl, the progress bar (show()), the full line every logging_steps, trackers."""
+def log_step(run: Run, metrics: dict, progress, bar: dict) -> None:
+    """A step's metrics to metrics.jsonl, the progress bar (with `bar`), the full line every logging_steps, trackers."""
     args, step = run.args, metrics["step"]
     if run.accelerator.is_main_process:
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        show()
+        progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **bar)
         if args.logging_steps and (step % args.logging_steps == 0 or step == args.max_steps):
             run.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
     run.accelerator.log(metrics, step=step)
 
+def count_skips(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
+    """The run's counters after a step (skipped, std-floored steps), into the metrics; the mismatch watch."""
+    counters = run.counters
+    counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
+    counters["skipped_steps"] += bool(update["skipped_updates"])
+    if batch.std_floored is not None:
+        counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
+    metrics["skipped_steps"] = counters["skipped_steps"]
+    run.mismatch.see(metrics["step"], metrics["logp_mismatch"])
 
 def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
     """Stops after max_consecutive_skips non-finite steps in a row, naming the checkpoint to resume from."""
@@ -1866,7 +1736,6 @@ def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
         raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step}: stopping. The "
                            f"last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
                            f"lower --learning_rate or check the teacher's outputs, then resume from it.")
-
 
 def finish_run(run: Run) -> None:
     """Prints the accuracy table, completes summary.json; closes trackers and the process group."""
@@ -1894,7 +1763,6 @@ def finish_run(run: Run) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # without it, multi-process runs often abort at exit
 
-
 def parse_args(argv: list[str] | None = None) -> Args:
     """Command line flags, or a YAML/JSON file of them first, with flags after it overriding its values."""
     from transformers import HfArgumentParser
@@ -1902,7 +1770,6 @@ def parse_args(argv: list[str] | None = None) -> Args:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         import yaml  # JSON is YAML too
-
         with open(argv[0]) as f:
             values = yaml.safe_load(f) or {}
         unknown = sorted(set(values) - {f.name for f in fields(Args)})
@@ -1916,7 +1783,6 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.set_defaults(**values)  # the file's values stand where flags are absent
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(argv)[0]
-
 
 if __name__ == "__main__":
     main(parse_args())
