@@ -4,10 +4,15 @@
 
     quiet_outputs()  # before the other imports
 
+    with paths_from_root():  # what the block prints names files from the repository root
+        run = setup(args)
+
 Nothing here is part of the algorithm: it keeps progress bars and harmless library warnings out of the saved
 outputs, and names the repository root so that paths do not depend on where the notebook runs.
 """
 
+import contextlib
+import io
 import logging
 import os
 import warnings
@@ -31,3 +36,15 @@ def quiet_outputs() -> None:
     # main() draws its progress bar with tqdm.auto, which in a notebook is the widget bar, and the widget bar
     # ignores TQDM_DISABLE: hand it the plain bar, which honours it, so no frozen "0%" bar is saved with the outputs.
     tqdm.auto.tqdm = tqdm.std.tqdm
+
+
+@contextlib.contextmanager
+def paths_from_root():
+    """What the block prints, with the repository root cut from the paths in it (setup() logs the checkpoints it
+    loads): the saved outputs name no folder of the machine that ran the notebook."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        print(printed.getvalue().replace(ROOT + os.sep, ""), end="")
