@@ -34,11 +34,10 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
+from gndpo_fast import SharedPrefix, draw_tokens  # the optional speed-ups, beside the script
 from gndpo_minimal import (
     Args,
     Sampling,
-    SharedPrefix,
-    draw_tokens,
     generation_configs,
     grade_answer,
     load_split,
@@ -68,9 +67,9 @@ student.print_trainable_parameters()
 # * no top-k, top-p or repetition penalty: the **full** distribution (checkpoints often ship `top_k=50`,
 #   which would sample from a truncated one). `generate()` itself decodes greedily (`do_sample=False`): `rollout()`
 #   adds a logits processor, `SampledTokenLogps`, that draws each token from softmax(logits / temperature) with
-#   the `Sampling`'s sampler (the default run's `draw_tokens`, which inverts the cumulative distribution;
-#   `--fast_sampler false`: `torch.multinomial`), records the token's log-prob, and hands `generate()` scores that
-#   are -inf everywhere but at the drawn token;
+#   the `Sampling`'s sampler (`draw_tokens` of gndpo_fast.py, which inverts the cumulative distribution, where
+#   `--fast_sampler auto` finds that module; otherwise `torch.multinomial`), records the token's log-prob, and hands
+#   `generate()` scores that are -inf everywhere but at the drawn token;
 # * `suppress_tokens`: image special tokens can never be sampled (one would crash the scoring forward);
 #   scoring gives the same ids -inf, so sampling and scoring see the same distribution;
 # * the end tokens stop a response; padding after them is masked out.
@@ -106,7 +105,7 @@ distinct = [(r[args.question_column], row_images(r, args.image_column)) for r in
 prompts = [p for p in distinct for _ in range(G)]  # each prompt repeated G times, its copies next to each other
 group_ids = [i // G for i in range(len(prompts))]  # each row's prompt: the G copies of a prompt share one
 references = [r[args.answer_column] for r in rows for _ in range(G)]
-sampling = Sampling(sample_config, draw_tokens)  # how rollouts are drawn: the config and the default run's sampler
+sampling = Sampling(sample_config, draw_tokens)  # how rollouts are drawn: the config and gndpo_fast's sampler
 
 sampled = rollout(student, processor, prompts, group_ids, sampling, args,
                   torch.Generator().manual_seed(step_seed(args.seed, 0, 0)))  # a Rollout
@@ -124,9 +123,9 @@ print("row_inputs:", list(sampled.row_inputs), "| extra['prompt_inputs']['input_
 # it: the end token is a decision the student made (stopping), so it is scored and trained like any other token;
 # the padding after it is not.
 #
-# With `--share_prompt_prefix` (on by default) the rollout also holds `prompt_inputs`, the batch of the 3
-# *distinct* prompts, and `prompt_index`, each row's prompt in it: the faster forwards (`SharedPrefix`) read each
-# prompt and its image once for its G samples instead of G times.
+# With `--share_prompt_prefix` (`auto`: on where gndpo_fast.py imports) the rollout's `extra` also holds
+# `prompt_inputs`, the batch of the 3 *distinct* prompts, and `prompt_index`, each row's prompt in it: the faster
+# forwards of gndpo_fast.py (`SharedPrefix`) read each prompt and its image once for its G samples instead of G times.
 
 # %%
 texts = tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
@@ -156,15 +155,16 @@ plt.show()
 # ## Are the recorded log-probs right?
 #
 # `rollout()` records log p(token) from the very logits `generate()` sampled from (a logits processor, so no extra
-# forward pass is needed). The plain forward (`response_logps`: the log-softmax of the logits; the default run computes
-# the same log-probs with `lean_response_logps`, `--lean_logps`, which never holds the full (n, R, V) float32 logits)
-# recomputes them from scratch on prompt + response, from the rollout's `row_inputs`. The two must agree: the update
-# treats the samples as drawn from the policy its forward computes (ratio 1 with one update per step), and the
-# distillation score uses the recorded log-probs, so a gap would bias both. A useful check: `update_student` measures
-# the gap on every step's training forward, and `main()` logs it as `logp_mismatch`. The paths that read each prompt
-# once for its G samples must agree too: the forward (`SharedPrefix.logps`) and the sampling loop (`rollout(...,
-# shared_prefix=True)`, which does not encode every row's prompt at all). `main()` samples that way from its first step,
-# and checks both against the plain forward on that step's rollouts before it relies on them (notebook 3).
+# forward pass is needed). The plain forward (`response_logps`: the log-softmax of the logits; with gndpo_fast.py the
+# run computes the same log-probs with its lean forward, `--lean_logps auto`, which never holds the full (n, R, V)
+# float32 logits) recomputes them from scratch on prompt + response, from the rollout's `row_inputs`. The two must
+# agree: the update treats the samples as drawn from the policy its forward computes (ratio 1 with one update per
+# step), and the distillation score uses the recorded log-probs, so a gap would bias both. A useful check:
+# `update_student` measures the gap on every step's training forward, and `main()` logs it as `logp_mismatch`. The
+# paths of gndpo_fast.py that read each prompt once for its G samples must agree too: the forward
+# (`SharedPrefix.logps`) and the sampling loop (`rollout(..., shared_prefix=True)`, which does not encode every row's
+# prompt at all). `main()` samples that way from its first step, and checks both against the plain forward on that
+# step's rollouts before it relies on them (notebook 3).
 
 # %%
 with torch.no_grad():

@@ -39,12 +39,12 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
+from gndpo_fast import draw_tokens  # the sampler of the optional speed-ups (notebook 2)
 from gndpo_minimal import (
     Args,
     Sampling,
     StepPrompts,
     distill_scores,
-    draw_tokens,
     generate_and_score,
     generation_configs,
     grade_answer,
@@ -151,30 +151,30 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 # %% [markdown]
 # ## The same in one call: `generate_and_score`
 #
-# In `main()` the calls above are one function, the second of the step's four:
-# `generate_and_score(models, prompts, args)`. Its two inputs are small dataclasses: `Models`, which `make_models`
-# builds once per run (the student, the teacher, the processor, the ids never sampled, each model's scoring forward,
-# and a `Sampling`: the sampling config and sampler), and `StepPrompts`, which `step_prompts` makes every step (the
-# prompts, each repeated G times, which prompt each row answers, their reference answers, and the step's seed). It
-# is `sample_rollouts` then `score_rollouts`. `sample_rollouts` seeds a generator of its own with the step's seed,
-# runs `rollout` and cuts the rollouts into micro-batches of `micro_batch_size` rows. `score_rollouts`, which scores
-# rollouts from any source (given each row's group id), has the teacher score every micro-batch, drops tokens whose
-# log-probs are not finite (a broken teacher), clamps the scores, and turns them into advantages (the next
-# notebook). It returns a `ScoredBatch`: the micro-batches' `Rollout`s and (n, R) tensors over all rows. Given the
-# same prompts and seed, it returns the very numbers computed above, although it computes them another way: its
-# forwards never hold the full (n, R, V) float32 logits (`lean_response_logps`, `--lean_logps`, the default, where
-# the plain `response_logps` above takes the log-softmax of the logits), and
+# In `main()` the calls above are one function, the second of the step's four: `generate_and_score(models, prompts,
+# args)`. Its two inputs are small dataclasses: `Models`, which `make_models` builds once per run (in `setup(args)`,
+# main()'s set-up: the student, the teacher, the processor, the ids never sampled, each model's scoring forward, and a
+# `Sampling`: the sampling config and sampler), and `StepPrompts`, which `step_prompts` makes every step (the prompts,
+# each repeated G times, which prompt each row answers, their reference answers, and the step's seed). It is
+# `sample_rollouts` then `score_rollouts`. `sample_rollouts` seeds a generator of its own with the step's seed, runs
+# `rollout` and cuts the rollouts into micro-batches of `micro_batch_size` rows. `score_rollouts`, which scores rollouts
+# from any source (given each row's group id), has the teacher score every micro-batch, drops tokens whose log-probs are
+# not finite (a broken teacher), clamps the scores, and turns them into advantages (the next notebook). It returns a
+# `ScoredBatch`: the micro-batches' `Rollout`s and (n, R) tensors over all rows. Given the same prompts and seed, it
+# returns the very numbers computed above, although it computes them another way, with the speed-ups of gndpo_fast.py
+# (each flag `auto`: on where that module imports). Its forwards never hold the full (n, R, V) float32 logits (the lean
+# forward, `--lean_logps`, where the plain `response_logps` above takes the log-softmax of the logits).
 #
-# with `--share_prompt_prefix` (the default) the step's forwards can read each distinct prompt once for its G samples
-# (`SharedPrefix`, notebook 2). `make_models` sets up the checks that decide it (`models.sampling.sharing`, a
-# `PrefixSharing`): on the first step, before anything is scored, `generate_and_score` samples on the shared prompts
-# and compares, on the first two prompts' rows, each role's read-once path with the plain one: the log-probs recorded
-# while sampling (`rollout`), the teacher's forward (`teacher`) and the student's forward and gradient (`student`). A
-# role whose check fails falls back to the plain path for the whole run. The checks print their verdicts below.
+# With `--share_prompt_prefix` the step's forwards can read each distinct prompt once for its G samples (`SharedPrefix`,
+# notebook 2). `make_models` sets up the checks that decide it (`models.sampling.sharing`, a `PrefixSharing`): on the
+# first step, before anything is scored, `generate_and_score` samples on the shared prompts and compares, on the first
+# two prompts' rows, each role's read-once path with the plain one: the log-probs recorded while sampling (`rollout`),
+# the teacher's forward (`teacher`) and the student's forward and gradient (`student`). A role whose check fails falls
+# back to the plain path for the whole run. The checks print their verdicts below.
 
 # %%
-accelerator, _ = make_accelerator(args)  # as main(): one process, on the CPU here
-models = make_models(args, accelerator, processor, student, teacher)
+accelerator, _ = make_accelerator(args)  # as setup() does for main(): one process, on the CPU here
+models = make_models(args, accelerator, processor, student, teacher)  # from the models loaded above
 step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids,
                       answers=references)
 step_batch = generate_and_score(models, step_in, args)

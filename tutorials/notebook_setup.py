@@ -4,11 +4,13 @@
 
     quiet_outputs()  # before the other imports
 
-    with paths_from_root():  # what the block prints names files from the repository root
+and, around a call that logs local paths (the notebooks that build their run with gndpo_minimal.setup):
+
+    with paths_from_root():
         run = setup(args)
 
-Nothing here is part of the algorithm: it keeps progress bars and harmless library warnings out of the saved
-outputs, and names the repository root so that paths do not depend on where the notebook runs.
+Nothing here is part of the algorithm: it keeps progress bars, harmless library warnings and local folders out of
+the saved outputs, and names the repository root so that paths do not depend on where the notebook runs.
 """
 
 import contextlib
