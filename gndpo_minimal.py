@@ -1508,7 +1508,7 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
 
 @dataclass
 class Run:
-    """What setup() made: main()'s state, and what the tutorials and benchmarks step through."""
+    """What setup() made: main()'s state, and what the tutorials step through."""
     args: Args
     accelerator: object
     models: Models

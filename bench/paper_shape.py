@@ -1,6 +1,6 @@
 """The paper's workload shape on the tiny models, on CPU: one step of gndpo_minimal.main() with each prompt read
-once (--share_prompt_prefix, the default) against the same step with every sample reading its own prompt
-(--share_prompt_prefix false), and against TRL's DistillationTrainer on the same work.
+once (--share_prompt_prefix, on where gndpo_fast imports) against the same step with every sample reading its own
+prompt (--share_prompt_prefix false), and against TRL's DistillationTrainer on the same work.
 
     pip install -r requirements.txt                    # TRL (the third side) included
     python bench/paper_shape.py                        # B = 2 prompts x G = 16, answers of 64 tokens, 2 rounds

@@ -3,7 +3,7 @@ probabilities (SampledTokenLogps: `(z - lse).exp_()`, suppressed ids at exactly 
 
 - multinomial: `torch.multinomial(probs, 1, generator=g)` (--fast_sampler false). For one sample, aten's CPU path is
   itself an exponential race (exponential_, div, argmax) after checks on the probabilities (aminmax, row sums).
-- draw_tokens: the two-level inverse CDF (--fast_sampler true, the default).
+- draw_tokens: the two-level inverse CDF (gndpo_fast.py, --fast_sampler: on by default where it imports).
 - the exponential race: `argmax(probs / E)` with E ~ Exp(1) i.i.d. per entry, an exact sample (the Gumbel-max trick
   exponentiated: P(argmax = i) = p_i / sum p). Three forms: `race` as written (a fresh noise tensor, the division
   out of place), `race_inplace` (a fresh noise tensor divided into in place: `torch.div(probs, noise, out=noise)`)

@@ -161,9 +161,11 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 # from any source (given each row's group id), has the teacher score every micro-batch, drops tokens whose log-probs are
 # not finite (a broken teacher), clamps the scores, and turns them into advantages (the next notebook). It returns a
 # `ScoredBatch`: the micro-batches' `Rollout`s and (n, R) tensors over all rows. Given the same prompts and seed, it
-# returns the very numbers computed above, although it computes them another way, with the speed-ups of gndpo_fast.py
-# (each flag `auto`: on where that module imports). Its forwards never hold the full (n, R, V) float32 logits (the lean
-# forward, `--lean_logps`, where the plain `response_logps` above takes the log-softmax of the logits).
+# returns the numbers computed above, although it computes them another way, with the speed-ups of gndpo_fast.py (each
+# flag `auto`: on where that module imports). Its forwards never hold the full (n, R, V) float32 logits: the lean
+# forward (`--lean_logps`) runs the LM head on chunks of rows, where the plain `response_logps` above takes the
+# log-softmax of the whole logits; the other shapes of its matrix products can round the last digits of a log-prob
+# differently (the cell prints the largest difference).
 #
 # With `--share_prompt_prefix` the step's forwards can read each distinct prompt once for its G samples (`SharedPrefix`,
 # notebook 2). `make_models` sets up the checks that decide it (`models.sampling.sharing`, a `PrefixSharing`): on the
@@ -184,7 +186,9 @@ print(f"{len(step_batch.rollouts)} micro-batch(es) of {[len(r.response_ids) for 
 print("forwards that read each prompt once:", models.sampling.sharing.decided)
 for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("teacher_logps", teacher_logps),
                    ("scores", scores)):
-    print(f"{name:14s} identical to the step-by-step calls: {torch.equal(getattr(step_batch, name), ours)}")
+    theirs = getattr(step_batch, name)
+    gap = (theirs - ours).abs().max().item()
+    print(f"{name:14s} identical to the step-by-step calls: {torch.equal(theirs, ours)} (max |difference| {gap:.1e})")
 
 # %% [markdown]
 # ## The 4-bit teacher against its full-precision self

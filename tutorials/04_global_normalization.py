@@ -24,14 +24,15 @@
 # $$A = \frac{s - \mu}{\sqrt{\sigma^2 + 10^{-8}}}\, m, \qquad \mu,\ \sigma^2 \text{ over the batch's valid tokens}.$$
 #
 # The script's `normalize_scores` also offers two local variants for comparison: `sequence` (whiten within each
-# response) and `group` (within the G responses of one prompt). This notebook builds **one batch** with the
-# step functions `main()` calls, puts all four modes side by side on it, and measures with the step's update
-# function what each does to the gradient of one update of the LoRA student.
+# response) and `group` (within the G responses of one prompt). This notebook sets up as `main()` does (`setup(args)`),
+# builds **one batch** with the step functions `main()` calls, puts all four modes side by side on it, and measures with
+# the step's update function what each does to the gradient of one update of the LoRA student.
 
 # %%
 import dataclasses
+import tempfile
 
-from tutorials.notebook_setup import quiet_outputs
+from tutorials.notebook_setup import paths_from_root, quiet_outputs
 
 quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
@@ -40,34 +41,29 @@ import numpy as np
 import pandas as pd
 import torch
 from matplotlib.ticker import NullLocator
-from transformers import AutoProcessor
 
 from gndpo_minimal import (
     Args,
     generate_and_score,
-    load_split,
-    load_student,
-    load_teacher,
-    make_accelerator,
     make_models,
-    make_optimizer,
     normalize_scores,
     pad_cat,
-    prepare_split,
+    setup,
     step_prompts,
     update_student,
 )
 
-args = Args(prompts_per_step=8, max_train_samples=64)  # B = 8 prompts (the default run: 32) from the first 64 rows
-accelerator, accum = make_accelerator(args)  # as main(): checks the arguments; accum = micro-batches per update
-device, dtype = accelerator.device, torch.float32
-processor = AutoProcessor.from_pretrained(args.student_model)
-tokenizer = processor.tokenizer
-torch.manual_seed(args.seed)  # as main() does before loading: the LoRA A matrices start random
-student = load_student(args, dtype)  # LoRA student: only the adapter's parameters get gradients
-teacher = load_teacher(args, dtype, device)  # 4-bit, as in the default run
+scratch = tempfile.TemporaryDirectory()  # setup() wants an output folder; nothing is written to it here
+args = Args(prompts_per_step=8, max_train_samples=64,  # B = 8 prompts (the default run: 32) from the first 64 rows
+            learning_rate=0.0,  # AdamW at lr 0: the updates below measure the gradient, they do not train
+            num_eval_samples=0, output_dir=scratch.name, overwrite_output_dir=True)
+with paths_from_root():
+    run = setup(args)  # main()'s set-up: the LoRA student, the 4-bit teacher, the rows, AdamW and the step's Models
+accelerator, models, optimizer, scheduler = run.accelerator, run.models, run.optimizer, run.scheduler
+student, tokenizer = models.student, models.processor.tokenizer  # LoRA: only the adapter gets gradients
 print(f"B = {args.prompts_per_step} prompts x G = {args.num_generations} samples, micro_batch_size "
-      f"{args.micro_batch_size}: {accum} micro-batch(es) per update, {accelerator.num_processes} process")
+      f"{args.micro_batch_size}: {accelerator.gradient_accumulation_steps} micro-batch(es) per update, "
+      f"{accelerator.num_processes} process")
 
 # %% [markdown]
 # ## One batch: B prompts x G samples, scored by the teacher
@@ -76,14 +72,11 @@ print(f"B = {args.prompts_per_step} prompts x G = {args.num_generations} samples
 # step's B rows (a seeded permutation of the usable rows), repeats each G times and returns them with the step's
 # seed in a `StepPrompts`; `generate_and_score` samples the responses, has the teacher score them, clamps the
 # scores and turns them into advantages with `args.advantage_mode`, and returns a `ScoredBatch` (notebooks 2
-# and 3 show its pieces one by one). `make_models` gathers what the step runs into a `Models` (notebook 3).
+# and 3 show its pieces one by one). `setup` gathered what the step runs into `run.models`, a `Models` (notebook 3),
+# and the usable training rows into `run.train_ds` and `run.train_keep`.
 
 # %%
-models = make_models(args, accelerator, processor, student, teacher)  # sampling config, ignored ids, checks
-train_ds, keep, _ = prepare_split(load_split(args, args.train_split), args, processor, args.train_split,
-                                  args.max_train_samples, log=None)
-
-prompts = step_prompts(train_ds, keep, args, step=0)  # StepPrompts: the B rows, each repeated G times; the seed
+prompts = step_prompts(run.train_ds, run.train_keep, args, step=0)  # StepPrompts: B rows, each G times; the seed
 batch = generate_and_score(models, prompts, args)  # ScoredBatch: the rollouts and (n, R) tensors over all rows
 group_ids = torch.tensor(prompts.group_ids)  # (B*G,): which prompt each response answers
 mask, scores = batch.response_mask, batch.scores  # (n, R): real response tokens; clamped scores
@@ -177,23 +170,21 @@ pd.DataFrame({
 # ## What each mode does to the gradient
 #
 # Now one update, made by the step's third function, `update_student`, as in `main()`: the student's log-probs of
-# the sampled tokens with gradient (`models.student_logps_of`: `lean_response_logps`, or `SharedPrefix.logps`
+# the sampled tokens with gradient (`models.student_logps_of`: gndpo_fast.py's lean forward, or `SharedPrefix.logps`
 # once its check passed, notebook 3), the GSPO `policy_loss` with `old_logps = logps.detach()`
 # (one optimizer update per batch, so the ratio is exactly 1), `backward()`, the LoRA gradient clipped to
 # `max_grad_norm` = 1, and an AdamW step. It returns the gradient norm **before** clipping (`main()` logs it as
 # `grad_norm`): the measure here. Only the batch's advantages change from one mode to the next
 # (`dataclasses.replace(batch, advantages=...)`: a copy of the `ScoredBatch` with other advantages). So that every
-# call sees the same weights, the optimizer runs at learning rate 0: AdamW's step moves nothing, its weight decay
-# included (decay is scaled by the learning rate). The last cell checks that the weights did not move.
+# call sees the same weights, `setup` made the optimizer at learning rate 0 (`args` above): AdamW's step moves
+# nothing, its weight decay included (decay is scaled by the learning rate). The last cell checks that the weights
+# did not move.
 
 # %%
-measure = dataclasses.replace(args, learning_rate=0.0)  # AdamW at lr 0: the updates measure, they do not train
-student, optimizer, scheduler = make_optimizer(measure, accelerator, student, accum)
-models = dataclasses.replace(models, student=student)  # the prepared student, as main() hands it to the update
 weights_before = {name: p.detach().clone() for name, p in student.named_parameters()}
 student.train()
 updates = {mode: update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv),
-                                measure) for mode, adv in advantages.items()}
+                                args) for mode, adv in advantages.items()}
 grad_norms = {mode: u["grad_norm"] for mode, u in updates.items()}
 pd.DataFrame({names[mode]: {key: u[key] for key in ("grad_norm", "loss", "ratio_mean", "clip_frac", "lr", "updates")}
               for mode, u in updates.items()}).T.round(4)
@@ -211,7 +202,7 @@ def grad_norm_of_scaled(k, mode):
     """The pre-clip gradient norm of one update on the batch, its advantages those of the scores times k."""
     adv = normalize_scores(scores * k, mask, mode, group_ids)
     update = update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv),
-                            measure)
+                            args)
     return update["grad_norm"]
 
 
@@ -255,13 +246,13 @@ assert not moved, moved
 # %% [markdown]
 # ## Self-distillation: when the scores are noise
 #
-# In self-distillation the student is its own teacher (or a teacher it has caught up with): `teacher_lp -
-# student_lp` carries no signal, the scores are noise around 0. Global whitening divides by the batch's spread
-# whatever it is, so it scales that noise up to unit spread, and the step's gradient is as large as on a real
-# distillation batch (or larger), driven by noise. `--score_std_floor f` (`Args(score_std_floor=f)`) guards
-# against that: when the batch's score std (`score_std(scores, mask)`, what global whitening divides by) is below
-# f, `generate_and_score` only centers the scores (the `center` mode, no scaling) and sets
-# `ScoredBatch.std_floored` (True; False above the floor; None when no floor is set).
+# In self-distillation the student is its own teacher (or a teacher it has caught up with): `teacher_lp - student_lp`
+# carries no signal, the scores are noise around 0. Global whitening divides by the batch's spread whatever it is, so it
+# scales that noise up to unit spread, and the step's gradient is as large as on a real distillation batch (or larger),
+# driven by noise. `--score_std_floor f` (`Args(score_std_floor=f)`; its code is in gndpo_extras.py, beside the script)
+# guards against that: when the batch's score std (`score_std(scores, mask)`, what global whitening divides by) is below
+# f, `generate_and_score` only centers the scores (the `center` mode, no scaling) and sets `ScoredBatch.std_floored`
+# (True; False above the floor; None when no floor is set).
 #
 # To see both behaviours, the student becomes its own teacher, a step or two into self-distillation: its LoRA
 # adapter is moved a small random step away from the base (every `lora_B`, which starts at 0, set to
@@ -269,7 +260,8 @@ assert not moved, moved
 # (adapter off) instead of the teacher. The same `prompts` are then scored twice, without and with a floor of 0.1.
 
 # %%
-from gndpo_minimal import evaluating, response_logps, score_std, unwrap
+from gndpo_extras import score_std  # the options beyond the paper, beside the script
+from gndpo_minimal import evaluating, response_logps, unwrap
 
 step_away = torch.Generator().manual_seed(1)
 for name, p in sorted(student.named_parameters()):
@@ -286,7 +278,7 @@ def base_of_the_student(teacher, rollout, ignore_ids):
         return response_logps(policy, rollout, ignore_ids)
 
 
-models = make_models(args, accelerator, processor, student, teacher, log=lambda m: None,
+models = make_models(args, accelerator, models.processor, student, models.teacher, log=lambda m: None,
                      teacher_forward=base_of_the_student)
 floors = (0.0, 0.1)
 self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args, score_std_floor=f)) for f in floors}
@@ -297,9 +289,9 @@ self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args,
 # pre-clip gradient norm, next to GNDPO's on the teacher's batch measured again at these (moved) weights:
 
 # %%
-self_norms = {f: update_student(models, optimizer, scheduler, accelerator, b, measure)["grad_norm"]
+self_norms = {f: update_student(models, optimizer, scheduler, accelerator, b, args)["grad_norm"]
               for f, b in self_batches.items()}
-distill_norm = update_student(models, optimizer, scheduler, accelerator, batch, measure)["grad_norm"]  # same weights
+distill_norm = update_student(models, optimizer, scheduler, accelerator, batch, args)["grad_norm"]  # same weights
 
 
 def stats_of(b, adv, norm):

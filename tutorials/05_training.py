@@ -16,14 +16,14 @@
 # %% [markdown]
 # # 5. Training: a short OPD run and a short GNDPO run, side by side
 #
-# Everything from the previous notebooks, in a loop. `main()` sets up once (accelerator, models and their `Models`
-# bundle, data, optimizer) and then, every step, calls the step's four functions: `step_prompts` (the step's rows, each
-# repeated G times, and the step's seed: a `StepPrompts`), `generate_and_score` (`sample_rollouts` then
-# `score_rollouts`: rollouts, teacher scores, advantages: a `ScoredBatch`, notebooks 2-4), `update_student` (one GSPO
-# update of the LoRA adapter per batch by default) and `step_metrics` (the line of `metrics.jsonl`). Here we call
-# `main()` itself twice with small settings, once with plain OPD advantages (`advantage_mode="none"`) and once with
-# GNDPO's global normalization (`"global"`), the same seed and the same prompts, then read the `metrics.jsonl` each run
-# writes (one line per step).
+# Everything from the previous notebooks, in a loop. `main()` sets up once with `setup(args)` (accelerator, models and
+# their `Models` bundle, data, optimizer: a `Run`) and then, every step, calls the step's four functions: `step_prompts`
+# (the step's rows, each repeated G times, and the step's seed: a `StepPrompts`), `generate_and_score`
+# (`sample_rollouts` then `score_rollouts`: rollouts, teacher scores, advantages: a `ScoredBatch`, notebooks 2-4),
+# `update_student` (one GSPO update of the LoRA adapter per batch by default) and `step_metrics` (the line of
+# `metrics.jsonl`). Here we call `main()` itself twice with small settings, once with plain OPD advantages
+# (`advantage_mode="none"`) and once with GNDPO's global normalization (`"global"`), the same seed and the same prompts,
+# then read the `metrics.jsonl` each run writes (one line per step).
 #
 # The settings are tiny so that the notebook runs in about a minute on a laptop CPU: a demonstration of what to
 # look at, not a benchmark: the default run (`accelerate launch gndpo_minimal.py`) takes more and larger steps.

@@ -88,11 +88,11 @@ print(f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings[
 # micro-batch as a `Rollout` (its sampled `response_ids`, `response_mask`, the student's `sampled_logps` and the encoded
 # prompts); and `loss_fn(logps, old_logps, advantages, mask, ...)` is the policy loss, which receives the advantages
 # that `generate_and_score` computed for that micro-batch. Wrapping the last two around the script's own
-# `response_logps` (the plain forward: without the hook, the run uses `lean_response_logps`, the same log-probs without
-# the full (n, R, V) float32 logits, or the forward that reads each prompt once only where a check on the first step
-# found it equal) and `policy_loss` changes nothing in the run and lets us keep, at the captured steps, the tokens,
-# their scores (recomputed from the same log-probs with the script's `distill_scores`) and the advantages exactly as the
-# update saw them.
+# `response_logps` (the plain forward: without the hook, the run uses gndpo_fast.py's lean forward, `--lean_logps auto`,
+# the same log-probs without the full (n, R, V) float32 logits, or the forward that reads each prompt once only where a
+# check on the first step found it equal) and `policy_loss` changes nothing in the run and lets us keep, at the captured
+# steps, the tokens, their scores (recomputed from the same log-probs with the script's `distill_scores`) and the
+# advantages exactly as the update saw them.
 
 # %%
 def train(mode):

@@ -16,8 +16,9 @@
 # %% [markdown]
 # # 7. Several teachers: whose spread sets the scale?
 #
-# With several teachers each prompt goes to the teacher of its domain: a dataset column names it
-# (`--teacher_column`, default `teacher`), and `--teacher_model` takes `name=path` pairs (a mapping in a recipe).
+# With several teachers (the optional module gndpo_teachers.py, beside the script) each prompt goes to the teacher of
+# its domain: a dataset column names it (`--teacher_column`, default `teacher`), and `--teacher_model` takes
+# `name=path` pairs (a mapping in a recipe).
 # The two-domain tiny world (`assets/two_teachers`, docs/world.md) has a color expert and a shape expert, and the
 # tiny student is weak at both.
 #
@@ -30,14 +31,15 @@
 # $$A_{i,t} = \frac{s_{i,t} - \mu_{k(i)}}{\sqrt{\sigma^2_{k(i)} + 10^{-8}}}\, m_{i,t}, \qquad \mu_k,\ \sigma^2_k
 # \text{ over the valid tokens of the rows whose teacher is } k.$$
 #
-# This notebook runs one step's rollouts and scoring as `main()` does with the recipe
-# `recipes/tiny_two_teachers.yaml`, then looks at the scores and the advantages per teacher.
+# This notebook sets up as `main()` does (`setup(args)`) with the recipe `recipes/tiny_two_teachers.yaml`, runs one
+# step's rollouts and scoring, then looks at the scores and the advantages per teacher.
 
 # %%
 import dataclasses
 import os
+import tempfile
 
-from tutorials.notebook_setup import ROOT, quiet_outputs
+from tutorials.notebook_setup import ROOT, paths_from_root, quiet_outputs
 
 quiet_outputs()  # before the imports below: no progress bars or harmless warnings in the outputs
 
@@ -46,42 +48,29 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gndpo_minimal import (
-    generate_and_score,
-    load_models,
-    load_split,
-    make_accelerator,
-    make_models,
-    normalize_scores,
-    parse_args,
-    prepare_split,
-    step_prompts,
-    teacher_paths,
-)
+from gndpo_minimal import generate_and_score, normalize_scores, parse_args, setup, step_prompts, teacher_paths
 
 recipe = parse_args([os.path.join(ROOT, "recipes", "tiny_two_teachers.yaml")])  # the recipe's paths: from ROOT
 teachers = ",".join(f"{name}={os.path.join(ROOT, path)}" for name, path in teacher_paths(recipe).items())
+scratch = tempfile.TemporaryDirectory()  # setup() wants an output folder; nothing is written to it here
 args = dataclasses.replace(recipe, student_model=os.path.join(ROOT, recipe.student_model), teacher_model=teachers,
-                           dataset_name=os.path.join(ROOT, recipe.dataset_name), max_train_samples=256)
-accelerator, accum = make_accelerator(args)  # as main(): checks the arguments
-torch.manual_seed(args.seed)
-processor, student, teacher_models = load_models(args, accelerator, log=lambda msg: None)  # {name: 4-bit teacher}
-print({name: type(model).__name__ for name, model in teacher_models.items()})
+                           dataset_name=os.path.join(ROOT, recipe.dataset_name), max_train_samples=256,
+                           num_eval_samples=0, output_dir=scratch.name, overwrite_output_dir=True)
+with paths_from_root():
+    run = setup(args)  # main()'s set-up: the student, {name: 4-bit teacher}, the rows, the optimizer, the Models
+print({name: type(model).__name__ for name, model in run.models.teacher.items()})
 
 # %% [markdown]
 # ## One step: each row scored by its own teacher
 #
 # `step_prompts` reads each row's teacher from the teacher column; `generate_and_score` samples the responses,
 # routes every row to its own teacher (a teacher's forward reads only its rows), and whitens with
-# `args.advantage_mode`. The `ScoredBatch` carries `teacher_ids`, each row's teacher as an index into
+# `args.advantage_mode`. The `ScoredBatch`'s `extra` carries `teacher_ids`, each row's teacher as an index into
 # `teacher_names`.
 
 # %%
-models = make_models(args, accelerator, processor, student, teacher_models)
-train_ds, keep, _ = prepare_split(load_split(args, args.train_split), args, processor, args.train_split,
-                                  args.max_train_samples, log=None)
-prompts = step_prompts(train_ds, keep, args, step=0)
-batch = generate_and_score(models, prompts, args, log=lambda msg: None)
+prompts = step_prompts(run.train_ds, run.train_keep, args, step=0)
+batch = generate_and_score(run.models, prompts, args, log=lambda msg: None)
 names, ids = batch.extra["teacher_names"], batch.extra["teacher_ids"]  # K names; (n,) each row's teacher
 mask, scores = batch.response_mask, batch.scores  # (n, R)
 valid = mask.bool()

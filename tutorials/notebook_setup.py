@@ -29,9 +29,11 @@ def quiet_outputs() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # nor transformers' weight-loading bar
     warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: harmless
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")  # a deprecation inside peft: harmless
-    # On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing; it then
-    # uses its own kernels: harmless, and machine-dependent noise in the saved outputs.
+    # On CPUs with AVX512-BF16, bitsandbytes logs at import that an optional kernel package is missing (or, with the
+    # `kernels` package installed and the Hub offline, kernels logs that it skips a trust check); it then uses its
+    # own kernels: harmless, and machine-dependent noise in the saved outputs.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     import tqdm.auto
     import tqdm.std
 
