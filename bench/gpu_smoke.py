@@ -254,7 +254,7 @@ def token_counts(rollouts: list[g.Rollout]) -> dict:
         if r.row_inputs is not None:
             prompts += r.row_inputs["attention_mask"].sum(1).tolist()
         else:  # only the distinct prompts encoded: each row counts its own
-            prompts += r.prompt_inputs["attention_mask"].sum(1)[r.prompt_index].tolist()
+            prompts += r.extra["prompt_inputs"]["attention_mask"].sum(1)[r.extra["prompt_index"]].tolist()
     response = int(sum(int(r.response_mask.sum()) for r in rollouts))
     return {"rows": sum(r.response_ids.shape[0] for r in rollouts), "prompt_tokens": int(max(prompts)),
             "response_length": max(r.response_ids.shape[1] for r in rollouts), "response_tokens": response,

@@ -164,7 +164,8 @@ def test_lora_with_a_bf16_student_trains_under_bf16_mixed_precision(tmp_path):
     and then at the first update (float32 hidden states met the bf16 head outside autocast): 2 steps with finite
     metrics, every speed-up's check passing, the adapter learning (the LoRA B matrices left zero)."""
     log, metrics, summary = launch_bf16(str(tmp_path / "run"), "--dtype", "bfloat16", "--max_steps", "2")
-    assert re.search(r"^device cpu, student bfloat16(/float32)?, teacher 4-bit nf4, mixed precision bf16, \d+ threads$",
+    assert re.search(r"^device cpu, student bfloat16(/float32)?, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
+                     r"speed-ups of gndpo_fast: [a-z ,-]+$",
                      log, flags=re.M), log[-2000:]
     assert "log-probs: student chunked head, teacher chunked head" in log
     assert "falling back" not in log and "Error" not in log
@@ -183,7 +184,8 @@ def test_full_fine_tuning_under_bf16_mixed_precision_keeps_its_checks_and_raises
     sampler recorded are the trainer's to bf16 rounding at every step."""
     log, metrics, summary = launch_bf16(str(tmp_path / "run"), "--lora_r", "0", "--learning_rate", "1e-3",
                                         "--max_steps", "3")
-    assert re.search(r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads$", log,
+    assert re.search(r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
+                     r"speed-ups of gndpo_fast: [a-z ,-]+$", log,
                      flags=re.M), log[-2000:]
     assert summary["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
     assert "falling back" not in log and "has been above" not in log

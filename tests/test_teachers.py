@@ -128,7 +128,7 @@ def test_each_row_is_scored_by_its_own_teacher_and_by_no_other(two_teacher_args,
     calls, step = [], [0]
 
     def hook(teacher, rollout, ignore_ids, temperature=1.0):
-        calls.append((step[0], size[teacher.config.text_config.hidden_size], list(rollout.teachers),
+        calls.append((step[0], size[teacher.config.text_config.hidden_size], list(rollout.extra["teachers"]),
                       rollout.response_ids.shape[0]))
         return g.response_logps(teacher, rollout, ignore_ids, temperature)
 
