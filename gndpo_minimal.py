@@ -1667,7 +1667,7 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
     if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
         metrics["score_std_floored"] = int(batch.std_floored)
     if batch.extra.get("teacher_names"):  # several teachers: the same statistics over each teacher's tokens
-        metrics.update(several_teachers().teacher_metrics(r, batch.extra["teacher_names"]))
+        metrics.update(several_teachers().teacher_metrics(r, batch.extra["teacher_names"], spread))
     if batch.rewards is not None:  # --reward_weight (gndpo_extras)
         metrics.update(extras.reward_metrics(r))
     return metrics

@@ -14,7 +14,6 @@ script passes its own functions (the scoring forward, evaluate, the prompt encod
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import torch
@@ -114,15 +113,16 @@ def teacher_sums(batch) -> dict:
     return out
 
 
-def teacher_metrics(r: dict, names: list[str]) -> dict:
-    """The metrics line's teacher/<name>/ keys from teacher_sums reduced over processes (population stds)."""
+def teacher_metrics(r: dict, names: list[str], spread: Callable) -> dict:
+    """The metrics line's teacher/<name>/ keys from teacher_sums reduced over processes; spread(n, sum, sum of
+    squares) is the script's std from running sums, so each teacher's stds are the whole batch's kind."""
     out = {}
     for name in names:
         n, key = max(r[f"{name}/tokens"], 1.0), f"teacher/{name}/"
-        mean = {what: r[f"{name}/{what}_sum"] / n for what in ("score", "adv")}
-        std = {what: math.sqrt(max(r[f"{name}/{what}_sq_sum"] / n - mean[what] ** 2, 0.0)) for what in mean}
-        out.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": mean["score"],
-                    key + "score_std": std["score"], key + "adv_mean": mean["adv"], key + "adv_std": std["adv"],
+        out.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": r[f"{name}/score_sum"] / n,
+                    key + "score_std": spread(n, r[f"{name}/score_sum"], r[f"{name}/score_sq_sum"]),
+                    key + "adv_mean": r[f"{name}/adv_sum"] / n,
+                    key + "adv_std": spread(n, r[f"{name}/adv_sum"], r[f"{name}/adv_sq_sum"]),
                     key + "tokens": int(r[f"{name}/tokens"])})
     return out
 
