@@ -64,8 +64,8 @@ import sys
 import torch
 
 from gndpo_extras import UPDATE_SIZE_CHUNK
-from gndpo_fast import head_logps
-from gndpo_minimal import check_rollout, speedup_on
+from gndpo_fast import check_rollout, head_logps
+from gndpo_minimal import speedup_on
 
 
 def script_default(fn, name: str):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -470,6 +471,21 @@ def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[in
             unique.append(p)
         index.append(position[g])
     return unique, index
+
+
+def check_rollout(cut: Callable, prompts, rollouts: list, num_generations: int, n_prompts: int = 2,
+                  max_tokens: int = 256):
+    """The start-up checks' rollout: all G rows of the first n_prompts prompts (a StepPrompts), responses cut to
+    max_tokens. cut(prompts, rollouts, size) -> the rollouts re-cut into micro-batches of size rows (the script's
+    cut_rollouts)."""
+    rows = n_prompts * num_generations
+    if len(set(prompts.group_ids[:rows])) > n_prompts:
+        raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
+    first_rows = dataclasses.replace(prompts, prompts=prompts.prompts[:rows], group_ids=prompts.group_ids[:rows])
+    first = cut(first_rows, rollouts, len(first_rows.prompts))[0]
+    return dataclasses.replace(first, response_ids=first.response_ids[:, :max_tokens],
+                               response_mask=first.response_mask[:, :max_tokens],
+                               sampled_logps=first.sampled_logps[:, :max_tokens])
 
 
 class PrefixSharing:

@@ -61,8 +61,8 @@ def arg(default, help: str):
 @dataclass
 class Args:
     # --- GNDPO, as in the paper (arXiv 2606.09091) ---
-    advantage_mode: str = arg("global", "global (GNDPO) | none (OPD) | sequence, group, center, scale, per_teacher "
-                              "(ablations).")
+    advantage_mode: str = arg("global", "global (GNDPO) | none (OPD) | sequence, group, center, scale, per_teacher, "
+                              "constant (ablations).")
     score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
     prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
     num_generations: int = arg(4, "G: sampled responses per prompt.")
@@ -79,6 +79,7 @@ class Args:
     power_alpha: float = arg(5.0, "alpha of the power score.")
     score_std_floor: float = arg(0.0, "global mode: center only when the scores' std is below this; 0 = off.")
     reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward to the advantages; 0 = off.")
+    constant_advantage: float = arg(-1.0, "advantage_mode constant: each valid token's advantage (no teacher signal).")
     optimizer: str = arg("adamw", "adamw (the paper's) | sgd (plain, no momentum).")
     steps_per_generation: int = arg(1, "K: updates per rollout batch, one per mini-batch (K > 1: off-policy).")
     num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
@@ -151,7 +152,7 @@ import math  # noqa: E402, F811  (repeated so that the section stands alone)
 import torch  # noqa: E402, F811
 import torch.distributed as dist  # noqa: E402, F811
 
-ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher")
+ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher", "constant")
 LOSS_TYPES = ("gspo", "ppo")
 
 def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
@@ -183,7 +184,8 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
 
 def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
                      group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True,
-                     teacher_ids: torch.Tensor | None = None, num_teachers: int = 0) -> torch.Tensor:
+                     teacher_ids: torch.Tensor | None = None, num_teachers: int = 0, constant: float = -1.0
+                     ) -> torch.Tensor:
     """Advantages from raw scores (B, T) and the response mask (B, T); returns (B, T), 0 off the mask.
 
     none:   A = s * m (plain on-policy distillation, OPD).
@@ -192,13 +194,14 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
             statistics however unevenly its tokens are spread (all_reduce=False: the batch is already global).
     Ablations beyond the paper: sequence (within each row), group (over rows sharing group_ids (B,): a prompt's G
     samples), center (s - mu only), scale (s / std only), per_teacher (each teacher's tokens with that teacher's
-    global statistics; teacher_ids (B,) in 0..num_teachers-1, the same num_teachers on every process).
+    global statistics; teacher_ids (B,) in 0..num_teachers-1, the same num_teachers on every process), constant
+    (A = constant * m: the same advantage on every valid token, no teacher signal; a critic's control).
     Raises ValueError with fewer than 2 valid tokens (of the batch, or of a teacher that has any).
     """
     mask = response_mask.to(torch.float64)
     s = scores.double() * mask
-    if mode == "none":
-        return scores * response_mask.to(scores.dtype)
+    if mode in ("none", "constant"):
+        return (scores if mode == "none" else torch.full_like(scores, constant)) * response_mask.to(scores.dtype)
     if mode in ("global", "center", "scale"):
         stats = _global_sums(scores, mask, all_reduce)  # (3,)
         if stats[0] < 2:
@@ -392,17 +395,19 @@ def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Ten
     if isinstance(models.teacher, dict):  # several teachers (gndpo_teachers): each row's, for per_teacher
         extra = {"teacher_names": list(models.teacher),
                  "teacher_ids": torch.cat([r.extra["teacher_ids"] for r in rollouts]).to(mask.device)}  # (n,)
-    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log, **extra)
+    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log,
+                                constant=args.constant_advantage, **extra)
     return ScoredBatch(rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
                        {"score": time.time() - t0}, extra=extra)
 
 def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_ids: torch.Tensor, nonfinite: int,
-                   log=print, teacher_ids: torch.Tensor | None = None, teacher_names: list | None = None):
+                   log=print, teacher_ids: torch.Tensor | None = None, teacher_names: list | None = None,
+                   constant: float = -1.0):
     """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
     loss and, through the gradient all-reduce, every process's gradient non-finite, so all processes skip together."""
     try:
         return normalize_scores(scores, mask, mode, group_ids, teacher_ids=teacher_ids,
-                                num_teachers=len(teacher_names or ()))
+                                num_teachers=len(teacher_names or ()), constant=constant)
     except ValueError as e:
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         return torch.full_like(scores, float("nan"))
@@ -462,7 +467,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
     accelerator, models, log, summary = run.accelerator, run.models, run.log, run.summary
     if run.eval_rows and "student_accuracy_before" not in summary:
-        t, s = run.evaluate(models.teacher), run.evaluate(run.policy)
+        t, s = run.evaluate(models.teacher, 0), run.evaluate(run.policy, 0)
         summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
                        student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"],
                        **per_teacher(t, "teacher_accuracy"), **per_teacher(s, "student_accuracy_before"))
@@ -488,7 +493,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
                                args.score_clip if args.score_type == "log_ratio" else None)
         count_skips(run, batch, update, metrics)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and run.eval_rows:
-            e = run.evaluate(run.policy)
+            e = run.evaluate(run.policy, step + 1)
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"],
                            **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()})
             bar["acc"] = f"{e['accuracy']:.3f}"
@@ -502,7 +507,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     accelerator.wait_for_everyone()
     save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
     if run.eval_rows:
-        e = run.evaluate(run.policy)
+        e = run.evaluate(run.policy, args.max_steps)
         summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"],
                        **per_teacher(e, "student_accuracy_after"))
     finish_run(run)
@@ -548,7 +553,8 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
     shared = sharing is not None and sharing.decided["rollout"] is not False
     generated = generate_rollouts(models, prompts, args, generator, shared)
     if sharing is not None and sharing.pending() and not sharing.run_checks(
-            models, check_rollout(models.processor, prompts, generated, args), args):
+            models, fast.check_rollout(lambda *a: cut_rollouts(models.processor, *a, args), prompts, generated,
+                                       args.num_generations), args):
         generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
         generated = generate_rollouts(models, prompts, args, generator, False)
     row_prompts = sharing is None or not sharing.all_shared()  # while some forward may read a row's prompt whole
@@ -675,17 +681,6 @@ def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[in
         part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
     part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device) if distinct else {})
     return part
-
-def check_rollout(processor, prompts: StepPrompts, rollouts: list[Rollout], args: Args, n_prompts: int = 2,
-                  max_tokens: int = 256) -> Rollout:
-    """gndpo_fast's start-up checks' rollout: all G rows of the first n_prompts prompts, responses cut to max_tokens."""
-    rows = n_prompts * args.num_generations
-    if len(set(prompts.group_ids[:rows])) > n_prompts:
-        raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
-    first_rows = replace(prompts, prompts=prompts.prompts[:rows], group_ids=prompts.group_ids[:rows])
-    first = cut_rollouts(processor, first_rows, rollouts, len(first_rows.prompts), args)[0]
-    return replace(first, response_ids=first.response_ids[:, :max_tokens],
-                   response_mask=first.response_mask[:, :max_tokens], sampled_logps=first.sampled_logps[:, :max_tokens])
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[(n_i, R_i)] -> (sum n_i, max R_i), right-padded with zeros."""
@@ -1169,10 +1164,12 @@ def is_well_formed(response: str, require_think: bool = False) -> bool:
 def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_config,
              synced_gpus: bool = False) -> dict:
     """Greedy answers to (question, images, answer) rows, sharded over processes, args.generation_batch_size (0: all)
-    per generate(): accuracy (grade_answer) and format_rate (is_well_formed) over all rows."""
-    was_training = model.training
+    per generate(): accuracy (grade_answer) and format_rate (is_well_formed) over all rows, and "rows": [(row index,
+    extracted answer, correct)] of every row, in order."""
+    from accelerate.utils import gather_object
+    was_training, first, n = model.training, accelerator.process_index, accelerator.num_processes
     model.eval()
-    n_mine = len(mine := rows[accelerator.process_index::accelerator.num_processes])
+    n_mine, records = len(mine := rows[first::n]), []
     mine += rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)  # synced_gpus: as many calls each
     counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
     batch_size = args.generation_batch_size or len(mine)
@@ -1183,11 +1180,14 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
             out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
-        counts += counts.new_tensor([sum(grade_answer(t, row[2]) for t, row in zip(texts, part)),
-                                     sum(is_well_formed(t, args.require_think) for t in texts), len(part)])
+        correct = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
+        records += [(first + (s + j) * n, extract_boxed(t), ok) for j, (t, ok) in enumerate(zip(texts, correct))]
+        formed = sum(is_well_formed(t, args.require_think) for t in texts)
+        counts += counts.new_tensor([sum(correct), formed, len(part)])
     counts = accelerator.reduce(counts, reduction="sum").tolist()
     model.train(was_training)
-    return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1)}
+    return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1),
+            "rows": sorted(gather_object(records) if n > 1 else records)}
 
 def per_teacher(result: dict, key: str) -> dict:
     """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
@@ -1250,7 +1250,8 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
         if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
             raise ValueError(f"{resume} is not a complete checkpoint (no trainer_state.json)")
         return resume
-    holds_run = os.path.isfile(os.path.join(args.output_dir, "metrics.jsonl")) or bool(found)
+    files = [os.path.join(args.output_dir, name) for name in ("metrics.jsonl", "summary.json", "eval_rows.jsonl")]
+    holds_run = os.path.isfile(files[0]) or os.path.isfile(files[2]) or bool(found)
     if resume and found:
         return found[-1][1]
     if resume:  # with metrics.jsonl: a run that crashed before its first save, whose metrics would repeat steps
@@ -1259,25 +1260,28 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     elif holds_run and not args.overwrite_output_dir:
         raise ValueError(f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
                          f"to continue it, --overwrite_output_dir to start over, or another --output_dir")
-    if holds_run and is_main:  # the run's checkpoints, metrics.jsonl and summary.json (adapter/ is overwritten)
+    if holds_run and is_main:  # the run's checkpoints and its three files (adapter/ is overwritten)
         for _, path in found:
             shutil.rmtree(path)
-        for name in ("metrics.jsonl", "summary.json"):
-            if os.path.exists(path := os.path.join(args.output_dir, name)):
-                os.remove(path)
+        for path in filter(os.path.exists, files):
+            os.remove(path)
     return None
 
 def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tuple[int, dict]:
-    """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl back to the checkpoint: (step, counters)."""
+    """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl and eval_rows.jsonl back to the
+    checkpoint: (step, counters)."""
     accelerator.load_state(resume_from)
     with open(os.path.join(resume_from, "trainer_state.json")) as f:
         saved = json.load(f)
-    if accelerator.is_main_process and os.path.exists(metrics_path):  # drop lines logged after the checkpoint
-        with open(metrics_path) as f:  # and a half-written last line (crash mid-write), which has no newline
-            lines = [ln for ln in f if ln.endswith("\n") and (logged := re.match(r'\{"step": (\d+)', ln))
-                     and int(logged.group(1)) <= saved["step"]]
-        with open(metrics_path, "w") as f:
-            f.writelines(lines)
+    kept = {"metrics.jsonl": lambda lines: [ln for ln in lines if ln.endswith("\n")  # not a half-written last line
+                                            and int(re.match(r'\{"step": (\d+)', ln).group(1)) <= saved["step"]],
+            "eval_rows.jsonl": lambda lines: lines[:saved["counters"].get("eval_rows", 0)]}  # the rows it counted
+    for name, keep in kept.items() if accelerator.is_main_process else ():  # lines logged after the checkpoint go
+        if os.path.exists(path := os.path.join(os.path.dirname(metrics_path), name)):
+            with open(path) as f:
+                lines = keep(f.readlines())
+            with open(path, "w") as f:
+                f.writelines(lines)
     return saved["step"], saved["counters"]
 
 # --- Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
@@ -1528,17 +1532,24 @@ class Run:
     metrics_path = property(lambda self: os.path.join(self.args.output_dir, "metrics.jsonl"))
     summary_path = property(lambda self: os.path.join(self.args.output_dir, "summary.json"))
 
-    def evaluate(self, model) -> dict:
-        """evaluate() of run.policy or the teacher(s) on the eval rows (several teachers: accuracy_per_teacher too)."""
+    def evaluate(self, model, step: int) -> dict:
+        """evaluate() of run.policy or the teacher(s) on the eval rows (several teachers: accuracy_per_teacher too);
+        appends a line per row to eval_rows.jsonl: step, row, model (student, teacher or its name), answer, correct."""
         args, models = self.args, self.models
         config = generation_configs(models.processor.tokenizer, self.policy, args)[1]
         synced = (args.shard_teacher and self.accelerator.num_processes > 1 if model is models.teacher
                   else models.sampling.synced_gpus)  # sharded weights: every process steps generate() alike
         one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config, synced_gpus=synced)
-        if not isinstance(models.teacher, dict):
-            return one(model, self.eval_rows)
-        each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model)
-        return several_teachers().evaluate_each(one, each, self.eval_rows)
+        several = isinstance(models.teacher, dict)
+        each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model) if several else None
+        result = several_teachers().evaluate_each(one, each, self.eval_rows) if several else one(model, self.eval_rows)
+        name = "teacher" if model is models.teacher else "student"
+        if self.accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "eval_rows.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, "row": r[0], "model": r[3] if name == "teacher" and several
+                                         else name, "answer": r[1], "correct": r[2]}) + "\n" for r in result["rows"])
+        self.counters["eval_rows"] = self.counters.get("eval_rows", 0) + len(result["rows"])  # resume cuts to it
+        return result
 
 def setup(args: Args, teacher_forward=None) -> Run:
     """main()'s set-up: the launch, output folder (resumed if asked), models, data, optimizer and the step's Models."""

@@ -89,14 +89,16 @@ def routed_forward(forward: Callable) -> Callable:
 
 
 def evaluate_each(evaluate: Callable, models: dict, rows: list[tuple]) -> dict:
-    """evaluate(model, rows) -> {accuracy, format_rate} on each teacher's rows (row[3]: its name) with models[name]:
-    accuracy and format_rate over all rows together, and accuracy_per_teacher {name: accuracy}."""
-    parts = {name: evaluate(model, [row for row in rows if row[3] == name]) for name, model in models.items()
-             if any(row[3] == name for row in rows)}
-    counts = {name: sum(row[3] == name for row in rows) for name in parts}
+    """evaluate(model, rows) -> {accuracy, format_rate, rows} on each teacher's rows (row[3]: its name) with
+    models[name]: accuracy and format_rate over all rows together, accuracy_per_teacher {name: accuracy}, and rows
+    [(index in `rows`, answer, correct, teacher name)] in order."""
+    where = {name: [i for i, row in enumerate(rows) if row[3] == name] for name in models}
+    parts = {name: evaluate(model, [rows[i] for i in where[name]]) for name, model in models.items() if where[name]}
+    counts = {name: len(where[name]) for name in parts}
     total = sum(counts.values())
+    records = sorted((where[name][i], answer, ok, name) for name in parts for i, answer, ok in parts[name]["rows"])
     return {key: sum(parts[name][key] * counts[name] for name in parts) / total for key in ("accuracy", "format_rate")
-            } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}}
+            } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}, "rows": records}
 
 
 def teacher_sums(batch) -> dict:

@@ -286,12 +286,13 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
     """check_rollout takes the rows of the first two distinct prompts, all G samples of each, even when the
     micro-batches hold one row each: rows of different prompts meet in the check's forwards."""
     args = dataclasses.replace(pair["args"], micro_batch_size=1)
-    check = g.check_rollout(pair["processor"], pair["step"], [pair["rollout"]], args)
+    cut = lambda *a: g.cut_rollouts(pair["processor"], *a, args)  # noqa: E731
+    check = fast.check_rollout(cut, pair["step"], [pair["rollout"]], args.num_generations)
     assert check.extra["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
     assert check.extra["prompt_inputs"]["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
     torch.testing.assert_close(check.sampled_logps, pair["rollout"].sampled_logps[:6, :check.sampled_logps.shape[1]])
-    cut = g.check_rollout(pair["processor"], pair["step"], [pair["rollout"]], args, max_tokens=2)
-    assert cut.response_ids.shape == (6, 2)
+    short = fast.check_rollout(cut, pair["step"], [pair["rollout"]], args.num_generations, max_tokens=2)
+    assert short.response_ids.shape == (6, 2)
 
 
 def sampling_models(pair, sharing, student=None) -> g.Models:

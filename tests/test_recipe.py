@@ -245,8 +245,8 @@ def test_estimate_memory_reads_the_scripts_own_defaults():
 
     default = lambda fn, name: inspect.signature(fn).parameters[name].default  # noqa: E731
     assert CHUNK_ELEMENTS == default(fast.head_logps, "chunk_elements") == default(fast.token_logps, "chunk_elements")
-    assert (CHECK_PROMPTS, CHECK_TOKENS) == (default(g.check_rollout, "n_prompts"),
-                                             default(g.check_rollout, "max_tokens"))
+    assert (CHECK_PROMPTS, CHECK_TOKENS) == (default(fast.check_rollout, "n_prompts"),
+                                             default(fast.check_rollout, "max_tokens"))
     assert estimate_memory.UPDATE_SIZE_CHUNK is gndpo_extras.UPDATE_SIZE_CHUNK
 
 
