@@ -35,8 +35,9 @@ SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 OUTLIERS = os.path.join(ROOT, "studies", "outliers.py")
 TRACE = os.path.join(ROOT, "assets", "trace")
 WORLDS = {"default": [],  # the script's defaults: assets/tiny
-          "trace": ["--student_model", os.path.join(TRACE, "student"), "--teacher_model", os.path.join(TRACE, "teacher"),
-                    "--dataset_name", os.path.join(TRACE, "data"), "--max_new_tokens", "38", "--require_think"]}
+          "trace": ["--student_model", os.path.join(TRACE, "student"), "--teacher_model",
+                    os.path.join(TRACE, "teacher"), "--dataset_name", os.path.join(TRACE, "data"),
+                    "--max_new_tokens", "38", "--require_think"]}
 # the paper's setting, with nothing that caps an update before normalization can: full fine-tuning, no clip
 FULL_FT = ["--lora_r", "0", "--learning_rate", "1e-3", "--max_grad_norm", "1e9", "--max_steps", "40",
            "--num_eval_samples", "100"]
@@ -64,6 +65,8 @@ def grid(study: str) -> list[dict]:
                     for seed in range(3):
                         add("trace", mode, seed, f"{clamp}_M{nats}", FULL_FT + clip_flags, OUTLIERS,
                             ["--outlier_nats", str(nats), "--"])
+                        add("trace", mode, seed, f"probe_{clamp}_M{nats}", FULL_FT + clip_flags, OUTLIERS,
+                            ["--probe", "--outlier_nats", str(nats), "--"])  # the first batch's gradient, split
     elif study == "critics":
         for world in ("default", "trace"):
             steps = SHORT_TRACE if world == "trace" else []

@@ -6,8 +6,9 @@ the outlier tokens, the other tokens and the advantages' mean contribute.
     python studies/outliers.py --probe --outlier_nats 30 -- <the same flags>              # the gradient split
 
 Which tokens are outliers is a function of the state and the token: a token is one when a hash of its row's
-prompt ids and response ids up to and including it falls in 1 of 100 buckets. So the same state-and-token is an outlier in every
-run, mode and seed, and about 1% of the sampled tokens are. The run writes outliers.json in its output_dir: the
+prompt ids and response ids up to and including it falls in 1 of 100 buckets. So the same state-and-token is an
+outlier in every run, mode and seed, and about 1% of the sampled tokens are (a batch's share varies: a prompt's G
+samples share most of their states). The run writes outliers.json in its output_dir: the
 outlier tokens' count and the valid tokens' count over the run's scoring forwards.
 
 The probe (--probe) samples and scores the first step's batch as a run would, then computes the policy gradient
