@@ -473,6 +473,9 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
                        **per_teacher(t, "teacher_accuracy"), **per_teacher(s, "student_accuracy_before"))
         log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
             f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows")
+        if accelerator.is_main_process:  # a resumed run reads "before" from it: its student is no longer the first
+            with open(run.summary_path, "w") as f:
+                json.dump(summary, f, indent=2)
 
     # --- the loop: prompts, rollouts and their advantages, the update, the metrics ---
     models.student.train()
@@ -1180,10 +1183,9 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
             out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
         texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
-        correct = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
-        records += [(first + (s + j) * n, extract_boxed(t), ok) for j, (t, ok) in enumerate(zip(texts, correct))]
-        formed = sum(is_well_formed(t, args.require_think) for t in texts)
-        counts += counts.new_tensor([sum(correct), formed, len(part)])
+        ok = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
+        records += [(first + (s + j) * n, extract_boxed(t), right) for j, (t, right) in enumerate(zip(texts, ok))]
+        counts += counts.new_tensor([sum(ok), sum(is_well_formed(t, args.require_think) for t in texts), len(part)])
     counts = accelerator.reduce(counts, reduction="sum").tolist()
     model.train(was_training)
     return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1),
@@ -1645,9 +1647,7 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
     student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
     scores, advantages = batch.scores[mask], batch.advantages[mask]
     clamped = float(((teacher_lp - student_lp).abs() >= score_clip).sum()) if score_clip is not None else 0.0
-    r = reduce_metrics(
-        accelerator,
-        sums={"tokens": float(mask.sum()), "responses": float(mask.shape[0]),
+    r = reduce_metrics(accelerator, sums={"tokens": float(mask.sum()), "responses": float(mask.shape[0]),
               "kl": (student_lp - teacher_lp).sum().item(), "score_sum": scores.sum().item(),
               "score_sq_sum": (scores.double() ** 2).sum().item(), "clamped": clamped,
               "adv_sum": advantages.sum().item(), "adv_sq_sum": (advantages.double() ** 2).sum().item(),
@@ -1673,8 +1673,7 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
         "update_norm": update["update_norm"],
         "response_length": r["tokens"] / max(r["responses"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
         "time_generate": r["time_generate"], "time_score": r["time_score"], "time_update": r["time_update"],
-        "tokens_per_second": r["tokens"] / step_time,
-    }
+        "tokens_per_second": r["tokens"] / step_time}
     if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
         metrics["score_std_floored"] = int(batch.std_floored)
     if batch.extra.get("teacher_names"):  # several teachers: the same statistics over each teacher's tokens

@@ -231,3 +231,28 @@ def test_reward_with_k_two_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_pa
     assert all(0 < m["reward_groups_nonzero"] for m in a)  # the reward term moved some groups' advantages
     # OPD's advantages are the scores plus the reward term, so their spread differs from the scores'
     assert all(abs(m["adv_std"] - m["score_std"]) > 1e-3 for m in a)
+
+
+def test_a_constant_advantage_trains_on_no_teacher_signal(tmp_path):
+    """--advantage_mode constant: every valid token's advantage is --constant_advantage, so the update cannot see
+    the teacher. A teacher whose log-probs are scrambled (a different score on every token) leaves every step's
+    update, and the trained adapter, exactly as the real teacher does; the metrics still show the scores moved."""
+    from safetensors.torch import load_file
+
+    def scrambled(teacher, rollout, ignore_ids, temperature=1.0):
+        logps = g.response_logps(teacher, rollout, ignore_ids, temperature)
+        return logps - 3.0 * torch.rand(logps.shape, generator=torch.Generator().manual_seed(logps.numel()))
+
+    outs = {}
+    for name, forward in (("plain", None), ("scrambled", scrambled)):
+        outs[name] = str(tmp_path / name)
+        g.main(default_world(outs[name], advantage_mode="constant", constant_advantage=-0.5, max_steps=2,
+                             share_prompt_prefix="false"), teacher_forward=forward)
+    plain, other = read_metrics(outs["plain"]), read_metrics(outs["scrambled"])
+    for a, b in zip(plain, other):
+        assert a["adv_min"] == a["adv_max"] == a["adv_mean"] == -0.5 and a["adv_std"] == pytest.approx(0, abs=1e-6)
+        assert a["grad_norm"] == b["grad_norm"] and a["loss"] == b["loss"]  # the update saw no teacher
+        assert a["reverse_kl"] < b["reverse_kl"] - 0.5  # while the scores did change
+    weights = [load_file(os.path.join(out, "adapter", "adapter_model.safetensors")) for out in outs.values()]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert any(not torch.equal(w, torch.zeros_like(w)) for k, w in weights[0].items() if "lora_B" in k)  # it trained

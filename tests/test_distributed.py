@@ -183,6 +183,14 @@ def test_script_two_processes_global(untrained_models, tmp_path):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert "student_accuracy_after" in summary and summary["steps"] == 2
+    # eval_rows.jsonl: every row of both processes' shards once, in the set's order (process 1's top-up row, which
+    # keeps the processes' generate() calls even, is not among them), written by the main process alone
+    with open(os.path.join(out, "eval_rows.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["model"], r["row"]) for r in rows] == [
+        (step, model, i) for step, model in ((0, "teacher"), (0, "student"), (2, "student")) for i in range(3)]
+    for step, model, key in ((0, "teacher", "teacher_accuracy"), (2, "student", "student_accuracy_after")):
+        assert sum(r["correct"] for r in rows if (r["step"], r["model"]) == (step, model)) / 3 == summary[key]
     # both processes agreed that every forward reads each prompt once
     assert summary["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
 

@@ -6,7 +6,7 @@ import torch
 import gndpo_fast as fast
 from gndpo_extras import group_reward_advantages, score_std
 from gndpo_fast import head_logps, token_logps
-from gndpo_minimal import distill_scores, normalize_scores, policy_loss, power_scores
+from gndpo_minimal import ADVANTAGE_MODES, distill_scores, normalize_scores, policy_loss, power_scores
 
 
 def random_mask(B, T, gen, min_len=1):
@@ -383,3 +383,13 @@ def test_group_reward_advantages_match_per_group_statistics():
     torch.testing.assert_close(got, expected.float())
     assert got[3] == 0 and torch.all(got[4:7] == 0)  # no reward; all equal
     assert abs(got[:3].sum()) < 1e-5 and got[0] > 0 > got[1]
+
+
+def test_constant_mode_gives_every_valid_token_the_constant_whatever_the_scores():
+    """advantage_mode constant: A = constant * mask, the same for any scores (the critics' control)."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    for scores in (torch.randn(2, 3), torch.full((2, 3), 7.0)):
+        out = normalize_scores(scores, mask, "constant", constant=-1.5)
+        torch.testing.assert_close(out, torch.tensor([[-1.5, -1.5, 0.0], [-1.5, 0.0, 0.0]]))
+    assert "constant" in ADVANTAGE_MODES
+    assert (normalize_scores(torch.randn(2, 3), mask, "constant") == -1.0 * mask).all()  # the default: -1

@@ -61,6 +61,18 @@ def read_metrics(out: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_eval_rows(out: str) -> list[dict]:
+    with open(os.path.join(out, "eval_rows.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 def adapter_weights(folder: str) -> dict:
     return load_file(os.path.join(folder, "adapter", "adapter_model.safetensors"))
 
@@ -81,7 +93,8 @@ def command(models: str, data: str, out: str, *extra: str) -> list[str]:
     return [sys.executable, SCRIPT, "--student_model", os.path.join(models, "student"),
             "--teacher_model", os.path.join(models, "teacher"), "--dataset_name", data,
             "--max_steps", str(MAX_STEPS), "--prompts_per_step", "4", "--num_generations", "2",
-            "--micro_batch_size", "8", "--num_eval_samples", "0", "--warmup_steps", "6",
+            "--micro_batch_size", "8", "--num_eval_samples", "4", "--eval_split", "train", "--eval_steps", "2",
+            "--warmup_steps", "6",
             "--save_steps", "2", "--save_total_limit", "2", "--seed", "3", "--logging_steps", "1",
             "--output_dir", out, *extra]
 
@@ -121,7 +134,7 @@ def runs(untrained_models, dataset_dir, tmp_path_factory) -> dict:
         state = {"killed_returncode": killed.returncode, "killed_at": killed_at,
                  "checkpoints_at_kill": [s for s, _ in g.list_checkpoints(killed_out)],
                  "metrics_at_kill": len(read_metrics(killed_out)), "full_returncode": full.returncode,
-                 "summary_at_kill": os.path.exists(os.path.join(killed_out, "summary.json"))}
+                 "summary_at_kill": read_json(os.path.join(killed_out, "summary.json"))}
         # leftovers that "latest" must ignore: an unfinished save and a folder without trainer_state.json
         os.makedirs(os.path.join(killed_out, "checkpoint-99.tmp"))
         with open(os.path.join(killed_out, "checkpoint-99.tmp", "trainer_state.json"), "w") as f:
@@ -150,7 +163,9 @@ def test_kill_9_then_resume_latest_equals_an_uninterrupted_run(runs):
     assert runs["full_returncode"] == 0, runs["full_log"][-3000:]
     assert runs["killed_at"] is not None and runs["killed_returncode"] == -signal.SIGKILL, runs["killed_log"][-3000:]
     assert runs["metrics_at_kill"] < MAX_STEPS  # really killed in the middle
-    assert not runs["summary_at_kill"]
+    # only the figures from before training: the resumed run reads them instead of evaluating its trained student
+    assert "student_accuracy_before" in runs["summary_at_kill"]
+    assert "student_accuracy_after" not in runs["summary_at_kill"]
     assert runs["resumed_returncode"] == 0, runs["resumed_log"][-3000:]
     resumed_step = max(runs["checkpoints_at_kill"])
     assert 2 <= resumed_step < MAX_STEPS
@@ -171,6 +186,13 @@ def test_kill_9_then_resume_latest_equals_an_uninterrupted_run(runs):
     assert len({round(m["grad_norm"], 6) for m in full}) == MAX_STEPS
     # and the trained adapter is the same, bit for bit
     assert same_weights(adapter_weights(runs["full_out"]), adapter_weights(runs["killed_out"]))
+    # every evaluation's rows once, as the uninterrupted run wrote them: the rows logged after the checkpoint went
+    full_rows, resumed_rows = read_eval_rows(runs["full_out"]), read_eval_rows(runs["killed_out"])
+    assert resumed_rows == full_rows
+    steps = [0, *range(2, MAX_STEPS + 1, 2)]
+    assert sorted({(r["step"], r["model"]) for r in full_rows}) == sorted([(0, "teacher")] + [(s, "student")
+                                                                          for s in steps])
+    assert len(full_rows) == 4 * (len(steps) + 1)
 
 
 def test_checkpoints_hold_everything_and_only_the_last_k_are_kept(runs):
