@@ -8,8 +8,9 @@
 Each study runs its grid (two runs at a time with --jobs 2, one thread each), keeps in each run folder study.json
 (the commit, whether the code that ran differed from it, this command, the run's own command line, the machine:
 CPU, instruction set, threads), then writes docs/studies/<page>.md from the runs' metrics.jsonl, summary.json and
-eval_rows.jsonl, and the same numbers as one JSON record in docs/bench_results/<page>.json (the format
-bench/reproduce.py writes: name, commit, clean, command, machine, date, seconds, rounds, result).
+eval_rows.jsonl, and the same numbers as one JSON record beside it, docs/studies/<page>.json (the format of
+docs/bench_results/, which bench/reproduce.py writes: name, commit, clean, command, machine, date, seconds, rounds,
+result).
 
 Comparisons are paired: a mode's run and the other mode's run share the seed (so the initial weights, the prompts
 of every step and the evaluation rows); each table gives the mean of the paired differences over seeds with a 95%

@@ -10,7 +10,7 @@ import statistics
 from fidelity_tables import (
     MARGINS,
     NAMES,
-    RECORDS_DIR,
+    BENCH_RESULTS,
     SPIKE,
     by_seed,
     f3,
@@ -169,7 +169,7 @@ def outliers(runs: dict, loaded: list[dict]) -> tuple:
 
 def teacher_precision_lines() -> tuple[list[str], dict]:
     """The per-token agreement of the 4-bit and the 16-bit teacher, from bench/teacher_precision.py's record."""
-    path = os.path.join(RECORDS_DIR, "teacher_precision.json")
+    path = os.path.join(BENCH_RESULTS, "teacher_precision.json")
     if not os.path.exists(path):
         return ["(docs/bench_results/teacher_precision.json is missing: run `python bench/reproduce.py --only "
                 "teacher_precision`.)", ""], {}

@@ -1,4 +1,4 @@
-"""The fidelity studies' pages (docs/studies/<page>.md) and JSON records (docs/bench_results/<page>.json), made
+"""The fidelity studies' pages (docs/studies/<page>.md) and JSON records (docs/studies/<page>.json), made
 from the run folders studies/fidelity.py fills: metrics.jsonl, summary.json, eval_rows.jsonl and study.json.
 
 Every comparison is paired by seed (both runs of a pair share the initial weights, every step's prompts and the
@@ -20,7 +20,8 @@ import statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES_DIR = os.path.join(ROOT, "docs", "studies")
-RECORDS_DIR = os.path.join(ROOT, "docs", "bench_results")
+RECORDS_DIR = PAGES_DIR  # each page's JSON record beside it, in docs/bench_results/' format
+BENCH_RESULTS = os.path.join(ROOT, "docs", "bench_results")
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 # equivalence margins, fixed before any run: accuracy in absolute points; a tail ratio as the log of its factor
 MARGINS = {"acc_after": 0.05, "log_gn_max_ratio": math.log(1.5), "log_gn_p99_ratio": math.log(1.5),

@@ -19,13 +19,14 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import reproduce  # noqa: E402
 
 RESULT_FILES = sorted(glob.glob(os.path.join(ROOT, "docs", "bench_results", "*.json")))
+STUDY_FILES = sorted(glob.glob(os.path.join(ROOT, "docs", "studies", "*.json")))  # studies/fidelity.py's records
 
 
 def test_every_result_the_script_makes_is_there():
     assert sorted(os.path.basename(p)[:-len(".json")] for p in RESULT_FILES) == sorted(reproduce.RESULTS)
 
 
-@pytest.mark.parametrize("path", RESULT_FILES, ids=[os.path.basename(p) for p in RESULT_FILES])
+@pytest.mark.parametrize("path", RESULT_FILES + STUDY_FILES, ids=[os.path.basename(p) for p in RESULT_FILES + STUDY_FILES])
 def test_every_result_says_where_and_how_it_was_measured(path):
     with open(path) as f:
         record = json.load(f)
