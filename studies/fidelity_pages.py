@@ -8,9 +8,9 @@ import os
 import statistics
 
 from fidelity_tables import (
+    BENCH_RESULTS,
     MARGINS,
     NAMES,
-    BENCH_RESULTS,
     SPIKE,
     by_seed,
     f3,
