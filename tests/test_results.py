@@ -26,7 +26,8 @@ def test_every_result_the_script_makes_is_there():
     assert sorted(os.path.basename(p)[:-len(".json")] for p in RESULT_FILES) == sorted(reproduce.RESULTS)
 
 
-@pytest.mark.parametrize("path", RESULT_FILES + STUDY_FILES, ids=[os.path.basename(p) for p in RESULT_FILES + STUDY_FILES])
+@pytest.mark.parametrize("path", RESULT_FILES + STUDY_FILES,
+                         ids=[os.path.basename(p) for p in RESULT_FILES + STUDY_FILES])
 def test_every_result_says_where_and_how_it_was_measured(path):
     with open(path) as f:
         record = json.load(f)
