@@ -193,6 +193,7 @@ RESULTS = {
     "two_teachers": (ONE_THREAD, main_run("recipes/tiny_two_teachers.yaml")),
     "memory": (ONE_THREAD, bench_script("memory")),
     "sampler": ({}, bench_script("sampler", "--record", "")),
+    "teacher_precision": (ONE_THREAD, bench_script("teacher_precision")),
 }
 
 
@@ -217,6 +218,8 @@ def rounds_of(name: str, result: dict) -> object:
     if name == "memory":  # one step a workload: the measured bytes of each phase
         return {w: {phase: v["measured_bytes"] for phase, v in r["phases"].items()}
                 for w, r in result["workloads"].items()}
+    if name == "teacher_precision":  # per world, each step's agreement of the two teachers
+        return {w: r["per_step"] for w, r in result["worlds"].items()}
     raise ValueError(name)
 
 

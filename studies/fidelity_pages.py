@@ -28,7 +28,9 @@ READING = (f"Tails are judged first: per run, the pre-clip gradient norm's large
            "differences are b - a per seed, mean with a 95% t interval over seeds; ratios are compared as logs "
            "(+0.405 is a factor 1.5). The margins were fixed before the runs: "
            + ", ".join(f"{k} +-{v:.3g}" for k, v in MARGINS.items())
-           + '. A reading is "equivalent" when the interval lies inside the margin, "differs" when it excludes 0, '
+           + '. A reading is "equivalent" when the interval lies inside the margin ("equivalent (not 0)" when it '
+           'excludes 0 too: a difference smaller than the margin), "differs" when it excludes 0 and is not inside the '
+           'margin, '
            '"inconclusive" otherwise.')
 
 

@@ -5,7 +5,8 @@ Every comparison is paired by seed (both runs of a pair share the initial weight
 evaluation rows): the table gives the mean of the per-seed differences with a 95% t interval, and for accuracy
 also the difference over (seed, row) pairs of eval_rows.jsonl with a normal interval (rows are treated as
 independent, which the seeds' spread says they are not quite). A difference is read against a margin stated
-before the numbers (MARGINS): "equivalent" when the interval lies inside +-margin, "differs" when it excludes 0,
+before the numbers (MARGINS): "equivalent" when the interval lies inside +-margin ("equivalent (not 0)" when it
+also excludes 0: a difference too small to matter), "differs" when it excludes 0 and reaches past the margin,
 "inconclusive" otherwise.
 """
 
@@ -94,8 +95,8 @@ def ci95(diffs: list[float]) -> dict:
 
 
 def verdict(ci: dict, margin: float) -> str:
-    if -margin < ci["low"] and ci["high"] < margin:
-        return "equivalent"
+    if -margin < ci["low"] and ci["high"] < margin:  # within the margin, though perhaps not 0
+        return "equivalent" if ci["low"] <= 0 <= ci["high"] else "equivalent (not 0)"
     return "differs" if ci["low"] > 0 or ci["high"] < 0 else "inconclusive"
 
 

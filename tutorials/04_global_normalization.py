@@ -157,14 +157,23 @@ pd.DataFrame({
 #   and dominate the update. The overall scale is whatever the teacher-student gap is in this batch.
 # * **GNDPO** shifts and rescales every token by the same two numbers, so the order of the tokens (the dense
 #   guidance) is exactly that of OPD, but the batch has mean 0 and standard deviation 1 whatever the gap is.
-#   Because the batch mean score is negative, tokens the two models agree on now get a small *positive* advantage:
-#   they are better than the batch average and are reinforced, where OPD gave them about 0.
+#   Because the batch mean score is negative (-0.445), tokens the two models agree on now get a small *positive*
+#   advantage (0.146 for a score of -0.24, 0.316 for 0): they are better than the batch average and are
+#   reinforced, where OPD gave them about 0.
+# * Whether whitening shrinks the outliers depends on the scores' spread. This batch's score std is 1.406 (the
+#   OPD row's std), above 1, so a clamped -5 becomes (-5 + 0.445) / 1.406 = -3.240 (the GNDPO row's min), and
+#   the clamped tokens' share of the batch's |A| falls from 0.812 to 0.443 (the shift does that: a common scale
+#   alone leaves the shares as they are). That holds only while the std is above 1: as training narrows the
+#   scores below a std of 1, the same division enlarges the clamped tokens' advantages beyond -5. Notebook 6
+#   shows both on the trace world: -3.615 at step 1 (score std 1.290), -4.321 at step 15 (1.101), -6.582 at
+#   step 30 (0.743).
 # * **sequence** and **group** whiten with the statistics of a few tokens only (one response; the G responses of a
 #   prompt), so each response or prompt gets its own scale. Here every response is five format tokens and one
-#   answer word, and the student is so sure of itself that it sampled the same response G times for every prompt
-#   ("distinct of G"). So each mode gives every answer word the same advantage, whether the teacher found it a
-#   fraction of a nat or over ten nats less likely than the student did: a count the teacher nearly agrees with
-#   and a color it rejects look alike, and the comparison across responses is lost.
+#   answer word, and the student is so sure of itself that it sampled the same response G times for six of the
+#   eight prompts ("distinct of G" 1; the other two drew 2 distinct responses). For those six each mode gives the
+#   answer word the same advantage (sequence -2.041, group -2.189), whether the teacher found it a quarter of a
+#   nat ("four", -0.240) or almost twelve nats ("green", -11.874) less likely than the student did: a count the
+#   teacher nearly agrees with and a color it rejects look alike, and the comparison across responses is lost.
 
 # %% [markdown]
 # ## What each mode does to the gradient
@@ -347,9 +356,15 @@ plt.show()
 # %% [markdown]
 # **What just happened and why it matters.** On one batch, built by `step_prompts` and `generate_and_score` and
 # updated by `update_student` as in `main()`, OPD's gradient is as large as the raw scores make it: it grows and
-# shrinks with the teacher-student gap, and the few clamped tokens (under a tenth of the batch) hold most of its
-# advantage mass. GNDPO's advantages have unit scale over the whole batch, so the size of an update no longer
-# depends on how far apart the two models happen to be, while every token keeps its rank among the others.
+# shrinks with the teacher-student gap (0.0239, 0.0957 and 0.3829 with the scores times 0.25, 1 and 4), and the
+# few clamped tokens (15 of 192, under a tenth of the batch) hold most of its advantage mass (0.812). GNDPO's
+# advantages have unit scale over the whole batch, so the size of its gradient no longer depends on how far apart
+# the two models happen to be (0.0670 at every factor), while every token keeps its rank among the others. That is
+# the gradient before the clip, at learning rate 0; the update AdamW makes from it is another matter, since Adam
+# divides most of a gradient's scale out per parameter. The study measured the update: under AdamW both modes'
+# update sizes fall alike over a run (self-distillation, 15 steps: OPD 0.172 -> 0.067, GNDPO 0.181 -> 0.071,
+# [docs/studies/self_distillation.md](../docs/studies/self_distillation.md)) and their medians stay within 12%
+# of each other ([docs/studies/when_normalization_matters.md](../docs/studies/when_normalization_matters.md)).
 # Whitening over the *global* batch, rather than per response or per group, uses the most tokens for the two
 # statistics, so they are the least noisy, and with several processes they are all-reduced, so every process
 # whitens identically. The last notebook trains with both modes and watches the gradient norm step by step.
