@@ -19,8 +19,9 @@ point every run at assets/trace (models, data, --max_new_tokens 38, --require_th
 --skip_existing runs only the jobs without a summary.json (a finished run), so that a larger grid can reuse
 the runs of a smaller one in the same --runs_dir.
 Extra flags after `--` go to gndpo_minimal.py for every run, e.g. `-- --max_steps 50`.
-Each run folder keeps study.json (the commit gndpo_minimal.py ran at and this script's command line), and the
-table starts with one line per distinct commit and command among its runs.
+Each run folder keeps study.json (the commit gndpo_minimal.py ran at, this script's command line and the machine:
+CPU, instruction set, threads), and the table starts with one line per distinct commit, command and machine among
+its runs.
 """
 
 import argparse
@@ -34,6 +35,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: gndpo_minimal.py, assets/
+sys.path[:0] = [os.path.join(ROOT, "bench"), os.path.dirname(os.path.abspath(__file__))]
+from fidelity_tables import machine_text  # noqa: E402
+from reproduce import machine  # noqa: E402
+
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 OUT_DIR = os.path.join(ROOT, "docs", "studies")  # where the tables and plots go by default
 NAMES = {"none": "OPD", "center": "center", "scale": "scale", "global": "GNDPO", "sequence": "sequence",
@@ -47,14 +52,14 @@ WORLDS = {"tiny": [],  # the script's defaults: assets/tiny
                     "--max_new_tokens", "38", "--require_think"]}
 
 
-def provenance() -> dict:
-    """The commit gndpo_minimal.py runs at, whether its file differs from that commit, and this driver's command
-    line: each run folder keeps them (study.json), so a table made later (--no_run, --skip_existing) still says
-    what made each of its runs."""
+def provenance(env: dict | None = None) -> dict:
+    """The commit gndpo_minimal.py runs at, whether its file differs from that commit, this driver's command line
+    and the machine (bench/reproduce.py's record, with the threads a run gets under `env`): each run folder keeps
+    them (study.json), so a table made later (--no_run, --skip_existing) still says what made each of its runs."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", SCRIPT)),
             "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
-            "date": datetime.date.today().isoformat()}
+            "date": datetime.date.today().isoformat(), "machine": machine(env)}
 
 
 def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
@@ -63,7 +68,7 @@ def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
     than they give."""
     env = dict(os.environ, OMP_NUM_THREADS="1") if parallel > 1 else None
     threads = ["--cpu_threads", "1"] if parallel > 1 else []  # gndpo_minimal.py would take every core otherwise
-    made_by = provenance()
+    made_by = provenance({"OMP_NUM_THREADS": "1"} if parallel > 1 else None)
 
     def run(job: tuple) -> None:
         mode, lr, seed, out, flags = job
@@ -100,7 +105,8 @@ def load(out: str) -> tuple[list[dict], dict]:
 
 
 def made_by_lines(outs: list[str]) -> list[str]:
-    """The table's first lines: each distinct (commit, command) its runs were made with, and how many runs each."""
+    """The table's first lines: each distinct (commit, command, machine) its runs were made with, and how many runs
+    each (a run recorded before the driver kept the machine says so)."""
     seen: dict[tuple, int] = {}
     for out in outs:
         path = os.path.join(out, "study.json")
@@ -108,12 +114,12 @@ def made_by_lines(outs: list[str]) -> list[str]:
             with open(path) as f:
                 p = json.load(f)
             key = (p["commit"] + (" (gndpo_minimal.py with uncommitted changes)" if p["dirty"] else ""),
-                   p["date"], p["command"])
+                   p["date"], p["command"], machine_text(p["machine"]) if "machine" in p else "a machine not recorded")
         else:
             key = None
         seen[key] = seen.get(key, 0) + 1
     return [f"{n} run(s) with no record of their commit or command (made before the driver kept one)." if key is None
-            else f"{n} run(s) made with gndpo_minimal.py at commit {key[0]}, {key[1]}: `{key[2]}`"
+            else f"{n} run(s) made with gndpo_minimal.py at commit {key[0]}, {key[1]}, on {key[3]}: `{key[2]}`"
             for key, n in seen.items()] + [""]
 
 

@@ -48,6 +48,12 @@ MEAN_HEAD = ["| cell | seeds | accuracy before -> after | grad norm median | gra
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
+# each page's "Every run" table: its key columns (header, job field), in sort order
+RUN_KEYS = {"full_ft_unbounded": [("world", "world"), ("advantages", "mode"), ("seed", "seed")],
+            "outliers": [("cell", "variant"), ("advantages", "mode"), ("seed", "seed")],
+            "critics": [("world", "world"), ("cell", "variant"), ("advantages", "mode"), ("seed", "seed")]}
+
+
 def rounds_of(runs: dict) -> dict:
     return {name: {"job": {k: v for k, v in job.items() if k not in ("run", "runner", "pre", "folder")}, "stats": r}
             for name, (job, r) in runs.items()}
@@ -81,7 +87,7 @@ def unbounded(runs: dict, loaded: list[dict]) -> tuple:
     table, paired = paired_table(blocks)
     result["paired"] = paired
     lines += ["## Paired differences", "", *table, "", "## Every run", "",
-              *run_table(runs, [("world", "world"), ("advantages", "mode"), ("seed", "seed")]), ""]
+              *run_table(runs, RUN_KEYS["full_ft_unbounded"]), ""]
     old = old_full_ft_pairs()
     above = [p for p in old if p["opd_ratio"] > p["gndpo_ratio"]]
     result["earlier_pairs"] = old
@@ -164,23 +170,39 @@ def outliers(runs: dict, loaded: list[dict]) -> tuple:
                      f"{statistics.mean(hit) if hit else float('nan'):+.2f} | "
                      + " | ".join(f"{m(lambda p, k=k: p['grad_norm'][k]):.4f}"
                                   for k in ("outliers", "others", "mean", "whole")) + " |")
-    lines += ["", "## Every run", "", *run_table(runs, [("cell", "variant"), ("advantages", "mode"), ("seed", "seed")]),
+    lines += ["", "## Every run", "", *run_table(runs, RUN_KEYS["outliers"]),
               ""]
     return "outliers", "\n".join(lines), result, rounds_of(runs)
 
 
 def teacher_precision_lines() -> tuple[list[str], dict]:
-    """The per-token agreement of the 4-bit and the 16-bit teacher, from bench/teacher_precision.py's record."""
+    """A table of the per-token agreement of the 4-bit and the 16-bit teacher, from bench/teacher_precision.py's
+    record: per world, the two teachers' log-prob and score correlations, their gap, the share of tokens whose
+    score changes sign, and each teacher's share of clamped tokens."""
     path = os.path.join(BENCH_RESULTS, "teacher_precision.json")
     if not os.path.exists(path):
         return ["(docs/bench_results/teacher_precision.json is missing: run `python bench/reproduce.py --only "
                 "teacher_precision`.)", ""], {}
     with open(path) as f:
         rec = json.load(f)
-    text = json.dumps(rec["result"], indent=1)
-    return [f"Per-token agreement, from `{rec['command']}` at commit {rec['commit'][:7]} "
-            "([docs/bench_results/teacher_precision.json](../bench_results/teacher_precision.json)):", "",
-            "```", text, "```", ""], rec["result"]
+    worlds = rec["result"]["worlds"]
+    lines = [f"On the same rollouts (seed 0, steps {', '.join(map(str, next(iter(worlds.values()))['steps']))}), "
+             "each sampled token scored by both teachers: the 4-bit teacher (nf4) against the same teacher "
+             f"unquantized ({next(iter(worlds.values()))['reference_dtype']} on this CPU). Made by "
+             f"`{rec['command']}` at commit {rec['commit'][:7]}"
+             + ("" if rec["clean"] else " (with uncommitted changes)") + f", {rec['date'][:10]} "
+             "([docs/bench_results/teacher_precision.json](../bench_results/teacher_precision.json)). `stand_in` "
+             "is bench/memory.py's larger stand-in (the tiny pair with its vocabulary padded).", "",
+             "| world | tokens | teacher log-prob correlation | score correlation (unclamped) | mean / largest "
+             "teacher log-prob gap (nats) | tokens whose score changes sign | tokens at the clamp: 16-bit, 4-bit |",
+             "|---|---|---|---|---|---|---|"]
+    for name, w in worlds.items():
+        t = w["teachers"]
+        lines.append(f"| {name} | {w['tokens']} | {w['teacher_lp_corr']:.4f} | {w['score_corr']:.4f} | "
+                     f"{w['teacher_lp_abs_diff_mean']:.3f} / {w['teacher_lp_abs_diff_max']:.2f} | "
+                     f"{100 * w['sign_change_share']:.2f}% | {100 * t['reference']['clamp_share']:.2f}%, "
+                     f"{100 * t['nf4']['clamp_share']:.2f}% |")
+    return [*lines, ""], rec["result"]
 
 
 def critics(runs: dict, loaded: list[dict]) -> tuple:
@@ -237,7 +259,7 @@ def critics(runs: dict, loaded: list[dict]) -> tuple:
     precision, result["teacher_precision"] = teacher_precision_lines()
     lines += ["## Paired differences", "", *table, "", "## How much the 4-bit teacher changes the scores", "",
               *precision, "## Every run", "",
-              *run_table(runs, [("world", "world"), ("cell", "variant"), ("advantages", "mode"), ("seed", "seed")]),
+              *run_table(runs, RUN_KEYS["critics"]),
               ""]
     return "critics", "\n".join(lines), result, rounds_of(runs)
 

@@ -12,7 +12,7 @@ first and last steps.
                                                          # AdamW, then none / global / floored with plain SGD
     python studies/self_distillation.py --noise 0.05 --steps 20
 
-Writes docs/studies/self_distillation.md (the table, the commit and the command) and prints it.
+Writes docs/studies/self_distillation.md (the table, the commit, the command and the machine) and prints it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.dirname(os.path.abspath(__file__))]
 
 import torch  # noqa: E402
+from fidelity_tables import machine_text  # noqa: E402
+from reproduce import machine  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                                text=True).stdout.strip()
     lines = [f"Self-distillation with noise std {a.noise} on the teacher's log-probs, default world, {a.steps} steps, "
              f"seed {a.seed}; commit {commit[:7]}{'' if clean else ' (with uncommitted changes)'}; "
-             f"`python studies/self_distillation.py --noise {a.noise} --steps {a.steps} --seed {a.seed}`.", "",
+             f"`python studies/self_distillation.py --noise {a.noise} --steps {a.steps} --seed {a.seed}`; on "
+             f"{machine_text(machine())}.", "",
              "| advantages | score std | advantage std first -> last | grad norm first -> last | update size first "
              "-> last | reverse KL to the start first -> last | steps floored |",
              "|---|---|---|---|---|---|---|"]

@@ -1,0 +1,98 @@
+"""The study pages in docs/studies/ say what made them, and the fidelity pages hold what their records give.
+
+Every table page names its commit (or says it has no record of one), the command that made it and the machine (or
+says the machine was not recorded). The three fidelity pages (studies/fidelity.py) hold, row for row, the "Every
+run" table that their JSON record's rounds give, name the record's commit, and the critics' page holds the
+teacher-precision table that docs/bench_results/teacher_precision.json gives. Nothing is rerun here."""
+
+import glob
+import json
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "studies"), os.path.join(ROOT, "bench")]
+
+import compare_opd_gndpo  # noqa: E402
+import fidelity_pages  # noqa: E402
+import fidelity_tables  # noqa: E402
+
+STUDIES = os.path.join(ROOT, "docs", "studies")
+TABLE_PAGES = sorted(p for p in glob.glob(os.path.join(STUDIES, "*.md")) if os.path.basename(p) != "README.md")
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def preamble(text: str) -> str:
+    """A page's lines before its first table row: where it says what made it."""
+    return text[:text.index("\n|")]
+
+
+@pytest.mark.parametrize("path", TABLE_PAGES, ids=[os.path.basename(p) for p in TABLE_PAGES])
+def test_every_study_table_names_its_commit_command_and_machine(path):
+    head = preamble(read(path))
+    assert re.search(r"commits? [0-9a-f]{7}", head), "no commit"
+    assert re.search(r"`(python|OMP_NUM_THREADS=\d+ python) [^`]+`", head), "no command"
+    assert re.search(r"\d+ cores, instruction set [^,]+", head) or "Machine: not recorded" in head, "no machine"
+
+
+@pytest.mark.parametrize("name", sorted(fidelity_pages.RUN_KEYS))
+def test_each_fidelity_page_holds_the_runs_its_record_gives(name):
+    with open(os.path.join(STUDIES, f"{name}.json")) as f:
+        record = json.load(f)
+    page = read(os.path.join(STUDIES, f"{name}.md")).splitlines()
+    runs = {n: (r["job"], r["stats"]) for n, r in record["rounds"].items()}
+    rows = fidelity_tables.run_table(runs, fidelity_pages.RUN_KEYS[name])
+    assert len(rows) == 2 + len(runs) and set(rows) <= set(page), "the Every run table is not the record's"
+    made_by = [line for line in page if line.startswith("- ") and " run(s) at commit " in line]
+    assert made_by and all(record["commit"][:7] in line for line in made_by), "the page names another commit"
+    assert record["clean"] and not any("uncommitted" in line for line in made_by)
+    if name == "full_ft_unbounded":  # 6 seeds of each mode on each world, the issue's grid
+        seeds = {(job["world"], job["mode"]): set() for job, _ in runs.values()}
+        for job, _ in runs.values():
+            seeds[job["world"], job["mode"]].add(job["seed"])
+        assert seeds == {(w, m): set(range(6)) for w in ("trace", "default") for m in ("none", "global")}
+
+
+def test_the_critics_page_holds_the_teacher_precision_record():
+    lines, result = fidelity_pages.teacher_precision_lines()
+    assert result, "docs/bench_results/teacher_precision.json is missing"
+    table = [line for line in lines if line.startswith("| ")]
+    assert len(table) == 1 + len(result["worlds"])  # a header and a row per world
+    page = read(os.path.join(STUDIES, "critics.md")).splitlines()
+    assert set(lines) - {""} <= set(page)
+
+
+def test_the_teacher_precision_table_prints_the_record():
+    """Each world's row: its correlations, gap, sign changes and clamp shares, at the precision printed."""
+    lines, result = fidelity_pages.teacher_precision_lines()
+    for world, w in result["worlds"].items():
+        (row,) = [line for line in lines if line.startswith(f"| {world} |")]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == str(w["tokens"]) and float(cells[2]) == round(w["teacher_lp_corr"], 4)
+        assert float(cells[3]) == round(w["score_corr"], 4)
+        assert float(cells[5].rstrip("%")) == round(100 * w["sign_change_share"], 2)
+        ref, nf4 = (float(x.strip().rstrip("%")) for x in cells[6].split(","))
+        assert (ref, nf4) == (round(100 * w["teachers"]["reference"]["clamp_share"], 2),
+                              round(100 * w["teachers"]["nf4"]["clamp_share"], 2))
+
+
+def test_the_compare_driver_names_the_machine_or_says_it_was_not_recorded(tmp_path):
+    made = compare_opd_gndpo.provenance({"OMP_NUM_THREADS": "1"})
+    assert made["machine"]["threads"]["OMP_NUM_THREADS"] == "1"
+    old = {k: v for k, v in made.items() if k != "machine"}  # a run recorded before the machine was
+    for name, record in (("new", made), ("old", old), ("old2", old)):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "study.json").write_text(json.dumps(record))
+    os.makedirs(tmp_path / "none")  # no study.json at all
+    lines = compare_opd_gndpo.made_by_lines([str(tmp_path / n) for n in ("new", "old", "old2", "none")])
+    new_line, old_line, none_line, blank = lines
+    assert made["machine"]["cpu_model"] in new_line and "OMP_NUM_THREADS=1" in new_line
+    assert old_line.startswith("2 run(s)") and "a machine not recorded" in old_line
+    assert "no record of their commit" in none_line and blank == ""
