@@ -14,6 +14,7 @@ from fidelity_tables import (
     SPIKE,
     by_seed,
     f3,
+    machine_text,
     old_full_ft_pairs,
     paired_table,
     provenance_lines,
@@ -190,7 +191,8 @@ def teacher_precision_lines() -> tuple[list[str], dict]:
              "each sampled token scored by both teachers: the 4-bit teacher (nf4) against the same teacher "
              f"unquantized ({next(iter(worlds.values()))['reference_dtype']} on this CPU). Made by "
              f"`{rec['command']}` at commit {rec['commit'][:7]}"
-             + ("" if rec["clean"] else " (with uncommitted changes)") + f", {rec['date'][:10]} "
+             + ("" if rec["clean"] else " (with uncommitted changes)") + f", {rec['date'][:10]}, on "
+             f"{machine_text(rec['machine'])} "
              "([docs/bench_results/teacher_precision.json](../bench_results/teacher_precision.json)). `stand_in` "
              "is bench/memory.py's larger stand-in (the tiny pair with its vocabulary padded).", "",
              "| world | tokens | teacher log-prob correlation | score correlation (unclamped) | mean / largest "
