@@ -187,9 +187,10 @@ def teacher_precision_lines() -> tuple[list[str], dict]:
     with open(path) as f:
         rec = json.load(f)
     worlds = rec["result"]["worlds"]
-    lines = [f"On the same rollouts (seed 0, steps {', '.join(map(str, next(iter(worlds.values()))['steps']))}), "
+    first = next(iter(worlds.values()))  # the steps and the reference dtype are every world's
+    lines = [f"On the same rollouts (seed 0, steps {', '.join(map(str, first['steps']))}), "
              "each sampled token scored by both teachers: the 4-bit teacher (nf4) against the same teacher "
-             f"unquantized ({next(iter(worlds.values()))['reference_dtype']} on this CPU). Made by "
+             f"unquantized ({first['reference_dtype']} on this CPU). Made by "
              f"`{rec['command']}` at commit {rec['commit'][:7]}"
              + ("" if rec["clean"] else " (with uncommitted changes)") + f", {rec['date'][:10]}, on "
              f"{machine_text(rec['machine'])} "
