@@ -117,10 +117,12 @@ def model_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except OSError as e:
-        raise ConfigNotFound(f"no config.json for {name_or_path!r}: not a local folder, not shipped in "
-                             f"assets/configs/, and the Hub did not answer ({type(e).__name__}). Pass a "
-                             f"folder holding the model's config.json (e.g. --student_model path/to/dir), or put "
-                             f"it in assets/configs/{os.path.basename(shipped)}/") from None
+        raise ConfigNotFound(
+            f"no config.json for {name_or_path!r}: not a local folder, not shipped in "
+            f"assets/configs/, and the Hub did not answer ({type(e).__name__}). Pass a "
+            f"folder holding the model's config.json (e.g. --student_model path/to/dir), or put "
+            f"it in assets/configs/{os.path.basename(shipped)}/"
+        ) from None
 
 
 def meta_model(name_or_path: str):
@@ -152,20 +154,38 @@ def text_shape(model) -> dict:
     recurrent = sum(t in RECURRENT_LAYER_TYPES for t in types)
     # Hidden-wide norms of one decoder layer (2 in Qwen; 4 in Gemma 3, which also normalizes the attention and
     # MLP outputs); per-head norms of queries and keys (q_norm, k_norm in Qwen3 and Gemma 3) come on top.
-    hidden_norms = sum(1 for m in model.get_decoder().layers[0].modules() if "norm" in type(m).__name__.lower()
-                       and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.numel() == c.hidden_size)
+    hidden_norms = sum(
+        1
+        for m in model.get_decoder().layers[0].modules()
+        if "norm" in type(m).__name__.lower()
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.numel() == c.hidden_size
+    )
     qk_norm = hasattr(attention, "q_norm")
-    shape = {"hidden": c.hidden_size, "layers": c.num_hidden_layers, "heads": heads, "head_dim": head_dim,
-             "kv_heads": kv_heads, "intermediate": c.intermediate_size,
-             "vocab": model.get_output_embeddings().weight.shape[0], "hidden_norms": hidden_norms,
-             # values per token the norms of an attention layer take in
-             "norm_inputs": hidden_norms * c.hidden_size + (heads + kv_heads) * head_dim * qk_norm,
-             "qk_norm": qk_norm, "gated_attention": attention.q_proj.out_features == 2 * heads * head_dim,
-             "kv_layers": len(types) - recurrent, "linear_layers": recurrent}
+    shape = {
+        "hidden": c.hidden_size,
+        "layers": c.num_hidden_layers,
+        "heads": heads,
+        "head_dim": head_dim,
+        "kv_heads": kv_heads,
+        "intermediate": c.intermediate_size,
+        "vocab": model.get_output_embeddings().weight.shape[0],
+        "hidden_norms": hidden_norms,
+        # values per token the norms of an attention layer take in
+        "norm_inputs": hidden_norms * c.hidden_size + (heads + kv_heads) * head_dim * qk_norm,
+        "qk_norm": qk_norm,
+        "gated_attention": attention.q_proj.out_features == 2 * heads * head_dim,
+        "kv_layers": len(types) - recurrent,
+        "linear_layers": recurrent,
+    }
     if recurrent:
-        shape.update(linear_k_heads=c.linear_num_key_heads, linear_v_heads=c.linear_num_value_heads,
-                     linear_k_dim=c.linear_key_head_dim, linear_v_dim=c.linear_value_head_dim,
-                     linear_conv_kernel=c.linear_conv_kernel_dim)
+        shape.update(
+            linear_k_heads=c.linear_num_key_heads,
+            linear_v_heads=c.linear_num_value_heads,
+            linear_k_dim=c.linear_key_head_dim,
+            linear_v_dim=c.linear_value_head_dim,
+            linear_conv_kernel=c.linear_conv_kernel_dim,
+        )
     return shape
 
 
@@ -206,8 +226,13 @@ def vision_shape(model) -> dict:
     # Idefics3/SmolVLM's processor also returns pixel_attention_mask: int64, one value per pixel of each tile
     mask = 8 * pixels // 3 if "pixel_attention_mask" in inspect.signature(model.forward).parameters else 0
     layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None) or 1
-    return {"hidden": v.hidden_size, "intermediate": v.intermediate_size, "pixel_bytes_per_token": 4 * pixels + mask,
-            "patches_per_token": patches_per_token, "layers": layers}
+    return {
+        "hidden": v.hidden_size,
+        "intermediate": v.intermediate_size,
+        "pixel_bytes_per_token": 4 * pixels + mask,
+        "patches_per_token": patches_per_token,
+        "layers": layers,
+    }
 
 
 def lora_layers(model, target_modules: str) -> list[tuple[str, int, int]]:
@@ -244,11 +269,16 @@ def nf4_weights(model, double_quant: bool = True, other_bytes: int = 2) -> dict:
             constants += 4 * 16  # the nf4 code book
     packed = {id(m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)}
     other = sum(p.numel() for p in model.parameters() if id(p) not in packed)
-    largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)),
-                  default=0)
-    return {"quantized_params": quantized, "quantized_layers": layers, "other_params": other,
-            "bytes": math.ceil(quantized / 2) + constants + other * other_bytes,
-            "largest_quantized": largest}
+    largest = max(
+        (m.in_features * m.out_features for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)), default=0
+    )
+    return {
+        "quantized_params": quantized,
+        "quantized_layers": layers,
+        "other_params": other,
+        "bytes": math.ceil(quantized / 2) + constants + other * other_bytes,
+        "largest_quantized": largest,
+    }
 
 
 # Bytes per token of one decoder layer (dtype size b), counting the tensors named in each comment.
@@ -259,8 +289,12 @@ def delta_rule_working_set(s: dict, T: int = DELTA_RULE_CHUNK) -> int:
     decay-weighted, per chunk), one recurrent state per chunk, and per-head gates; all of it over the sequence
     padded to whole chunks."""
     hv, d = s["linear_v_heads"], max(s["linear_k_dim"], s["linear_v_dim"])
-    per_token = 4 * (5 * hv * DELTA_RULE_CHUNK + 15 * hv * d
-                     + hv * s["linear_k_dim"] * s["linear_v_dim"] // DELTA_RULE_CHUNK + 10 * hv)
+    per_token = 4 * (
+        5 * hv * DELTA_RULE_CHUNK
+        + 15 * hv * d
+        + hv * s["linear_k_dim"] * s["linear_v_dim"] // DELTA_RULE_CHUNK
+        + 10 * hv
+    )
     return per_token * math.ceil(T / DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK // T
 
 
@@ -284,8 +318,13 @@ def saved_per_layer_type(s: dict, b: int, T: int) -> dict[str, int]:
     """
     h, q, i, kv = s["hidden"], s["heads"] * s["head_dim"], s["intermediate"], s["kv_heads"] * s["head_dim"]
     common = 4 * s["hidden_norms"] * h + b * 3 * i
-    attention = (b * 4 * q + 4 * s["heads"] + b * T + (4 * (q + kv) if s["qk_norm"] else 0)
-                 + (b * 2 * q if s["gated_attention"] else 0))
+    attention = (
+        b * 4 * q
+        + 4 * s["heads"]
+        + b * T
+        + (4 * (q + kv) if s["qk_norm"] else 0)
+        + (b * 2 * q if s["gated_attention"] else 0)
+    )
     kinds = {"attention": common + attention} if s["kv_layers"] else {}
     if s["linear_layers"]:
         conv_dim = 2 * s["linear_k_heads"] * s["linear_k_dim"] + s["linear_v_heads"] * s["linear_v_dim"]
@@ -293,8 +332,9 @@ def saved_per_layer_type(s: dict, b: int, T: int) -> dict[str, int]:
     return kinds
 
 
-def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], lora_r: int, T: int,
-                             largest: bool = False) -> int:
+def layer_saved_for_backward(
+    s: dict, b: int, lora: list[tuple[str, int, int]], lora_r: int, T: int, largest: bool = False
+) -> int:
     """Training: what autograd keeps for one layer, per token of a T-token sequence: the mean over the model's
     layers (layers x this = all of them, without checkpointing), or with largest=True the largest kind of layer
     (the one that gradient checkpointing recomputes at a time). saved_per_layer_type() counts the activations;
@@ -306,8 +346,9 @@ def layer_saved_for_backward(s: dict, b: int, lora: list[tuple[str, int, int]], 
     kinds = saved_per_layer_type(s, b, T)
     if largest:
         return max(kinds.values()) + adapters
-    return (kinds.get("attention", 0) * s["kv_layers"]
-            + kinds.get("linear_attention", 0) * s["linear_layers"]) // layers + adapters
+    return (
+        kinds.get("attention", 0) * s["kv_layers"] + kinds.get("linear_attention", 0) * s["linear_layers"]
+    ) // layers + adapters
 
 
 def distinct_prompts_in(rows: int, G: int) -> int:
@@ -348,6 +389,7 @@ def vision_saved_per_patch(v: dict, b: int) -> int:
 class RunSizes:
     """What every phase of estimate() counts with, worked out once: the run's settings, the models' shapes, their
     parameter counts and the rows one process handles."""
+
     args: object
     N: int  # processes
     shard: int  # what the student's weights, gradients and optimizer state are divided by: N under FSDP2, else 1
@@ -429,15 +471,39 @@ def run_sizes(args, num_processes: int, sharding: str, device: str, lengths: tup
     rows = args.prompts_per_step * G // N
     share = speedup_on(args, "share_prompt_prefix")
     return RunSizes(
-        args=args, N=N, shard=shard, cuda=cuda, b=b, mixed=mixed, param_b=4 if mixed else b, P=P, R=R,
-        mb=args.micro_batch_size, G=G, student=student, s=s, t=t, sv=sv, tv=tv, lora=lora,
-        student_params=student_params, root_params=root_params, unit_params=unit_params, trainable=trainable,
-        teacher_params=teacher_params, teacher_w=teacher_w, teacher_gathered=teacher_gathered,
-        dequantized=b * teacher_w.get("largest_quantized", 0), share=share,
+        args=args,
+        N=N,
+        shard=shard,
+        cuda=cuda,
+        b=b,
+        mixed=mixed,
+        param_b=4 if mixed else b,
+        P=P,
+        R=R,
+        mb=args.micro_batch_size,
+        G=G,
+        student=student,
+        s=s,
+        t=t,
+        sv=sv,
+        tv=tv,
+        lora=lora,
+        student_params=student_params,
+        root_params=root_params,
+        unit_params=unit_params,
+        trainable=trainable,
+        teacher_params=teacher_params,
+        teacher_w=teacher_w,
+        teacher_gathered=teacher_gathered,
+        dequantized=b * teacher_w.get("largest_quantized", 0),
+        share=share,
         # sharded weights: every process runs one forward per sample
-        student_shared=share and shard == 1, rows=rows, gen=args.generation_batch_size or rows,
+        student_shared=share and shard == 1,
+        rows=rows,
+        gen=args.generation_batch_size or rows,
         evals=args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / N)),
-        pixel_bytes=P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"]))
+        pixel_bytes=P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"]),
+    )
 
 
 # The pieces the phases are made of, each in bytes.
@@ -461,8 +527,10 @@ def patches(v: dict, n: int, tokens: int) -> int:
 def kv_cache(shape: dict, n: int, tokens: int, b: int) -> int:
     """The cache of n sequences of `tokens` tokens: keys and values of every attention layer, and the fixed-size
     state of every linear-attention layer."""
-    return n * (tokens * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
-                + shape["linear_layers"] * linear_state_bytes(shape, b))
+    return n * (
+        tokens * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+        + shape["linear_layers"] * linear_state_bytes(shape, b)
+    )
 
 
 def vision_forward(r: RunSizes, v: dict, n: int) -> int:
@@ -481,24 +549,37 @@ def head_forward(r: RunSizes, vocab: int, n: int) -> int:
 def no_grad_forward(r: RunSizes, shape: dict, v: dict, n: int, tokens: int, vision_rows: int) -> int:
     """One forward of n rows that keeps nothing but the residual stream, the images of vision_rows of them."""
     b = r.b
-    return (n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b) + vision_forward(r, v, vision_rows)
-            + device_pixels(r, vision_rows))
+    return (
+        n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b)
+        + vision_forward(r, v, vision_rows)
+        + device_pixels(r, vision_rows)
+    )
 
 
-def scoring_forward(r: RunSizes, shape: dict, v: dict, n: int, prompt: int, response: int, shared: bool,
-                    weights_dequantized: int) -> int:
+def scoring_forward(
+    r: RunSizes, shape: dict, v: dict, n: int, prompt: int, response: int, shared: bool, weights_dequantized: int
+) -> int:
     """A no-grad scoring forward of n rows: plain, or the distinct prompts once then the responses on the
     cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention)."""
     b = r.b
     if not shared:  # the head's chunks come after the last layer: only the final hidden states outlive it
-        return max(no_grad_forward(r, shape, v, n, prompt + response, n),
-                   n * (prompt + response) * shape["hidden"] * b + head_forward(r, shape["vocab"], n * (response + 1))
-                   ) + weights_dequantized
+        return (
+            max(
+                no_grad_forward(r, shape, v, n, prompt + response, n),
+                n * (prompt + response) * shape["hidden"] * b + head_forward(r, shape["vocab"], n * (response + 1)),
+            )
+            + weights_dequantized
+        )
     u = distinct_prompts_in(n, r.G)
     prompt_pass = no_grad_forward(r, shape, v, u, prompt, u) + kv_cache(shape, u, prompt, b)
     joined = n * (prompt + response) * 2 * shape["kv_heads"] * shape["head_dim"] * b  # one layer's cat
-    response_pass = (kv_cache(shape, n, prompt, b) + no_grad_forward(r, shape, v, n, response, 0) + joined
-                     + head_forward(r, shape["vocab"], n * response) + n * shape["vocab"] * b)
+    response_pass = (
+        kv_cache(shape, n, prompt, b)
+        + no_grad_forward(r, shape, v, n, response, 0)
+        + joined
+        + head_forward(r, shape["vocab"], n * response)
+        + n * shape["vocab"] * b
+    )
     return max(prompt_pass, response_pass) + weights_dequantized
 
 
@@ -536,8 +617,11 @@ def update_forward(r: RunSizes, n: int, prompt: int, response: int, shared: bool
     L, tokens = s["layers"], prompt + response
     if not shared:
         if args.gradient_checkpointing:
-            kept = n * tokens * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r,
-                                                                                    tokens, largest=True))
+            kept = (
+                n
+                * tokens
+                * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, tokens, largest=True))
+            )
             kept += full_inputs(r, n * tokens, 2)
         else:
             kept = n * tokens * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
@@ -545,18 +629,36 @@ def update_forward(r: RunSizes, n: int, prompt: int, response: int, shared: bool
         return kept + vision_kept(r, n, True) + head_backward(r, n * (response + 1)) + device_pixels(r, n)
     u = distinct_prompts_in(n, r.G)
     # the prompt's forward, outside gradient checkpointing: every layer keeps everything, the vision tower too
-    prompt_kept = (u * prompt * L * layer_saved_for_backward(s, b, lora, args.lora_r, prompt)
-                   + full_inputs(r, u * prompt, L) + vision_kept(r, u, False) + kv_cache(s, u, prompt, b))
+    prompt_kept = (
+        u * prompt * L * layer_saved_for_backward(s, b, lora, args.lora_r, prompt)
+        + full_inputs(r, u * prompt, L)
+        + vision_kept(r, u, False)
+        + kv_cache(s, u, prompt, b)
+    )
     cache = kv_cache(s, n, prompt, b)  # indexed to the n rows, read by every response layer
     joined = n * tokens * 2 * s["heads"] * s["head_dim"] * b  # one layer's prompt + response keys and values
     if args.gradient_checkpointing:
-        response_kept = n * response * (L * s["hidden"] * b + 2 * layer_saved_for_backward(
-            s, b, lora, args.lora_r, tokens, largest=True)) + 2 * joined + full_inputs(r, n * response, 2)
+        response_kept = (
+            n
+            * response
+            * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, tokens, largest=True))
+            + 2 * joined
+            + full_inputs(r, n * response, 2)
+        )
     else:
-        response_kept = (n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
-                         + L * joined + full_inputs(r, n * response, L))
-    return (prompt_kept + cache + response_kept + head_backward(r, n * response) + n * s["vocab"] * (b + 8)
-            + device_pixels(r, u))
+        response_kept = (
+            n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
+            + L * joined
+            + full_inputs(r, n * response, L)
+        )
+    return (
+        prompt_kept
+        + cache
+        + response_kept
+        + head_backward(r, n * response)
+        + n * s["vocab"] * (b + 8)
+        + device_pixels(r, u)
+    )
 
 
 def grad_bytes(r: RunSizes) -> int:
@@ -597,13 +699,21 @@ def phase_update(r: RunSizes) -> int:
     # the optimizer step: foreach AdamW on a GPU makes a float32 temporary of every moment (sqrt); on a CPU it
     # goes parameter by parameter
     largest_param = max(p.numel() for p in r.student.parameters() if p.requires_grad) if not args.lora_r else 0
-    optimizer_step = r.trainable * 4 // r.shard if r.cuda else 2 * 4 * max(largest_param, max(
-        (i * args.lora_r for _, i, _ in lora), default=0))
+    optimizer_step = (
+        r.trainable * 4 // r.shard
+        if r.cuda
+        else 2 * 4 * max(largest_param, max((i * args.lora_r for _, i, _ in lora), default=0))
+    )
     # update_norm after the step: float64 chunks of a parameter and its two moments (update_size)
     largest_trainable = largest_param or max((max(i, o) * args.lora_r for _, i, o in lora), default=0)
     update_norm = min(UPDATE_SIZE_CHUNK, largest_trainable) * 8 * UPDATE_SIZE_COPIES
-    return gradients + autocast_copies(r) + max(update_forward(r, r.mb, r.P, r.R, r.student_shared)
-                                                + fsdp_unsharded_grads(r), optimizer_step, update_norm)
+    return (
+        gradients
+        + autocast_copies(r)
+        + max(
+            update_forward(r, r.mb, r.P, r.R, r.student_shared) + fsdp_unsharded_grads(r), optimizer_step, update_norm
+        )
+    )
 
 
 def fsdp_gather_buffer(r: RunSizes) -> int:
@@ -617,17 +727,27 @@ def phase_rollout(r: RunSizes) -> int:
     forward (once per distinct prompt where the rollout shares prompts) and the sampler's float32 rows."""
     s, sv, gen = r.s, r.sv, r.gen
     u_gen = distinct_prompts_in(gen, r.G) if r.student_shared else gen
-    return (kv_cache(s, gen, r.T, r.b) + no_grad_forward(r, s, sv, u_gen, r.P, u_gen)
-            + gen * s["vocab"] * 4 * SAMPLER_COPIES + autocast_copies(r)
-            + host_pixels(r, u_gen + (distinct_prompts_in(gen, r.G) if r.share else 0)) + fsdp_gather_buffer(r))
+    return (
+        kv_cache(s, gen, r.T, r.b)
+        + no_grad_forward(r, s, sv, u_gen, r.P, u_gen)
+        + gen * s["vocab"] * 4 * SAMPLER_COPIES
+        + autocast_copies(r)
+        + host_pixels(r, u_gen + (distinct_prompts_in(gen, r.G) if r.share else 0))
+        + fsdp_gather_buffer(r)
+    )
 
 
 def phase_teacher_eval(r: RunSizes) -> int:
     """The teacher's greedy evaluation before training: its cache, its prompt forward and one float32 row of
     logits per sequence."""
     t, evals = r.t, r.evals
-    return (kv_cache(t, evals, r.T, r.b) + no_grad_forward(r, t, r.tv, evals, r.P, evals) + evals * t["vocab"] * 4
-            + r.dequantized + r.teacher_gathered)
+    return (
+        kv_cache(t, evals, r.T, r.b)
+        + no_grad_forward(r, t, r.tv, evals, r.P, evals)
+        + evals * t["vocab"] * 4
+        + r.dequantized
+        + r.teacher_gathered
+    )
 
 
 def phase_scoring(r: RunSizes) -> int:
@@ -642,13 +762,21 @@ def phase_check(r: RunSizes) -> int:
         return 0
     t, tv, P, dequantized = r.t, r.tv, r.P, r.dequantized
     n_c, R_c = CHECK_PROMPTS * r.G, min(r.R, CHECK_TOKENS)
-    roles = [scoring_forward(r, t, tv, n_c, P, R_c, False, dequantized) + r.teacher_gathered,
-             scoring_forward(r, t, tv, n_c, P, R_c, True, dequantized) + r.teacher_gathered]
+    roles = [
+        scoring_forward(r, t, tv, n_c, P, R_c, False, dequantized) + r.teacher_gathered,
+        scoring_forward(r, t, tv, n_c, P, R_c, True, dequantized) + r.teacher_gathered,
+    ]
     if r.student_shared:  # the student's plain forward, then both forwards' gradients flattened to float32
         roles.append(scoring_forward(r, r.s, r.sv, n_c, P, R_c, False, 0) + autocast_copies(r))
         grads, flat = r.trainable * grad_bytes(r), 4 * r.trainable
-        roles.append(autocast_copies(r) + max(update_forward(r, n_c, P, R_c, False) + grads,
-                                              flat + update_forward(r, n_c, P, R_c, True) + grads, 2 * flat + grads))
+        roles.append(
+            autocast_copies(r)
+            + max(
+                update_forward(r, n_c, P, R_c, False) + grads,
+                flat + update_forward(r, n_c, P, R_c, True) + grads,
+                2 * flat + grads,
+            )
+        )
     return max(roles) + host_pixels(r, n_c + CHECK_PROMPTS)
 
 
@@ -663,8 +791,9 @@ def resident_state(r: RunSizes) -> tuple[int, int, int]:
     return student_weights // r.shard, train_state // r.shard, gathered
 
 
-def estimate(args, num_processes: int = 1, sharding: str = "none", device: str = "cuda",
-             lengths: tuple[int, int] | None = None) -> dict:
+def estimate(
+    args, num_processes: int = 1, sharding: str = "none", device: str = "cuda", lengths: tuple[int, int] | None = None
+) -> dict:
     """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring.
 
     num_processes: N processes, each generating and scoring its B * G / N rollouts; sharding "fsdp" divides the
@@ -678,23 +807,43 @@ def estimate(args, num_processes: int = 1, sharding: str = "none", device: str =
     student_weights, train_state, gathered = resident_state(r)
     mb, R = r.mb, r.R
     out = {
-        "num_processes": r.N, "sharding": sharding, "device": device, "prompt_tokens": r.P, "response_tokens": R,
-        "student_params": r.student_params, "trainable_params": r.trainable, "student_weights": student_weights,
-        "lora_params": r.trainable if args.lora_r else 0, "lora_train_state": train_state if args.lora_r else 0,
-        "train_state": train_state, "gradients": r.trainable * grad_bytes(r) // r.shard, "fsdp_gathered": gathered,
-        "fsdp_unsharded_grads": fsdp_unsharded_grads(r), "fsdp_gather_buffer": fsdp_gather_buffer(r),
-        "teacher_params": r.teacher_params, "teacher_weights": r.teacher_w["bytes"],
-        "teacher_gathered": r.teacher_gathered, "teacher_quantized_params": r.teacher_w.get("quantized_params", 0),
+        "num_processes": r.N,
+        "sharding": sharding,
+        "device": device,
+        "prompt_tokens": r.P,
+        "response_tokens": R,
+        "student_params": r.student_params,
+        "trainable_params": r.trainable,
+        "student_weights": student_weights,
+        "lora_params": r.trainable if args.lora_r else 0,
+        "lora_train_state": train_state if args.lora_r else 0,
+        "train_state": train_state,
+        "gradients": r.trainable * grad_bytes(r) // r.shard,
+        "fsdp_gathered": gathered,
+        "fsdp_unsharded_grads": fsdp_unsharded_grads(r),
+        "fsdp_gather_buffer": fsdp_gather_buffer(r),
+        "teacher_params": r.teacher_params,
+        "teacher_weights": r.teacher_w["bytes"],
+        "teacher_gathered": r.teacher_gathered,
+        "teacher_quantized_params": r.teacher_w.get("quantized_params", 0),
         "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if r.cuda else 0,
-        "generation_rows": r.gen, "evaluation_rows": r.evals,
-        "kv_cache_student": kv_cache(r.s, r.gen, r.T, r.b), "kv_cache_teacher": kv_cache(r.t, r.evals, r.T, r.b),
-        "logits_scoring": head_forward(r, r.t["vocab"], mb * (R + 1)), "logits_update": head_backward(r, mb * (R + 1)),
+        "generation_rows": r.gen,
+        "evaluation_rows": r.evals,
+        "kv_cache_student": kv_cache(r.s, r.gen, r.T, r.b),
+        "kv_cache_teacher": kv_cache(r.t, r.evals, r.T, r.b),
+        "logits_scoring": head_forward(r, r.t["vocab"], mb * (R + 1)),
+        "logits_update": head_backward(r, mb * (R + 1)),
         "activations_update": update_forward(r, mb, r.P, R, r.student_shared),
         "host_pixels_per_step": r.rows * r.pixel_bytes,
         "student_reads_prompt_once": r.student_shared,
     }
-    phases = {"rollout": phase_rollout(r), "teacher_eval": phase_teacher_eval(r), "scoring": phase_scoring(r),
-              "update": phase_update(r), "check": phase_check(r)}
+    phases = {
+        "rollout": phase_rollout(r),
+        "teacher_eval": phase_teacher_eval(r),
+        "scoring": phase_scoring(r),
+        "update": phase_update(r),
+        "check": phase_check(r),
+    }
     resident = student_weights + train_state + gathered + out["teacher_weights"] + out["cuda_context"]
     out.update({f"phase_{k}": v for k, v in phases.items()})
     out["peak_phase"] = max(phases, key=phases.get)
@@ -712,10 +861,13 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
     g = lambda x: f"{x / GiB:7.2f} GiB"  # noqa: E731
     P, R, mb = args.max_prompt_length, args.max_new_tokens, args.micro_batch_size
     batch_flag = "generation_batch_size" if e["peak_phase"] in ("rollout", "teacher_eval") else "micro_batch_size"
-    state = (f"LoRA + AdamW state   {g(e['train_state'])}   {e['trainable_params'] / 1e6:.1f}M params, rank "
-             f"{args.lora_r}, float32" if args.lora_r else
-             f"AdamW moments        {g(e['train_state'])}   {e['trainable_params'] / 1e9:.2f}B trained params (full "
-             f"fine-tuning: all but the vision tower), float32")
+    state = (
+        f"LoRA + AdamW state   {g(e['train_state'])}   {e['trainable_params'] / 1e6:.1f}M params, rank "
+        f"{args.lora_r}, float32"
+        if args.lora_r
+        else f"AdamW moments        {g(e['train_state'])}   {e['trainable_params'] / 1e9:.2f}B trained params (full "
+        f"fine-tuning: all but the vision tower), float32"
+    )
     where = f"one of {num_processes} processes" + (", student sharded (FSDP2)" if sharding == "fsdp" else "")
     lines = [
         f"memory estimate, {where}: micro-batch {mb}, prompt <= {P} + response <= {R} tokens, "
@@ -728,8 +880,11 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
         *([f"  FSDP2 gathered units {g(e['fsdp_gathered'])}"] if e["fsdp_gathered"] else []),
         f"  teacher weights      {g(e['teacher_weights'])}   {e['teacher_params'] / 1e9:.2f}B params"
         + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if args.teacher_4bit else "")
-        + (f", sharded over {num_processes} (+{g(e['teacher_gathered']).strip()} gathered in its forwards)"
-           if e["teacher_gathered"] else "")
+        + (
+            f", sharded over {num_processes} (+{g(e['teacher_gathered']).strip()} gathered in its forwards)"
+            if e["teacher_gathered"]
+            else ""
+        )
         + f" ({args.teacher_model})",
         f"  CUDA context, slack  {g(e['cuda_context'])}",
         f"  = resident           {g(e['resident'])}",
@@ -756,11 +911,13 @@ def fit_text(e: dict, args, batch_flag: str) -> str:
         return f"fits a 24 GB GPU ({GPU_GIB} GiB)"
     if e["fits_80gb"]:
         return f"fits an 80 GB GPU ({GPU_GIB_80} GiB), not a 24 GB one"
-    shared = speedup_on(args, "share_prompt_prefix") and (e["peak_phase"] == "check" or (e["peak_phase"] == "update"
-                                                                          and e["student_reads_prompt_once"]))
+    shared = speedup_on(args, "share_prompt_prefix") and (
+        e["peak_phase"] == "check" or (e["peak_phase"] == "update" and e["student_reads_prompt_once"])
+    )
     hint = "--share_prompt_prefix false, " if shared else ""
-    return (f"does NOT fit an 80 GB GPU ({GPU_GIB_80} GiB): try {hint}a lower --{batch_flag} or --max_new_tokens"
-            + ("" if args.gradient_checkpointing else ", or --gradient_checkpointing"))
+    return f"does NOT fit an 80 GB GPU ({GPU_GIB_80} GiB): try {hint}a lower --{batch_flag} or --max_new_tokens" + (
+        "" if args.gradient_checkpointing else ", or --gradient_checkpointing"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -772,6 +929,7 @@ def fit_text(e: dict, args, batch_flag: str) -> str:
 class GPU:
     """A GPU's spec-sheet figures: memory (as torch reports it), memory bandwidth, dense bf16 tensor-core peak
     (FP32 accumulation, as torch's bf16 matmuls run) and one direction of its link to the other GPUs."""
+
     name: str
     memory_gib: float
     bandwidth: float  # bytes/s
@@ -805,16 +963,20 @@ def flop_shape(model) -> dict:
     numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     decoder = model.get_decoder()
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    return {"body": numel(decoder) - embed.numel(), "head": head.numel(),
-            "vision": numel(model) - numel(decoder) - (0 if head is embed else head.numel()),
-            "block_linear": sum(m.weight.numel() for m in decoder.layers.modules() if isinstance(m, torch.nn.Linear)),
-            "gathered": numel(decoder.layers) + (0 if head is embed else embed.numel())}
+    return {
+        "body": numel(decoder) - embed.numel(),
+        "head": head.numel(),
+        "vision": numel(model) - numel(decoder) - (0 if head is embed else head.numel()),
+        "block_linear": sum(m.weight.numel() for m in decoder.layers.modules() if isinstance(m, torch.nn.Linear)),
+        "gathered": numel(decoder.layers) + (0 if head is embed else embed.numel()),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     """What step_time()'s parts are divided by: the GPU, its rates as a run reaches them, the processes, and the
     run's dtype and lengths."""
+
     gpu: GPU
     N: int  # processes
     b: int  # bytes per element of the compute dtype
@@ -829,13 +991,19 @@ def attention_flops(shape: dict, n: int, tokens: float, start: float = 0) -> flo
     return 4 * shape["heads"] * shape["head_dim"] * shape["kv_layers"] * n * tokens * (start + tokens / 2)
 
 
-def forward_flops(shape: dict, f: dict, v: dict, n: int, prompt: int, response: int, prompts_read: int,
-                  head_tokens: int) -> float:
+def forward_flops(
+    shape: dict, f: dict, v: dict, n: int, prompt: int, response: int, prompts_read: int, head_tokens: int
+) -> float:
     """n rows of prompt + response, the prompts of prompts_read of them read (the others' taken from them)."""
     tokens = prompts_read * prompt + n * response
     vision = 2 * f["vision"] * v["patches_per_token"] * prompt * prompts_read
-    return (2 * f["body"] * tokens + 2 * f["head"] * head_tokens + vision + attention_flops(shape, prompts_read, prompt)
-            + attention_flops(shape, n, response, prompt))
+    return (
+        2 * f["body"] * tokens
+        + 2 * f["head"] * head_tokens
+        + vision
+        + attention_flops(shape, prompts_read, prompt)
+        + attention_flops(shape, n, response, prompt)
+    )
 
 
 def decode_weight_bytes(f: dict, nf4: bool, n: int, b: int) -> float:
@@ -845,19 +1013,30 @@ def decode_weight_bytes(f: dict, nf4: bool, n: int, b: int) -> float:
     return (f["body"] + f["head"] - packed) * b + packed * (0.5 + (2 * b if n > 1 else 0))
 
 
-def decode_step(c: Roofline, shape: dict, f: dict, n: int, nf4: bool, adapters: int,
-                sharded: bool) -> tuple[float, str, float, dict]:
+def decode_step(
+    c: Roofline, shape: dict, f: dict, n: int, nf4: bool, adapters: int, sharded: bool
+) -> tuple[float, str, float, dict]:
     """(seconds, what bounds it, bytes read, every bound) of one decode step of n rows: the largest of the bytes it
     reads over the bandwidth, its FLOPs, the host's launches and, sharded, the all-gather of the blocks."""
     b = c.b
     context = c.P + c.R / 2  # the cache's mean length over the response
-    memory = (decode_weight_bytes(f, nf4, n, b) + adapters * 4 + n * shape["vocab"] * 4 * SAMPLER_COPIES
-              + n * (context * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
-                     + shape["linear_layers"] * 2 * linear_state_bytes(shape, b)))
-    bounds = {"memory": memory / c.bandwidth,
-              "compute": n * (2 * (f["body"] + f["head"]) + 4 * shape["heads"] * shape["head_dim"]
-                              * shape["kv_layers"] * context) / c.rate,
-              "host": shape["layers"] * HOST_SECONDS_PER_LAYER}
+    memory = (
+        decode_weight_bytes(f, nf4, n, b)
+        + adapters * 4
+        + n * shape["vocab"] * 4 * SAMPLER_COPIES
+        + n
+        * (
+            context * shape["kv_layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * b
+            + shape["linear_layers"] * 2 * linear_state_bytes(shape, b)
+        )
+    )
+    bounds = {
+        "memory": memory / c.bandwidth,
+        "compute": n
+        * (2 * (f["body"] + f["head"]) + 4 * shape["heads"] * shape["head_dim"] * shape["kv_layers"] * context)
+        / c.rate,
+        "host": shape["layers"] * HOST_SECONDS_PER_LAYER,
+    }
     if sharded:  # every block gathered again at every step, prefetched while the previous one computes
         bounds["all-gather"] = f["gathered"] * b * (c.N - 1) / c.N / (c.gpu.link * LINK_FRACTION)
     bound = max(bounds, key=bounds.get)
@@ -874,9 +1053,12 @@ def update_flops(args, s: dict, fs: dict, sv: dict, rows: int, prompts_read: int
     head = 1 + 1 + (2 if not args.lora_r else 1)  # forward, its logits again in backward, its gradients
     vision = 1 + 2 * recompute  # frozen; its output requires grad under checkpointing (enable_input_require_grads)
     tokens = prompts_read * P + rows * R
-    return (body * 2 * fs["body"] * tokens + head * 2 * fs["head"] * rows * (R + 1)
-            + vision * 2 * fs["vision"] * sv["patches_per_token"] * P * prompts_read
-            + (3 + recompute) * (attention_flops(s, prompts_read, P) + attention_flops(s, rows, R, P)))
+    return (
+        body * 2 * fs["body"] * tokens
+        + head * 2 * fs["head"] * rows * (R + 1)
+        + vision * 2 * fs["vision"] * sv["patches_per_token"] * P * prompts_read
+        + (3 + recompute) * (attention_flops(s, prompts_read, P) + attention_flops(s, rows, R, P))
+    )
 
 
 def evaluation_time(c: Roofline, args, models: dict, lora: int, student_sharded: bool) -> dict:
@@ -892,9 +1074,15 @@ def evaluation_time(c: Roofline, args, models: dict, lora: int, student_sharded:
     eval_prefill = lambda shape, f, v: forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows) / c.rate
     teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv)
     student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv)
-    return {"eval_rows": eval_rows, "eval_calls": eval_calls, "eval_teacher_step": teacher_step,
-            "eval_student_step": student_step, "eval_teacher": teacher_eval, "eval_student": student_eval,
-            "evaluation": teacher_eval + student_eval}
+    return {
+        "eval_rows": eval_rows,
+        "eval_calls": eval_calls,
+        "eval_teacher_step": teacher_step,
+        "eval_student_step": student_step,
+        "eval_teacher": teacher_eval,
+        "eval_student": student_eval,
+        "evaluation": teacher_eval + student_eval,
+    }
 
 
 def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | None = None) -> dict:
@@ -919,8 +1107,15 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
     gpu = gpu or gpu_for(args)
     N = num_processes
     P, R, G = args.max_prompt_length, args.max_new_tokens, args.num_generations
-    c = Roofline(gpu=gpu, N=N, b=dtype_bytes(args.dtype), P=P, R=R, rate=gpu.bf16_flops * COMPUTE_FRACTION,
-                 bandwidth=gpu.bandwidth * BANDWIDTH_FRACTION)
+    c = Roofline(
+        gpu=gpu,
+        N=N,
+        b=dtype_bytes(args.dtype),
+        P=P,
+        R=R,
+        rate=gpu.bf16_flops * COMPUTE_FRACTION,
+        bandwidth=gpu.bandwidth * BANDWIDTH_FRACTION,
+    )
     rate, bandwidth = c.rate, c.bandwidth
     from gndpo_minimal import teacher_paths
 
@@ -941,8 +1136,10 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
 
     latency, bound, decode_bytes, decode_bounds = decode_step(c, s, fs, gen, False, lora, student_sharded)
     rollout_decode = R * latency * calls
-    prefill = forward_flops(s, fs, sv, rows, P, 0, distinct(gen) * calls if share and not student_sharded
-                            else rows, rows) / rate
+    prefill = (
+        forward_flops(s, fs, sv, rows, P, 0, distinct(gen) * calls if share and not student_sharded else rows, rows)
+        / rate
+    )
     # scoring: the teacher's no-grad forward, each prompt once where --share_prompt_prefix reads it once; a 4-bit
     # teacher dequantizes every layer once per micro-batch
     mb = args.micro_batch_size
@@ -954,13 +1151,28 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
     update = train_flops / rate
     evaluation = evaluation_time(c, args, {"teacher": (t, ft, tv), "student": (s, fs, sv)}, lora, student_sharded)
     step = rollout_decode + prefill + scoring + update
-    return {"gpu": gpu, "layers": s["layers"], "rows": rows, "generation_batch_size": gen, "generate_calls": calls,
-            "decode_steps": R, "decode_bytes": decode_bytes, "decode_latency": latency, "decode_bound": bound,
-            "decode_bounds": decode_bounds, "rollout_decode": rollout_decode, "rollout_prefill": prefill,
-            "scoring_flops": score_flops, "scoring": scoring, "update_flops": train_flops, "update": update,
-            "step": step, **evaluation,
-            # the run: every step, the evaluation before training, and the student's after
-            "run": args.max_steps * step + evaluation["eval_teacher"] + 2 * evaluation["eval_student"]}
+    return {
+        "gpu": gpu,
+        "layers": s["layers"],
+        "rows": rows,
+        "generation_batch_size": gen,
+        "generate_calls": calls,
+        "decode_steps": R,
+        "decode_bytes": decode_bytes,
+        "decode_latency": latency,
+        "decode_bound": bound,
+        "decode_bounds": decode_bounds,
+        "rollout_decode": rollout_decode,
+        "rollout_prefill": prefill,
+        "scoring_flops": score_flops,
+        "scoring": scoring,
+        "update_flops": train_flops,
+        "update": update,
+        "step": step,
+        **evaluation,
+        # the run: every step, the evaluation before training, and the student's after
+        "run": args.max_steps * step + evaluation["eval_teacher"] + 2 * evaluation["eval_student"],
+    }
 
 
 def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dict:
@@ -968,29 +1180,39 @@ def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dic
     t = step_time(args, num_processes, sharding)
     d, rate = duration, f"{t['gpu'].bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
     bounds = ", ".join(f"{k} {d(v)}" for k, v in t["decode_bounds"].items())
-    print("\n".join([
-        f"time estimate, one of {num_processes} processes on an {t['gpu'].name}, at full length "
-        f"(every response {t['decode_steps']} tokens): {time_assumptions()}",
-        f"  rollout            {d(t['rollout_decode'] + t['rollout_prefill'])}   {t['decode_steps']} decode steps x "
-        f"{d(t['decode_latency'])} x {t['generate_calls']} generate() calls of {t['generation_batch_size']} rows "
-        f"(a step: {bounds}), + prefill {d(t['rollout_prefill'])}",
-        f"  teacher scoring    {d(t['scoring'])}   {flops(t['scoring_flops'])} FLOP / {rate}",
-        f"  student update     {d(t['update'])}   {flops(t['update_flops'])} FLOP / {rate}",
-        f"  = step             {d(t['step'])}",
-        f"  evaluation before training, once: {d(t['evaluation'])} ({t['eval_calls']} generate() calls each of the "
-        f"teacher, {d(t['eval_teacher_step'])} a decode step, and the student, {d(t['eval_student_step'])}); "
-        f"{args.max_steps} steps and the evaluations: {d(t['run'])}",
-    ]))
+    print(
+        "\n".join(
+            [
+                f"time estimate, one of {num_processes} processes on an {t['gpu'].name}, at full length "
+                f"(every response {t['decode_steps']} tokens): {time_assumptions()}",
+                f"  rollout            {d(t['rollout_decode'] + t['rollout_prefill'])}   "
+                f"{t['decode_steps']} decode steps x {d(t['decode_latency'])} x {t['generate_calls']} generate() "
+                f"calls of {t['generation_batch_size']} rows (a step: {bounds}), + prefill {d(t['rollout_prefill'])}",
+                f"  teacher scoring    {d(t['scoring'])}   {flops(t['scoring_flops'])} FLOP / {rate}",
+                f"  student update     {d(t['update'])}   {flops(t['update_flops'])} FLOP / {rate}",
+                f"  = step             {d(t['step'])}",
+                f"  evaluation before training, once: {d(t['evaluation'])} ({t['eval_calls']} generate() calls "
+                f"each of the teacher, {d(t['eval_teacher_step'])} a decode step, and the student, "
+                f"{d(t['eval_student_step'])}); "
+                f"{args.max_steps} steps and the evaluations: {d(t['run'])}",
+            ]
+        )
+    )
     return t
 
 
 def time_assumptions() -> str:
     """The figures step_time() assumes, as print_step_time and docs/recipes.md's time table state them."""
-    gpus = "; ".join(f"{g.name}: {g.bandwidth / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s dense bf16"
-                     + f", {g.link / 1e9:,.0f} GB/s each way over {g.link_name}" for g in (RTX_4090, H100_SXM))
-    return (f"Assumed: {gpus} (spec sheets); a run reaches {BANDWIDTH_FRACTION:.0%} of the bandwidth, "
-            f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link; generate() costs the host "
-            f"{HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and token at least.")
+    gpus = "; ".join(
+        f"{g.name}: {g.bandwidth / 1e9:,.0f} GB/s, {g.bf16_flops / 1e12:,.0f} TFLOP/s dense bf16"
+        + f", {g.link / 1e9:,.0f} GB/s each way over {g.link_name}"
+        for g in (RTX_4090, H100_SXM)
+    )
+    return (
+        f"Assumed: {gpus} (spec sheets); a run reaches {BANDWIDTH_FRACTION:.0%} of the bandwidth, "
+        f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link; generate() costs the host "
+        f"{HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and token at least."
+    )
 
 
 def flops(x: float) -> str:
@@ -1039,17 +1261,32 @@ def run_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Per-GPU memory of a GNDPO run; every other argument is the run's "
-                                "(a recipe file or flags).", add_help=False)
-    p.add_argument("--num_processes", type=int, default=None, help="Processes (GPUs) the run launches on "
-                   "(default: the recipe's launch comment, else 1).")
-    p.add_argument("--sharding", choices=("none", "fsdp"), default=None,
-                   help="fsdp: the student's weights, gradients and optimizer state divided over the processes "
-                   "(default: fsdp where the recipe launches with an FSDP config).")
-    p.add_argument("--time", action="store_true", help="Also print the estimated time of a step, on the GPU the "
-                   "run is sized for (one of 24 GB for LoRA, the 80 GB class for full fine-tuning).")
-    p.add_argument("--markdown", action="store_true", help="Print docs/recipes.md's memory and time tables for the "
-                   "recipes given.")
+    p = argparse.ArgumentParser(
+        description="Per-GPU memory of a GNDPO run; every other argument is the run's (a recipe file or flags).",
+        add_help=False,
+    )
+    p.add_argument(
+        "--num_processes",
+        type=int,
+        default=None,
+        help="Processes (GPUs) the run launches on (default: the recipe's launch comment, else 1).",
+    )
+    p.add_argument(
+        "--sharding",
+        choices=("none", "fsdp"),
+        default=None,
+        help="fsdp: the student's weights, gradients and optimizer state divided over the processes "
+        "(default: fsdp where the recipe launches with an FSDP config).",
+    )
+    p.add_argument(
+        "--time",
+        action="store_true",
+        help="Also print the estimated time of a step, on the GPU the "
+        "run is sized for (one of 24 GB for LoRA, the 80 GB class for full fine-tuning).",
+    )
+    p.add_argument(
+        "--markdown", action="store_true", help="Print docs/recipes.md's memory and time tables for the recipes given."
+    )
     p.add_argument("--write_docs", action="store_true", help="Rewrite docs/recipes.md's tables from every recipe.")
     p.add_argument("-h", "--help", action="store_true")
     own, rest = p.parse_known_args(argv)

@@ -39,8 +39,10 @@ def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps:
     has = torch.isfinite(rewards)
     r = torch.where(has, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
     _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-    sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
-            for x in (has.double(), r, r * r)]  # 3 x (n_groups,)
+    sums = [
+        torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=r.device).index_add_(0, inv, x)
+        for x in (has.double(), r, r * r)
+    ]  # 3 x (n_groups,)
     count, total, total_sq = (x[inv] for x in sums)  # (B,) each: the row's group
     mean = total / count.clamp(min=1)
     std = ((total_sq - count * mean**2).clamp(min=0) / (count - 1).clamp(min=1)).sqrt()
@@ -69,16 +71,22 @@ def reward_sums(batch) -> dict:
     reference answer. A prompt's G samples are on one process."""
     has = torch.isfinite(batch.rewards)
     moving = batch.group_ids[batch.reward_advantages.to(batch.group_ids.device) != 0].unique()
-    return {"reward_sum": float(batch.rewards[has].sum()), "rewarded": float(has.sum()),
-            "groups": float(batch.group_ids.unique().numel()), "groups_moving": float(moving.numel()),
-            "no_answer": float((~has).sum())}
+    return {
+        "reward_sum": float(batch.rewards[has].sum()),
+        "rewarded": float(has.sum()),
+        "groups": float(batch.group_ids.unique().numel()),
+        "groups_moving": float(moving.numel()),
+        "no_answer": float((~has).sum()),
+    }
 
 
 def reward_metrics(r: dict) -> dict:
     """The metrics line's reward keys from reward_sums reduced over processes."""
-    return {"reward_mean": r["reward_sum"] / max(r["rewarded"], 1.0),
-            "reward_groups_nonzero": r["groups_moving"] / max(r["groups"], 1.0),
-            "reward_no_answer": int(r["no_answer"])}
+    return {
+        "reward_mean": r["reward_sum"] / max(r["rewarded"], 1.0),
+        "reward_groups_nonzero": r["groups_moving"] / max(r["groups"], 1.0),
+        "reward_no_answer": int(r["no_answer"]),
+    }
 
 
 UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB
@@ -114,7 +122,7 @@ def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float
                 return float("nan")
             flat = [t.reshape(-1) for t in (_local_values(p.detach()), *parts)]  # views of contiguous tensors
             for i in range(0, flat[0].numel(), chunk):
-                after, *rest = (t[i:i + chunk].double() for t in flat)  # (c,) float64 each
+                after, *rest = (t[i : i + chunk].double() for t in flat)  # (c,) float64 each
                 if adam:
                     m, v = rest
                     move = lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + group["eps"])

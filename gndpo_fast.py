@@ -37,11 +37,16 @@ def _decoder(model):
     return (model.get_base_model() if hasattr(model, "get_base_model") else model).get_decoder()
 
 
-def _gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None,
-                  temperature: float) -> torch.Tensor:
+def _gather_logps(
+    logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     """The plain path: (..., V) logits -> (...) float32 log-probs of token_ids through one log_softmax."""
-    return torch.log_softmax(_float_logits(logits, ignore_ids, temperature), -1).gather(
-        -1, token_ids[..., None]).squeeze(-1)
+    return (
+        torch.log_softmax(_float_logits(logits, ignore_ids, temperature), -1)
+        .gather(-1, token_ids[..., None])
+        .squeeze(-1)
+    )
+
 
 # ---------------------------------------------------------------------------------------------
 # Speed-up 1, lean log-probs (--lean_logps). Replaces the script's gather_logps (log_softmax over float32
@@ -60,8 +65,9 @@ def _float_logits(logits: torch.Tensor, ignore_ids: torch.Tensor | None, tempera
     return logits
 
 
-def _chunk_logps(logits: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None,
-                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logps(
+    logits: torch.Tensor, ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., V) logits of any float dtype, (...) ids -> ((...) float32 log-probs, (...) float32 logsumexp)."""
     logits = _float_logits(logits, ignore_ids, temperature)
     picked = logits.gather(-1, ids[..., None]).squeeze(-1)
@@ -96,8 +102,9 @@ class _TokenLogps(torch.autograd.Function):
         lse = torch.empty_like(out)
         chunks = _chunks(B, T, V, chunk_elements)
         for b0, b1, t0, t1 in chunks:
-            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _chunk_logps(logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1],
-                                                               ignore_ids, temperature)
+            out[b0:b1, t0:t1], lse[b0:b1, t0:t1] = _chunk_logps(
+                logits[b0:b1, t0:t1], token_ids[b0:b1, t0:t1], ignore_ids, temperature
+            )
         ctx.save_for_backward(logits, token_ids, lse)
         ctx.ignore_ids, ctx.temperature, ctx.chunks = ignore_ids, temperature, chunks
         return out
@@ -115,8 +122,13 @@ class _TokenLogps(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def token_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
-                temperature: float = 1.0, chunk_elements: int = 2**24) -> torch.Tensor:
+def token_logps(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    ignore_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_elements: int = 2**24,
+) -> torch.Tensor:
     """Log-probability of each given token under softmax(logits / temperature).
 
     logits: (B, T, V) float32/bf16/fp16; token_ids: (B, T) int; ignore_ids: optional (K,) ids whose
@@ -149,8 +161,9 @@ class _HeadTokenLogps(torch.autograd.Function):
         out = torch.empty(token_ids.shape, dtype=torch.float32, device=hidden.device)
         logps, lse = out.view(-1), torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
         for r in range(0, len(ids), per_chunk):
-            logps[r:r + per_chunk], lse[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T,
-                                                                        ids[r:r + per_chunk], ignore_ids, temperature)
+            logps[r : r + per_chunk], lse[r : r + per_chunk] = _chunk_logps(
+                flat[r : r + per_chunk].to(dtype) @ w.T, ids[r : r + per_chunk], ignore_ids, temperature
+            )
         ctx.save_for_backward(hidden, weight, token_ids, lse)
         ctx.ignore_ids, ctx.temperature, ctx.per_chunk, ctx.dtype = ignore_ids, temperature, per_chunk, dtype
         return out
@@ -160,24 +173,41 @@ class _HeadTokenLogps(torch.autograd.Function):
         hidden, weight, token_ids, lse = ctx.saved_tensors
         flat, ids, grad_out = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), grad_out.reshape(-1)
         if ctx.needs_input_grad[1]:
-            grad, grad_weight = _head_backward_by_vocab(flat, weight, ids, lse, grad_out, ctx.ignore_ids,
-                                                        ctx.temperature, ctx.per_chunk * weight.shape[0], ctx.dtype)
+            grad, grad_weight = _head_backward_by_vocab(
+                flat,
+                weight,
+                ids,
+                lse,
+                grad_out,
+                ctx.ignore_ids,
+                ctx.temperature,
+                ctx.per_chunk * weight.shape[0],
+                ctx.dtype,
+            )
             return grad.view_as(hidden), grad_weight, None, None, None, None, None
         grad = torch.empty_like(flat)
         c, w = ctx.per_chunk, weight.to(ctx.dtype)
         for r in range(0, len(ids), c):
-            g = grad_out[r:r + c, None].float()  # (c, 1)
-            logits = _float_logits(flat[r:r + c].to(ctx.dtype) @ w.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
-            logits.sub_(lse[r:r + c, None]).exp_().mul_(-g).scatter_add_(-1, ids[r:r + c, None], g)
+            g = grad_out[r : r + c, None].float()  # (c, 1)
+            logits = _float_logits(flat[r : r + c].to(ctx.dtype) @ w.T, ctx.ignore_ids, ctx.temperature)  # (c, V)
+            logits.sub_(lse[r : r + c, None]).exp_().mul_(-g).scatter_add_(-1, ids[r : r + c, None], g)
             if ctx.temperature != 1.0:
                 logits.div_(ctx.temperature)
-            grad[r:r + c] = logits.to(ctx.dtype) @ w  # (c, H)
+            grad[r : r + c] = logits.to(ctx.dtype) @ w  # (c, H)
         return grad.view_as(hidden), None, None, None, None, None, None
 
 
-def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
-                            grad_out: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-                            chunk_elements: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_backward_by_vocab(
+    flat: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    ignore_ids: torch.Tensor | None,
+    temperature: float,
+    chunk_elements: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainable head's backward, one block of the vocabulary at a time over all N rows: the block's logits
     made again, d = (onehot(y) - softmax) / tau times the incoming gradient, then the hidden states' gradient
     (summed over blocks, float32) and the block's rows of the weight's gradient, each written once.
@@ -204,9 +234,15 @@ def _head_backward_by_vocab(flat: torch.Tensor, weight: torch.Tensor, ids: torch
     return grad.to(flat.dtype), grad_weight
 
 
-def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-               ignore_ids: torch.Tensor | None = None, temperature: float = 1.0,
-               chunk_elements: int = 2**24, dtype: torch.dtype | None = None) -> torch.Tensor:
+def head_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    ignore_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_elements: int = 2**24,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
     (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
     logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden`, and the head's
@@ -223,8 +259,9 @@ def head_logps(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tens
     flat, ids, w = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1), weight.to(dtype)
     out = torch.empty(len(ids), dtype=torch.float32, device=hidden.device)
     for r in range(0, len(ids), per_chunk):
-        out[r:r + per_chunk] = _chunk_logps(flat[r:r + per_chunk].to(dtype) @ w.T, ids[r:r + per_chunk],
-                                            ignore_ids, temperature)[0]
+        out[r : r + per_chunk] = _chunk_logps(
+            flat[r : r + per_chunk].to(dtype) @ w.T, ids[r : r + per_chunk], ignore_ids, temperature
+        )[0]
     return out.view(token_ids.shape)
 
 
@@ -235,7 +272,7 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def head_path(model) -> str:
-    """"chunked head" where chunked_head can run the LM head as head_logps: a bias-free Linear, plain or sharded
+    """ "chunked head" where chunked_head can run the LM head as head_logps: a bias-free Linear, plain or sharded
     by FSDP2 (whose unit gathers the weight for the head's own forward), whose logits nothing changes (no hook of
     another kind, no final-logit soft-capping); else "full logits" (scoring goes through the (n, T, V) logits)."""
     from torch.distributed.fsdp import FSDPModule
@@ -244,15 +281,18 @@ def head_path(model) -> str:
     head = model.get_output_embeddings()
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     fsdp = isinstance(head, FSDPModule)  # FSDP2's hooks gather and free the weight around the forward
-    ok = (isinstance(head, torch.nn.Linear) and (type(head) is torch.nn.Linear or fsdp) and head.bias is None
-          and (fsdp or not (head._forward_hooks or head._forward_pre_hooks))  # a hook that changes its logits
-          and getattr(text_config, "final_logit_softcapping", None) is None)
+    ok = (
+        isinstance(head, torch.nn.Linear)
+        and (type(head) is torch.nn.Linear or fsdp)
+        and head.bias is None
+        and (fsdp or not (head._forward_hooks or head._forward_pre_hooks))  # a hook that changes its logits
+        and getattr(text_config, "final_logit_softcapping", None) is None
+    )
     return "chunked head" if ok else "full logits"
 
 
 @contextlib.contextmanager
-def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-                 drop_last: bool):
+def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float, drop_last: bool):
     """Within it the LM head's forward returns head_logps of `token_ids` (n, T) instead of (n, keep, V) logits, so
     model(...).logits is (n, T) float32 log-probs; yields whether it did (head_path). The head's own forward is
     replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
@@ -265,8 +305,9 @@ def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None
 
     def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
         hidden = hidden[:, :-1] if drop_last else hidden
-        return head_logps(hidden, head.weight, token_ids, ignore_ids, temperature,
-                          dtype=autocast_dtype(hidden.device.type))
+        return head_logps(
+            hidden, head.weight, token_ids, ignore_ids, temperature, dtype=autocast_dtype(hidden.device.type)
+        )
 
     head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
     try:
@@ -275,13 +316,24 @@ def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None
         del head.forward
 
 
-def logps_from(model, inputs: dict, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float,
-               keep: int, drop_last: bool, lean: bool = True) -> torch.Tensor:
+def logps_from(
+    model,
+    inputs: dict,
+    token_ids: torch.Tensor,
+    ignore_ids: torch.Tensor | None,
+    temperature: float,
+    keep: int,
+    drop_last: bool,
+    lean: bool = True,
+) -> torch.Tensor:
     """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
     log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where chunked_head allows, else
     through the logits and token_logps; not lean: one log_softmax over the logits."""
-    with chunked_head(model, token_ids, ignore_ids, temperature, drop_last) if lean else contextlib.nullcontext(
-            False) as chunked:
+    with (
+        chunked_head(model, token_ids, ignore_ids, temperature, drop_last)
+        if lean
+        else contextlib.nullcontext(False) as chunked
+    ):
         out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
     if chunked:
         return out
@@ -298,8 +350,15 @@ def lean_forward(inputs_of: Callable) -> Callable:
 
     def lean_response_logps(model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
         R = rollout.response_ids.shape[1]
-        return logps_from(model, {**inputs_of(rollout), "use_cache": False}, rollout.response_ids, ignore_ids,
-                          temperature, R + 1, True)
+        return logps_from(
+            model,
+            {**inputs_of(rollout), "use_cache": False},
+            rollout.response_ids,
+            ignore_ids,
+            temperature,
+            R + 1,
+            True,
+        )
 
     return lean_response_logps
 
@@ -319,8 +378,10 @@ def _read_only(layer):
     runs again in backward then sees exactly what its first pass saw. Everything else (mask sizes, lengths) is the
     layer's own, frozen at the prompt."""
     view = copy.copy(layer)
-    view.update = lambda key_states, value_states, *args, **kwargs: (torch.cat([view.keys, key_states], -2),
-                                                                     torch.cat([view.values, value_states], -2))
+    view.update = lambda key_states, value_states, *args, **kwargs: (
+        torch.cat([view.keys, key_states], -2),
+        torch.cat([view.values, value_states], -2),
+    )
     return view
 
 
@@ -372,7 +433,8 @@ class SharedPrefix:
         prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
         seen = {}
         hook = _decoder(model).register_forward_pre_hook(
-            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True)
+            lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True
+        )
         try:
             with _checkpointing_off(model):
                 out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
@@ -382,11 +444,17 @@ class SharedPrefix:
         self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys
         self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
         # token types (mm_token_type_ids, token_type_ids): response tokens are text
-        self.types = {k: v.dtype for k, v in prompt.items() if k not in ("input_ids", "attention_mask")
-                      and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
+        self.types = {
+            k: v.dtype
+            for k, v in prompt.items()
+            if k not in ("input_ids", "attention_mask") and torch.is_tensor(v) and v.shape == prompt["input_ids"].shape
+        }
         positions = seen.get("position_ids")  # (..., u or 1, P) -> (..., n, 1)
-        self.last = None if positions is None else positions[..., -1:].expand(
-            *positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
+        self.last = (
+            None
+            if positions is None
+            else positions[..., -1:].expand(*positions.shape[:-2], len(prompt["input_ids"]), 1).index_select(-2, index)
+        )
         self.length = 0  # response tokens already in the cache
 
     def inputs(self, ids: torch.Tensor, mask: torch.Tensor, read_only: bool = False) -> dict:
@@ -395,12 +463,19 @@ class SharedPrefix:
         cache = self.cache
         if read_only:
             cache = copy.copy(self.cache)
-            cache.layers = [_read_only(layer) if hasattr(layer, "keys") and getattr(layer, "is_initialized", False)
-                            else layer for layer in self.cache.layers]
+            cache.layers = [
+                _read_only(layer) if hasattr(layer, "keys") and getattr(layer, "is_initialized", False) else layer
+                for layer in self.cache.layers
+            ]
         self.mask = torch.cat([self.mask, mask], 1)
         # use_cache asks the model for a cache to return; a read-only one is read all the same
-        inputs = {"input_ids": ids, "attention_mask": self.mask, "cache": cache, "use_cache": not read_only,
-                  **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()}}
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": self.mask,
+            "cache": cache,
+            "use_cache": not read_only,
+            **{k: torch.zeros_like(ids, dtype=dtype) for k, dtype in self.types.items()},
+        }
         if self.last is not None:
             inputs["position_ids"] = self.last + 1 + self.length + torch.arange(ids.shape[1], device=ids.device)
         self.length += ids.shape[1]
@@ -411,21 +486,24 @@ class SharedPrefix:
         return self.model(**self.inputs(ids, mask)).logits
 
     @staticmethod
-    def logps(model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
-              lean: bool = True) -> torch.Tensor:
+    def logps(
+        model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0, lean: bool = True
+    ) -> torch.Tensor:
         """response_logps, reading each distinct prompt (and its images) once: (n, R) float32. Gradients flow
         through the cache into the prompt's forward, so the student's update can use it too. lean: the response's
         log-probs through logps_from's lean path (--lean_logps), else the plain gather."""
         ids, mask = rollout.response_ids, rollout.response_mask
         shared = SharedPrefix(model, rollout.extra["prompt_inputs"], rollout.extra["prompt_index"].to(ids.device))
-        first = (token_logps if lean else _gather_logps)(shared.first[:, None], ids[:, :1], ignore_ids,
-                                                        temperature)  # (n, 1)
+        first = (token_logps if lean else _gather_logps)(
+            shared.first[:, None], ids[:, :1], ignore_ids, temperature
+        )  # (n, 1)
         if ids.shape[1] == 1:
             return first
         inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
         with _checkpointing_with_cache(model):
-            rest = logps_from(model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False,
-                              lean)  # (n, R - 1)
+            rest = logps_from(
+                model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False, lean
+            )  # (n, R - 1)
         return torch.cat([first, rest], 1)
 
     def sample(self, capture, sample_config) -> torch.Tensor:
@@ -473,8 +551,9 @@ def distinct_prompts(prompts: list, group_ids: list[int]) -> tuple[list, list[in
     return unique, index
 
 
-def check_rollout(cut: Callable, prompts, rollouts: list, num_generations: int, n_prompts: int = 2,
-                  max_tokens: int = 256):
+def check_rollout(
+    cut: Callable, prompts, rollouts: list, num_generations: int, n_prompts: int = 2, max_tokens: int = 256
+):
     """The start-up checks' rollout: all G rows of the first n_prompts prompts (a StepPrompts), responses cut to
     max_tokens. cut(prompts, rollouts, size) -> the rollouts re-cut into micro-batches of size rows (the script's
     cut_rollouts)."""
@@ -483,9 +562,12 @@ def check_rollout(cut: Callable, prompts, rollouts: list, num_generations: int, 
         raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
     first_rows = dataclasses.replace(prompts, prompts=prompts.prompts[:rows], group_ids=prompts.group_ids[:rows])
     first = cut(first_rows, rollouts, len(first_rows.prompts))[0]
-    return dataclasses.replace(first, response_ids=first.response_ids[:, :max_tokens],
-                               response_mask=first.response_mask[:, :max_tokens],
-                               sampled_logps=first.sampled_logps[:, :max_tokens])
+    return dataclasses.replace(
+        first,
+        response_ids=first.response_ids[:, :max_tokens],
+        response_mask=first.response_mask[:, :max_tokens],
+        sampled_logps=first.sampled_logps[:, :max_tokens],
+    )
 
 
 class PrefixSharing:
@@ -503,8 +585,16 @@ class PrefixSharing:
 
     ROLES = ("rollout", "teacher", "student")
 
-    def __init__(self, plain: Callable, tolerance: Callable, log=print, agree=lambda ok: ok,
-                 reasons: dict | None = None, lean: bool = True, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        plain: Callable,
+        tolerance: Callable,
+        log=print,
+        agree=lambda ok: ok,
+        reasons: dict | None = None,
+        lean: bool = True,
+        compute_dtype: torch.dtype | None = None,
+    ):
         self.plain = plain  # the forward a role falls back to, and the one checks compare with (response_logps)
         self.tolerance = tolerance  # (model, compute dtype) -> how far two forwards may differ (logps_tolerance)
         self.log, self.agree = log, agree
@@ -527,19 +617,22 @@ class PrefixSharing:
         if self.decided["rollout"] is None:
             config = models.sampling.config  # end tokens held back (min_new_tokens) were not in the sampled one
             held_back = (torch.tensor(config.eos_token_id), config.min_new_tokens) if config.min_new_tokens else None
-            self.decided["rollout"] = self.check("rollout", _unwrap(models.student), rollout, models.ignore_ids,
-                                                 args.temperature, held_back)
+            self.decided["rollout"] = self.check(
+                "rollout", _unwrap(models.student), rollout, models.ignore_ids, args.temperature, held_back
+            )
             resample = not self.decided["rollout"]
         if self.decided["teacher"] is None:  # several teachers: shared only where every one passes
             teachers = list(models.teacher.values()) if isinstance(models.teacher, dict) else [models.teacher]
             self.decided["teacher"] = all(self.check("teacher", t, rollout, models.ignore_ids) for t in teachers)
         if self.decided["student"] is None:
-            self.decided["student"] = self.check("student", models.student, rollout, models.ignore_ids,
-                                                 args.temperature)
+            self.decided["student"] = self.check(
+                "student", models.student, rollout, models.ignore_ids, args.temperature
+            )
         return not resample
 
-    def logps(self, role: str, model, rollout, ignore_ids: torch.Tensor | None,
-              temperature: float = 1.0) -> torch.Tensor:
+    def logps(
+        self, role: str, model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0
+    ) -> torch.Tensor:
         """(n, R) float32 log-probs of the rollout's response tokens under `model`, the way `role` was decided (a
         role not checked yet is checked on this rollout first)."""
         if self.decided[role] is None:
@@ -560,8 +653,15 @@ class PrefixSharing:
         """Each role's decision, for summary.json."""
         return {role: self.decided[role] for role in ("teacher", "student", "rollout")}
 
-    def check(self, role: str, model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0,
-              held_back: tuple | None = None) -> bool:
+    def check(
+        self,
+        role: str,
+        model,
+        rollout,
+        ignore_ids: torch.Tensor | None,
+        temperature: float = 1.0,
+        held_back: tuple | None = None,
+    ) -> bool:
         """Shared against plain on `rollout`, agreed on by every process; logs the decision and, on a fallback,
         which comparison failed. rollout: the log-probs recorded while sampling against the plain forward in eval
         mode (held_back: (end ids, positions) the sampler kept the end tokens out of, so the plain forward does too).
@@ -591,8 +691,10 @@ class PrefixSharing:
         if agreed:
             self.log(f"{role}: each prompt read once for its G samples (checked against the plain forward: {why})")
         else:
-            self.log(f"{role}: falling back to one full forward per sample "
-                     f"({why if not ok else 'another process found the shared prompt unequal'})")
+            self.log(
+                f"{role}: falling back to one full forward per sample "
+                f"({why if not ok else 'another process found the shared prompt unequal'})"
+            )
         return agreed
 
     def _compare_values(self, role: str, plain, shared, valid, tolerance: float, what: str = "values") -> tuple:
@@ -600,8 +702,7 @@ class PrefixSharing:
         ok = math.isfinite(difference) and difference <= tolerance
         return ok, f"{what} {'equal' if ok else 'differ'}: max |difference| {difference:.2e}, tolerance {tolerance:.0e}"
 
-    def _compare_forwards(self, role: str, model, rollout, ignore_ids, temperature: float,
-                          tolerance: float) -> tuple:
+    def _compare_forwards(self, role: str, model, rollout, ignore_ids, temperature: float, tolerance: float) -> tuple:
         trainable = [p for p in model.parameters() if p.requires_grad]
         valid = rollout.response_mask.bool()
         weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)).to(valid.device) * valid
@@ -611,15 +712,21 @@ class PrefixSharing:
                 out = fn(model, rollout, ignore_ids, temperature)
                 if trainable:
                     found = torch.autograd.grad((out * weights).sum(), trainable, allow_unused=True)
-                    grads[path] = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float()
-                                             for g, p in zip(found, trainable)])
+                    grads[path] = torch.cat(
+                        [
+                            (g if g is not None else torch.zeros_like(p)).flatten().float()
+                            for g, p in zip(found, trainable)
+                        ]
+                    )
                 logps[path] = out.detach()
         ok, why = self._compare_values(role, logps["plain"], logps["shared"], valid, tolerance)
         if ok and trainable:
             relative = ((grads["shared"] - grads["plain"]).norm() / grads["plain"].norm().clamp(min=1e-30)).item()
             ok = math.isfinite(relative) and relative <= tolerance
-            why += (f"; gradients {'equal' if ok else 'differ'}: relative difference {relative:.2e}, "
-                    f"tolerance {tolerance:.0e}")
+            why += (
+                f"; gradients {'equal' if ok else 'differ'}: relative difference {relative:.2e}, "
+                f"tolerance {tolerance:.0e}"
+            )
         return ok, why
 
 
@@ -650,5 +757,3 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None = None, b
     inner = (probs.gather(1, ids.clamp(max=V - 1)) * (ids < V)).cumsum(-1, dtype=torch.float64)
     j = torch.searchsorted(inner, torch.minimum(u - before, inner[:, -1:])).clamp_(max=block - 1)
     return k * block + j
-
-

@@ -54,15 +54,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # PART I: GNDPO. Arguments, the math, the step, main(). A reader who stops at PART II knows the whole method.
 # =============================================================================================================
 
+
 def arg(default, help: str):
     """A dataclass field whose help text shows in --help."""
     return field(default=default, metadata={"help": help})
 
+
 @dataclass
 class Args:
     # --- GNDPO, as in the paper (arXiv 2606.09091) ---
-    advantage_mode: str = arg("global", "global (GNDPO) | none (OPD) | sequence, group, center, scale, per_teacher, "
-                              "constant (ablations).")
+    advantage_mode: str = arg(
+        "global", "global (GNDPO) | none (OPD) | sequence, group, center, scale, per_teacher, constant (ablations)."
+    )
     score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
     prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
     num_generations: int = arg(4, "G: sampled responses per prompt.")
@@ -85,8 +88,10 @@ class Args:
     num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
     # --- models ---
     student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student checkpoint: Hub id or path.")
-    teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"), "Teacher checkpoint (the student's "
-                             "tokenizer); several: name=path pairs, comma-separated (gndpo_teachers.py).")
+    teacher_model: str = arg(
+        os.path.join(HERE, "assets/tiny/teacher"),
+        "Teacher checkpoint (the student's tokenizer); several: name=path pairs, comma-separated (gndpo_teachers.py).",
+    )
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
     shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers.py).")
     dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
@@ -96,16 +101,19 @@ class Args:
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")
     lora_dropout: float = arg(0.0, "LoRA dropout.")
     # in_proj_qkv, in_proj_z, out_proj: Qwen3.5's gated delta net layers; names a model lacks are skipped
-    lora_target_modules: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,"
-                                   "out_proj", "The language model's linear layers to adapt, comma-separated.")
+    lora_target_modules: str = arg(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,out_proj",
+        "The language model's linear layers to adapt, comma-separated.",
+    )
     # --- data (docs/data.md: the accepted layouts) ---
     dataset_name: str = arg(os.path.join(HERE, "assets/tiny/data"), "Hub id, local folder or data file.")
     dataset_config: str | None = arg(None, "Dataset configuration name.")
     train_split: str = arg("train", "Split to train on.")
     eval_split: str = arg("test", "Held-out split for greedy evaluation.")
     image_column: str = arg("image", "Column of one image or a list (at its default, 'images' too).")
-    question_column: str = arg("question", "Prompt column: text or chat messages (at its default, 'prompt', "
-                               "'messages', 'conversations' too).")
+    question_column: str = arg(
+        "question", "Prompt column: text or chat messages (at its default, 'prompt', 'messages', 'conversations' too)."
+    )
     answer_column: str = arg("answer", "Reference answer column (at its default, 'completion' too); eval only.")
     teacher_column: str = arg("teacher", "Several teachers: the column naming each row's teacher.")
     image_root: str | None = arg(None, "Folder relative image paths start from (default: the data file's folder).")
@@ -145,6 +153,7 @@ class Args:
     resume_from_checkpoint: str | None = arg(None, "A checkpoint folder, or 'latest' (the newest in output_dir).")
     report_to: str = arg("none", "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated).")
 
+
 # --- GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
 
 import math  # noqa: E402, F811  (repeated so that the section stands alone)
@@ -155,12 +164,15 @@ import torch.distributed as dist  # noqa: E402, F811
 ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher", "constant")
 LOSS_TYPES = ("gspo", "ppo")
 
-def distill_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
-                   clip: float = 5.0) -> torch.Tensor:
+
+def distill_scores(
+    teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor, clip: float = 5.0
+) -> torch.Tensor:
     """GNDPO's per-token reward s = clamp(teacher_lp - student_lp, -clip, clip), a one-sample estimate of
     -KL(student || teacher) at the token. All (B, T); returns (B, T) float32, exactly 0 off the mask."""
     scores = (teacher_logps.float() - student_logps.float()).clamp(-clip, clip)
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
 
 def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
     """(3,) float64 (count, sum, sum of squares) of the valid scores, all-reduced in one call when torch.distributed
@@ -171,8 +183,17 @@ def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> 
         dist.all_reduce(stats)
     return stats
 
-def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total: torch.Tensor,
-            total_sq: torch.Tensor, eps: float, center: bool = True, scale: bool = True) -> torch.Tensor:
+
+def _whiten(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    count: torch.Tensor,
+    total: torch.Tensor,
+    total_sq: torch.Tensor,
+    eps: float,
+    center: bool = True,
+    scale: bool = True,
+) -> torch.Tensor:
     """(s - mean) / sqrt(unbiased var + eps) from float64 sums broadcastable to scores; 0 off the mask.
     center=False keeps the mean (s / std), scale=False the spread (s - mean)."""
     mean = total / count.clamp(min=1)
@@ -182,10 +203,18 @@ def _whiten(scores: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, total
         adv = adv / torch.sqrt(var + eps)
     return (adv * mask).to(scores.dtype)
 
-def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global",
-                     group_ids: torch.Tensor | None = None, eps: float = 1e-8, all_reduce: bool = True,
-                     teacher_ids: torch.Tensor | None = None, num_teachers: int = 0, constant: float = -1.0
-                     ) -> torch.Tensor:
+
+def normalize_scores(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str = "global",
+    group_ids: torch.Tensor | None = None,
+    eps: float = 1e-8,
+    all_reduce: bool = True,
+    teacher_ids: torch.Tensor | None = None,
+    num_teachers: int = 0,
+    constant: float = -1.0,
+) -> torch.Tensor:
     """Advantages from raw scores (B, T) and the response mask (B, T); returns (B, T), 0 off the mask.
 
     none:   A = s * m (plain on-policy distillation, OPD).
@@ -205,9 +234,11 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
     if mode in ("global", "center", "scale"):
         stats = _global_sums(scores, mask, all_reduce)  # (3,)
         if stats[0] < 2:
-            raise ValueError(f"{mode} normalization needs at least 2 valid response tokens in the batch, got "
-                             f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses "
-                             f"are not empty")
+            raise ValueError(
+                f"{mode} normalization needs at least 2 valid response tokens in the batch, got "
+                f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses "
+                f"are not empty"
+            )
         return _whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
     if mode == "per_teacher":
         if teacher_ids is None or num_teachers < 1:
@@ -218,27 +249,40 @@ def normalize_scores(scores: torch.Tensor, response_mask: torch.Tensor, mode: st
         if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
         if ((sums[0] > 0) & (sums[0] < 2)).any() or sums[0].sum() < 2:
-            raise ValueError(f"per_teacher normalization needs at least 2 valid response tokens of every teacher "
-                             f"that has any, got {sums[0].long().tolist()} by teacher: raise max_new_tokens or "
-                             f"prompts_per_step")
+            raise ValueError(
+                f"per_teacher normalization needs at least 2 valid response tokens of every teacher "
+                f"that has any, got {sums[0].long().tolist()} by teacher: raise max_new_tokens or "
+                f"prompts_per_step"
+            )
         return _whiten(scores, mask, *(x[ids][:, None] for x in sums), eps)
     if int(mask.sum()) < 2:
         raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(mask.sum())}")
     if mode == "sequence":
-        return _whiten(scores, mask, mask.sum(1, keepdim=True), s.sum(1, keepdim=True), (s * s).sum(1, keepdim=True),
-                       eps)
+        return _whiten(
+            scores, mask, mask.sum(1, keepdim=True), s.sum(1, keepdim=True), (s * s).sum(1, keepdim=True), eps
+        )
     if mode == "group":
         if group_ids is None:
             raise ValueError("group normalization needs group_ids (B,): the prompt index of each response")
         _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-        sums = [torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=s.device).index_add_(0, inv, x.sum(1))
-                for x in (mask, s, s * s)]  # 3 x (n_groups,)
+        sums = [
+            torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=s.device).index_add_(0, inv, x.sum(1))
+            for x in (mask, s, s * s)
+        ]  # 3 x (n_groups,)
         return _whiten(scores, mask, *(x[inv][:, None] for x in sums), eps)
     raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
 
-def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-                loss_type: str = "gspo", clip_low: float = 0.2, clip_high: float = 0.2,
-                num_sequences: float | None = None) -> tuple[torch.Tensor, dict]:
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_type: str = "gspo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    num_sequences: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss (GNDPO's GSPO update). All inputs (B, T); logps carries the gradient.
 
     gspo: sequence ratio l_i = mean_t (logp - old_logp) over the row's valid tokens; per token
@@ -268,25 +312,32 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     loss = seq_loss[has_tokens].sum() / count if count > 0 else (loss_tok * 0).sum()
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        metrics = {"clip_frac": ((clipped > unclipped).to(mask.dtype) * mask).sum().item() / n.item(),
-                   "ratio_mean": (ratio * mask).sum().item() / n.item(),
-                   "ratio_max": ratio.masked_fill(mask == 0, 0).max().item() if mask.any() else 0.0}
+        metrics = {
+            "clip_frac": ((clipped > unclipped).to(mask.dtype) * mask).sum().item() / n.item(),
+            "ratio_mean": (ratio * mask).sum().item() / n.item(),
+            "ratio_max": ratio.masked_fill(mask == 0, 0).max().item() if mask.any() else 0.0,
+        }
     return loss, metrics
 
+
 # --- What travels between the step's functions
+
 
 @dataclass
 class Rollout:
     """One micro-batch of n sampled responses, from any sampler (sample_rollouts, your own generate())."""
+
     response_ids: torch.Tensor  # (n, R) sampled token ids, padding after a row's end token
     response_mask: torch.Tensor  # (n, R) 1 up to and including the end token
     sampled_logps: torch.Tensor  # (n, R) float32 log pi(y_t) of the policy that sampled, recorded as it sampled
     row_inputs: dict | None = None  # the processor's batch of every row's prompt: what the scoring forward reads
     extra: dict = field(default_factory=dict)  # what the optional modules attach (distinct prompts, teachers)
 
+
 @dataclass
 class ScoredBatch:
     """A step's rollouts on this process, scored. (n, R) tensors, rows in the order of the rollouts' rows."""
+
     rollouts: list[Rollout]  # the micro-batches, in order
     group_ids: torch.Tensor  # (n,) each row's prompt id: the G samples of a prompt share one
     response_mask: torch.Tensor  # (n, R) long; 0 also where a log-prob was not finite
@@ -307,13 +358,15 @@ class ScoredBatch:
         out, start = [], 0
         for r in self.rollouts:
             n, R = r.response_ids.shape
-            out.append((r, self.advantages[start:start + n, :R], self.response_mask[start:start + n, :R]))
+            out.append((r, self.advantages[start : start + n, :R], self.response_mask[start : start + n, :R]))
             start += n
         return out
+
 
 @dataclass
 class Models:
     """The models a step runs, and how each gives its log-probs of a rollout's sampled tokens."""
+
     student: torch.nn.Module  # trainable, as Accelerate prepared it: the update's forwards and backward
     teacher: torch.nn.Module  # frozen (4-bit nf4 by default), never prepared; several teachers: {name: model}
     processor: object  # the student's processor: it encodes every prompt, for both models
@@ -332,9 +385,11 @@ class Models:
         """(n, R) float32 student log-probs of a micro-batch's sampled tokens, with the gradient when enabled."""
         return (self.student_forward or response_logps)(self.student, rollout, self.ignore_ids, temperature)
 
+
 @dataclass
 class StepPrompts:
     """This process's prompts of a step, each repeated G times, and the seed its sampling draws from."""
+
     step: int  # 0-based
     seed: int  # step_seed(args.seed, step, process): a resumed run samples what the interrupted one would have
     prompts: list  # n = (this process's prompts) x G pairs (prompt, images), a prompt's G rows next to each other
@@ -342,21 +397,32 @@ class StepPrompts:
     answers: list  # (n,) each row's reference answer, None where the data has none
     teachers: list[str] | None = None  # several teachers: (n,) each row's teacher name (its --teacher_column)
 
+
 # --- The step: prompts -> rollouts -> scores and advantages -> student update
 
-def step_prompts(train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1,
-                 process_index: int = 0) -> StepPrompts:
+
+def step_prompts(
+    train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1, process_index: int = 0
+) -> StepPrompts:
     """This process's share of the step's B prompts, each repeated G times, and the step's sampling seed."""
     prompts, group_ids, answers, teachers = [], [], [], []
-    for group_id, position in process_prompts(step, len(train_keep), args.prompts_per_step, args.seed,
-                                              num_processes, process_index):
+    for group_id, position in process_prompts(
+        step, len(train_keep), args.prompts_per_step, args.seed, num_processes, process_index
+    ):
         row = train_ds[train_keep[position]]
         prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
         group_ids += [group_id] * args.num_generations
         answers += [row[args.answer_column]] * args.num_generations
         teachers += [row.get(args.teacher_column)] * args.num_generations
-    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers,
-                       teachers if len(teacher_paths(args)) > 1 else None)
+    return StepPrompts(
+        step,
+        step_seed(args.seed, step, process_index),
+        prompts,
+        group_ids,
+        answers,
+        teachers if len(teacher_paths(args)) > 1 else None,
+    )
+
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
     """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored by score_rollouts, then the options
@@ -368,12 +434,15 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
     t0 = time.time()
     if args.score_std_floor > 0 or args.reward_weight:  # BEYOND THE PAPER (gndpo_extras), each off by default
         optional("gndpo_extras", "--score_std_floor and --reward_weight").beyond_the_paper(
-            batch, args, whiten_or_skip, lambda: task_rewards(models.processor, rollouts, prompts.answers), log)
+            batch, args, whiten_or_skip, lambda: task_rewards(models.processor, rollouts, prompts.answers), log
+        )
     batch.seconds.update(generate=t_generate, score=batch.seconds["score"] + time.time() - t0)
     return batch
 
-def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Tensor, args: Args,
-                   log=print) -> ScoredBatch:
+
+def score_rollouts(
+    models: Models, rollouts: list[Rollout], group_ids: torch.Tensor, args: Args, log=print
+) -> ScoredBatch:
     """The paper's steps 2-4 on rollouts from any source (sampled_logps: the sampling policy's; group_ids (n,): each
     row's prompt id): the teacher's log-prob of every sampled token, the scores (args.score_type) and the advantages
     over the global batch (args.advantage_mode), once, before any update. Non-finite log-probs (a broken teacher)
@@ -393,27 +462,58 @@ def score_rollouts(models: Models, rollouts: list[Rollout], group_ids: torch.Ten
     group_ids = torch.as_tensor(group_ids, device=mask.device)
     extra = {}
     if isinstance(models.teacher, dict):  # several teachers (gndpo_teachers): each row's, for per_teacher
-        extra = {"teacher_names": list(models.teacher),
-                 "teacher_ids": torch.cat([r.extra["teacher_ids"] for r in rollouts]).to(mask.device)}  # (n,)
-    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log,
-                                constant=args.constant_advantage, **extra)
-    return ScoredBatch(rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite,
-                       {"score": time.time() - t0}, extra=extra)
+        extra = {
+            "teacher_names": list(models.teacher),
+            "teacher_ids": torch.cat([r.extra["teacher_ids"] for r in rollouts]).to(mask.device),
+        }  # (n,)
+    advantages = whiten_or_skip(
+        scores, mask, args.advantage_mode, group_ids, nonfinite, log, constant=args.constant_advantage, **extra
+    )
+    return ScoredBatch(
+        rollouts,
+        group_ids,
+        mask,
+        teacher_logps,
+        student_logps,
+        scores,
+        advantages,
+        nonfinite,
+        {"score": time.time() - t0},
+        extra=extra,
+    )
 
-def whiten_or_skip(scores: torch.Tensor, mask: torch.Tensor, mode: str, group_ids: torch.Tensor, nonfinite: int,
-                   log=print, teacher_ids: torch.Tensor | None = None, teacher_names: list | None = None,
-                   constant: float = -1.0):
+
+def whiten_or_skip(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    group_ids: torch.Tensor,
+    nonfinite: int,
+    log=print,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_names: list | None = None,
+    constant: float = -1.0,
+):
     """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
     loss and, through the gradient all-reduce, every process's gradient non-finite, so all processes skip together."""
     try:
-        return normalize_scores(scores, mask, mode, group_ids, teacher_ids=teacher_ids,
-                                num_teachers=len(teacher_names or ()), constant=constant)
+        return normalize_scores(
+            scores,
+            mask,
+            mode,
+            group_ids,
+            teacher_ids=teacher_ids,
+            num_teachers=len(teacher_names or ()),
+            constant=constant,
+        )
     except ValueError as e:
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         return torch.full_like(scores, float("nan"))
 
-def update_student(models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args,
-                   loss_fn=policy_loss, log=print) -> dict:
+
+def update_student(
+    models: Models, optimizer, scheduler, accelerator, batch: ScoredBatch, args: Args, loss_fn=policy_loss, log=print
+) -> dict:
     """The step's optimizer updates: K = steps_per_generation mini-batches, one update each, E = num_iterations
     passes (K = E = 1, the paper's: one update, ratio 1). The first mini-batch's first forward runs before any update,
     so its detached log-probs are the old policy's; the others' come from old_policy_logps. Each loss is a mean over
@@ -436,8 +536,9 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
                 with accelerator.accumulate(models.student):
                     logps = models.student_logps_of(rollout, args.temperature)  # (n, R) with the gradient
                     old = old_logps.setdefault(i, logps.detach())  # first mini-batch, first pass: not moved yet
-                    loss, m = loss_fn(logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high,
-                                      sequences[k])
+                    loss, m = loss_fn(
+                        logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high, sequences[k]
+                    )
                     accelerator.backward(loss * scale)
                 stats.micro_batch(loss, m, mask, old, rollout.sampled_logps if epoch == 0 else None)
             grad_norm = accelerator.clip_grad_norm_(models.student.parameters(), args.max_grad_norm)
@@ -445,17 +546,22 @@ def update_student(models: Models, optimizer, scheduler, accelerator, batch: Sco
             if update_is_finite(accelerator, stats.update_loss, grad_norm):  # every process decides alike
                 optimizer.step()
                 scheduler.step()
-                stats.update(grad_norm, lr, models.update_size(optimizer, accelerator) if models.update_size
-                             else float("nan"))
+                stats.update(
+                    grad_norm, lr, models.update_size(optimizer, accelerator) if models.update_size else float("nan")
+                )
             else:
                 stats.update(grad_norm, lr)
-                log(f"non-finite loss or gradient (loss {stats.update_loss}, grad norm {grad_norm}); update "
-                    f"{epoch * K + k + 1} of {K * E} skipped")
+                log(
+                    f"non-finite loss or gradient (loss {stats.update_loss}, grad norm {grad_norm}); update "
+                    f"{epoch * K + k + 1} of {K * E} skipped"
+                )
             optimizer.zero_grad(set_to_none=True)
             # ALGO END
     return stats.result(time.time() - t0)
 
+
 # --- main(): set-up, then the loop over the step's functions
+
 
 def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) -> dict:
     """Trains the student; returns the run's summary (also written to output_dir/summary.json).
@@ -464,15 +570,23 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     replaces the teacher's scoring forward and loss_fn the policy loss (to record what a step used, or to feed
     broken numbers)."""
     from tqdm.auto import tqdm
+
     run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
     accelerator, models, log, summary = run.accelerator, run.models, run.log, run.summary
     if run.eval_rows and "student_accuracy_before" not in summary:
         t, s = run.evaluate(models.teacher, 0), run.evaluate(run.policy, 0)
-        summary.update(teacher_accuracy=t["accuracy"], teacher_format_rate=t["format_rate"],
-                       student_accuracy_before=s["accuracy"], student_format_rate_before=s["format_rate"],
-                       **per_teacher(t, "teacher_accuracy"), **per_teacher(s, "student_accuracy_before"))
-        log(f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
-            f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows")
+        summary.update(
+            teacher_accuracy=t["accuracy"],
+            teacher_format_rate=t["format_rate"],
+            student_accuracy_before=s["accuracy"],
+            student_format_rate_before=s["format_rate"],
+            **per_teacher(t, "teacher_accuracy"),
+            **per_teacher(s, "student_accuracy_before"),
+        )
+        log(
+            f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
+            f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows"
+        )
         if accelerator.is_main_process:  # a resumed run reads "before" from it: its student is no longer the first
             with open(run.summary_path, "w") as f:
                 json.dump(summary, f, indent=2)
@@ -480,39 +594,65 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     # --- the loop: prompts, rollouts and their advantages, the update, the metrics ---
     models.student.train()
     # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
-    progress = tqdm(range(run.start_step, args.max_steps), initial=run.start_step, total=args.max_steps,
-                    desc="GNDPO", dynamic_ncols=True, **({} if accelerator.is_main_process else {"disable": True}))
+    progress = tqdm(
+        range(run.start_step, args.max_steps),
+        initial=run.start_step,
+        total=args.max_steps,
+        desc="GNDPO",
+        dynamic_ncols=True,
+        **({} if accelerator.is_main_process else {"disable": True}),
+    )
     bar = {"acc": f"{summary['student_accuracy_before']:.3f}"} if "student_accuracy_before" in summary else {}
     for step in progress:
         t_step = time.time()
         if on_step:
             on_step(step + 1)
         step_log = lambda msg: log(f"step {step + 1}: {msg}")  # noqa: E731, B023 (called within the step)
-        prompts = step_prompts(run.train_ds, run.train_keep, args, step, accelerator.num_processes,
-                               accelerator.process_index)
+        prompts = step_prompts(
+            run.train_ds, run.train_keep, args, step, accelerator.num_processes, accelerator.process_index
+        )
         batch = generate_and_score(models, prompts, args, step_log)
         update = update_student(models, run.optimizer, run.scheduler, accelerator, batch, args, loss_fn, step_log)
-        metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step,
-                               args.score_clip if args.score_type == "log_ratio" else None)
+        metrics = step_metrics(
+            accelerator,
+            batch,
+            update,
+            step + 1,
+            time.time() - t_step,
+            args.score_clip if args.score_type == "log_ratio" else None,
+        )
         count_skips(run, batch, update, metrics)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and run.eval_rows:
             e = run.evaluate(run.policy, step + 1)
-            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"],
-                           **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()})
+            metrics.update(
+                eval_accuracy=e["accuracy"],
+                eval_format_rate=e["format_rate"],
+                **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()},
+            )
             bar["acc"] = f"{e['accuracy']:.3f}"
         log_step(run, metrics, progress, bar)
         stop_if_stuck(args, run.counters, step + 1)
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
-            save_checkpoint(accelerator, models.student, models.processor, args.output_dir, step + 1,
-                            {"step": step + 1, "counters": run.counters, "args": asdict(args)}, args.save_total_limit)
+            save_checkpoint(
+                accelerator,
+                models.student,
+                models.processor,
+                args.output_dir,
+                step + 1,
+                {"step": step + 1, "counters": run.counters, "args": asdict(args)},
+                args.save_total_limit,
+            )
 
     # --- the end: the trained student (adapter/ or model/), evaluation, summary ---
     accelerator.wait_for_everyone()
     save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
     if run.eval_rows:
         e = run.evaluate(run.policy, args.max_steps)
-        summary.update(student_accuracy_after=e["accuracy"], student_format_rate_after=e["format_rate"],
-                       **per_teacher(e, "student_accuracy_after"))
+        summary.update(
+            student_accuracy_after=e["accuracy"],
+            student_format_rate_after=e["format_rate"],
+            **per_teacher(e, "student_accuracy_after"),
+        )
     finish_run(run)
     return summary
 
@@ -524,17 +664,21 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
 
 # --- Rollouts: G samples per prompt with HF generate(), the sampling policy's log-probs recorded on the fly
 
+
 def step_seed(seed: int, step: int, process_index: int) -> int:
     """A step's sampling seed: each process draws its own; a resumed run, what the interrupted one would have."""
     return (seed * 1_000_003 + step * 9_973 + process_index * 7_919) % (2**31)
+
 
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n, V) probabilities -> (n, 1) ids, one sample per row."""
     return torch.multinomial(probs, 1, generator=generator)
 
+
 @dataclass
 class Sampling:
     """How sample_rollouts draws (make_models builds it)."""
+
     config: object  # the rollouts' GenerationConfig (generation_configs)
     draw: Callable = multinomial  # (probs (n, V), generator) -> (n, 1) ids: multinomial, or gndpo_fast.draw_tokens
     device: torch.device | str = "cpu"  # the step generator's
@@ -546,41 +690,68 @@ class Sampling:
         """Which forwards read each prompt once, for summary.json."""
         return self.sharing.summary() if self.sharing else dict.fromkeys(("teacher", "student", "rollout"), False)
 
+
 def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
     """A step's rollouts in micro-batches, from a generator seeded with prompts.seed (gndpo_fast's checks at first)."""
     sampling = models.sampling
     if sampling is None:
-        raise ValueError("Models.sampling is None: make_models sets it; with rollouts of your own, call "
-                         "score_rollouts instead of generate_and_score")
+        raise ValueError(
+            "Models.sampling is None: make_models sets it; with rollouts of your own, call "
+            "score_rollouts instead of generate_and_score"
+        )
     sharing, generator = sampling.sharing, torch.Generator(sampling.device).manual_seed(prompts.seed)
     shared = sharing is not None and sharing.decided["rollout"] is not False
     generated = generate_rollouts(models, prompts, args, generator, shared)
-    if sharing is not None and sharing.pending() and not sharing.run_checks(
-            models, fast.check_rollout(lambda *a: cut_rollouts(models.processor, *a, args), prompts, generated,
-                                       args.num_generations), args):
+    if (
+        sharing is not None
+        and sharing.pending()
+        and not sharing.run_checks(
+            models,
+            fast.check_rollout(
+                lambda *a: cut_rollouts(models.processor, *a, args), prompts, generated, args.num_generations
+            ),
+            args,
+        )
+    ):
         generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
         generated = generate_rollouts(models, prompts, args, generator, False)
     row_prompts = sharing is None or not sharing.all_shared()  # while some forward may read a row's prompt whole
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
     return route_to_teachers(models, prompts, parts, args) if prompts.teachers else parts
 
+
 def route_to_teachers(models: Models, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
     """Several teachers: each micro-batch's rows by teacher, a mixed one's prompts encoded again (gndpo_teachers)."""
     encode = lambda part, rows, *flags: encode_rollout_prompts(  # rows: positions in the step's rows
-        models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args, *flags)
+        models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args, *flags
+    )
     return several_teachers().route_to_teachers(rollouts, prompts.teachers, list(models.teacher), encode)
 
-def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator,
-                      shared_prefix: bool) -> list[Rollout]:
+
+def generate_rollouts(
+    models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator, shared_prefix: bool
+) -> list[Rollout]:
     """One rollout per generation batch (args.generation_batch_size rows; 0: all of them)."""
     size = args.generation_batch_size or len(prompts.prompts)
-    return [rollout(unwrap(models.student), models.processor, prompts.prompts[i:i + size],
-                    prompts.group_ids[i:i + size], models.sampling, args, generator, shared_prefix)
-            for i in range(0, len(prompts.prompts), size)]
+    return [
+        rollout(
+            unwrap(models.student),
+            models.processor,
+            prompts.prompts[i : i + size],
+            prompts.group_ids[i : i + size],
+            models.sampling,
+            args,
+            generator,
+            shared_prefix,
+        )
+        for i in range(0, len(prompts.prompts), size)
+    ]
+
 
 def unwrap(model):
     """The model inside a DDP wrapper (FSDP2 shards in place and wraps nothing): the one with generate()."""
     return unwrap(model.module) if hasattr(model, "module") else model
+
 
 @contextlib.contextmanager
 def evaluating(model):
@@ -591,9 +762,18 @@ def evaluating(model):
     finally:
         model.train(was_training)
 
+
 @torch.no_grad()
-def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampling: Sampling, args: Args,
-            generator: torch.Generator | None = None, shared_prefix: bool = False) -> Rollout:
+def rollout(
+    model,
+    processor,
+    prompts: list[tuple],
+    group_ids: list[int],
+    sampling: Sampling,
+    args: Args,
+    generator: torch.Generator | None = None,
+    shared_prefix: bool = False,
+) -> Rollout:
     """One sampled response per row (group_ids (n,): each row's prompt), in eval mode, its sampling log-probs kept."""
     device, config, row_inputs, extra = next(model.parameters()).device, sampling.config, None, {}
     with evaluating(model), sampling.precision():
@@ -606,17 +786,24 @@ def rollout(model, processor, prompts: list[tuple], group_ids: list[int], sampli
             row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
             config = copy.copy(config)  # the suppression moves into capture
             config.suppress_tokens = None
-            ids = model.generate(**row_inputs, generation_config=config, logits_processor=[capture],
-                                 synced_gpus=sampling.synced_gpus)[:, row_inputs["input_ids"].shape[1]:]  # (n, R)
+            ids = model.generate(
+                **row_inputs, generation_config=config, logits_processor=[capture], synced_gpus=sampling.synced_gpus
+            )[:, row_inputs["input_ids"].shape[1] :]  # (n, R)
             row_inputs = pixels_on_host(row_inputs, device)
     mask = response_mask_from_ids(ids, config.eos_token_id)
     return Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, capture.finish(), row_inputs, extra)
 
+
 class SampledTokenLogps:
     """A generate() logits processor that draws each token itself, recording its (suppressed, tempered) log-prob."""
 
-    def __init__(self, temperature: float, suppress_ids: list[int] | None = None, draw: Callable = multinomial,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        temperature: float,
+        suppress_ids: list[int] | None = None,
+        draw: Callable = multinomial,
+        generator: torch.Generator | None = None,
+    ):
         self.temperature, self.logps, self.draw, self.generator = temperature, [], draw, generator
         self.suppress = torch.tensor(suppress_ids) if suppress_ids else None
 
@@ -633,35 +820,57 @@ class SampledTokenLogps:
         """(n, R) float32 log-probs of the R drawn tokens (after a row's end token: masked out later)."""
         return torch.stack(self.logps, 1)
 
+
 def generation_configs(tokenizer, model, args: Args) -> tuple:
     """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily."""
     from transformers import GenerationConfig
+
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
     eos_ids = sorted({tokenizer.eos_token_id, *(model_eos if isinstance(model_eos, list) else [model_eos])} - {None})
-    common = dict(max_new_tokens=args.max_new_tokens, suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
-                  eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    sample = GenerationConfig(do_sample=False, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0,
-                              **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}), **common)
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        suppress_tokens=vision_token_ids(tokenizer, model.config) or None,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    sample = GenerationConfig(
+        do_sample=False,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        repetition_penalty=1.0,
+        **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}),
+        **common,
+    )
     return sample, GenerationConfig(do_sample=False, **common)
+
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """(n, R) ids -> (n, R) long mask: 1 up to and including the first end token, 0 after it."""
     is_end = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device)).long()
     return (is_end.cumsum(1) - is_end == 0).long()
 
+
 def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
     """{"prompt_inputs": the processor batch of the u distinct prompts, "prompt_index": (n,) each row's in it}."""
     unique, index = fast.distinct_prompts(prompts, group_ids)
-    return {"prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
-            "prompt_index": torch.tensor(index, device=device)}
+    return {
+        "prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
+        "prompt_index": torch.tensor(index, device=device),
+    }
+
 
 def pixels_on_host(inputs: dict, device) -> dict:
     """The batch on `device`, its pixel_* tensors in host memory: the step's rollouts' pixels would fill a GPU."""
-    return {k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v
-            for k, v in inputs.items()}
+    return {
+        k: (v.cpu() if k.startswith("pixel_") else v.to(device)) if torch.is_tensor(v) else v for k, v in inputs.items()
+    }
 
-def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args,
-                 row_prompts: bool = True) -> list[Rollout]:
+
+def cut_rollouts(
+    processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args, row_prompts: bool = True
+) -> list[Rollout]:
     """Rollouts re-cut into micro-batches of `size` rows, prompts encoded again: image tensors don't slice by row."""
     if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
         return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
@@ -670,14 +879,25 @@ def cut_rollouts(processor, prompts: StepPrompts, rollouts: list[Rollout], size:
     ids = cat("response_ids").masked_fill(mask == 0, processor.tokenizer.pad_token_id)
     out = []
     for i in range(0, len(prompts.prompts), size):
-        R = max(1, int(mask[i:i + size].sum(1).max()))  # the micro-batch's longest response
-        part = Rollout(ids[i:i + size, :R], mask[i:i + size, :R], sampled[i:i + size, :R])
-        out.append(encode_rollout_prompts(processor, part, prompts.prompts[i:i + size], prompts.group_ids[i:i + size],
-                                          args, row_prompts, distinct))
+        R = max(1, int(mask[i : i + size].sum(1).max()))  # the micro-batch's longest response
+        part = Rollout(ids[i : i + size, :R], mask[i : i + size, :R], sampled[i : i + size, :R])
+        out.append(
+            encode_rollout_prompts(
+                processor,
+                part,
+                prompts.prompts[i : i + size],
+                prompts.group_ids[i : i + size],
+                args,
+                row_prompts,
+                distinct,
+            )
+        )
     return out
 
-def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[int], args: Args, row_prompts: bool,
-                           distinct: bool) -> Rollout:
+
+def encode_rollout_prompts(
+    processor, part: Rollout, rows: list, groups: list[int], args: Args, row_prompts: bool, distinct: bool
+) -> Rollout:
     """`part` with its rows' prompts encoded: every row's (row_prompts), the distinct ones (distinct)."""
     device = part.response_ids.device
     if row_prompts:
@@ -685,12 +905,15 @@ def encode_rollout_prompts(processor, part: Rollout, rows: list, groups: list[in
     part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device) if distinct else {})
     return part
 
+
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[(n_i, R_i)] -> (sum n_i, max R_i), right-padded with zeros."""
     width = max(t.shape[1] for t in tensors)
     return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
 
+
 # --- Scoring: log-probs of the sampled tokens under a model, on the same ids and images
+
 
 def sequence_inputs(rollout: Rollout) -> dict:
     """Prompt (row_inputs) + response as one forward's inputs: each per-token input (token types too) grows by it."""
@@ -701,12 +924,15 @@ def sequence_inputs(rollout: Rollout) -> dict:
             inputs[key] = torch.cat([value, extra.to(value.dtype)], 1)
     return {k: v.to(response.device) if torch.is_tensor(v) else v for k, v in inputs.items()}  # pixels: from host
 
-def gather_logps(logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None,
-                 temperature: float = 1.0) -> torch.Tensor:
+
+def gather_logps(
+    logits: torch.Tensor, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None = None, temperature: float = 1.0
+) -> torch.Tensor:
     """(n, T, V) logits, (n, T) ids -> (n, T) float32 log-probs of softmax(logits / temperature), ignore_ids at -inf."""
     logits = logits.float() / temperature
     logits = logits if ignore_ids is None else logits.index_fill(-1, ignore_ids, float("-inf"))
     return torch.log_softmax(logits, -1).gather(-1, token_ids[..., None]).squeeze(-1)
+
 
 def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
     """(n, R) float32 response log-probs: one forward of prompt + response, the LM head on the last R + 1 positions."""
@@ -714,60 +940,82 @@ def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, tem
     logits = model(**sequence_inputs(rollout), use_cache=False, logits_to_keep=R + 1).logits  # (n, R + 1, V)
     return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)  # t's logits predict t + 1
 
+
 # --- Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
 
-def power_scores(teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor,
-                 alpha: float = 5.0) -> torch.Tensor:
+
+def power_scores(
+    teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor, alpha: float = 5.0
+) -> torch.Tensor:
     """PowerOPD's score p_T^alpha - p_S^alpha (arXiv 2606.17199), in [-1, 1]: (B, T) float32, 0 off the mask."""
     scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
 
 
 # --score_type: (teacher_logps, student_logps, response_mask, args) -> (B, T) scores, read once by score_rollouts
-SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
-          "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}  # PowerOPD's bounded score
+SCORES = {
+    "log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
+    "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha),
+}  # PowerOPD's bounded score
 
 # --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
+
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"auto": auto, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
+
 def lora_target_names(model, target_modules: str) -> list[str]:
     """The language model's linear layers named in `target_modules`: the vision tower's of the same names excluded."""
     wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
     inside = {id(m) for m in model.get_decoder().modules()}
-    names = [n for n, m in model.named_modules() if id(m) in inside and isinstance(m, torch.nn.Linear)
-             and n.rsplit(".", 1)[-1] in wanted]
+    names = [
+        n
+        for n, m in model.named_modules()
+        if id(m) in inside and isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in wanted
+    ]
     if not names:
-        raise ValueError(f"no linear layer named {sorted(wanted)} in the language model "
-                         f"({type(model.get_decoder()).__name__}): set --lora_target_modules to names of its layers")
+        raise ValueError(
+            f"no linear layer named {sorted(wanted)} in the language model "
+            f"({type(model.get_decoder()).__name__}): set --lora_target_modules to names of its layers"
+        )
     return names
 
 
 # Each family's vision encoder: vision_tower (InternVL, Gemma 3, LLaVA), visual (Qwen-VL), vision_model (SmolVLM)
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")
 
+
 def freeze_vision_tower(model) -> None:
     """Full fine-tuning trains the paper's part, all but the vision encoder (found by name, else ValueError)."""
     inner = getattr(model, "model", model)
     tower = next((getattr(inner, n) for n in VISION_TOWERS if getattr(inner, n, None) is not None), None)
     if tower is None:
-        raise ValueError(f"no vision encoder named {VISION_TOWERS} in {type(inner).__name__}: full fine-tuning "
-                         f"(--lora_r 0) freezes it, so it must be found; use LoRA (--lora_r 16) for this model")
+        raise ValueError(
+            f"no vision encoder named {VISION_TOWERS} in {type(inner).__name__}: full fine-tuning "
+            f"(--lora_r 0) freezes it, so it must be found; use LoRA (--lora_r 16) for this model"
+        )
     for name, p in tower.named_parameters():  # the projectors inside: Qwen-VL's merger, Qwen3-VL's DeepStack's
         p.requires_grad_(name.split(".")[0] in ("merger", "deepstack_merger_list"))
+
 
 def load_student(args: Args, dtype: torch.dtype):
     """A LoRA adapter on the language model's linear layers; --lora_r 0: the whole model but its vision encoder."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
+
     model = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=dtype)
     if args.lora_r == 0:
         freeze_vision_tower(model)
     else:
-        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          target_modules=lora_target_names(model, args.lora_target_modules), task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=lora_target_names(model, args.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(model, lora)
@@ -777,31 +1025,48 @@ def load_student(args: Args, dtype: torch.dtype):
     model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
     return model
 
+
 def optional(module: str, flags: str):
     """An optional module beside this file, which `flags` ask for; start-up stops naming it when it is absent."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"{flags} need the optional module {module}.py beside gndpo_minimal.py: copy it there, or "
-                         f"run without them") from e
+        raise ValueError(
+            f"{flags} need the optional module {module}.py beside gndpo_minimal.py: copy it there, or run without them"
+        ) from e
+
 
 def several_teachers():
     """gndpo_teachers, behind several teachers and the sharded teacher."""
     return optional("gndpo_teachers", "several teachers (--teacher_model name=path,...) and --shard_teacher")
+
 
 def teacher_paths(args: Args) -> dict[str, str]:
     """--teacher_model as {name: path}: one path, named 'teacher', or several teachers' name=path pairs."""
     value = args.teacher_model
     return several_teachers().teacher_paths(value) if "=" in value else {"teacher": value}
 
+
 def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str | None = None):
     """The frozen teacher (`path` or args.teacher_model), a replica per process; teacher_4bit: nf4 but the lm_head."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
-    quantized = dict(device_map={"": device}, quantization_config=BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True),
-    ) if args.teacher_4bit else {}
+
+    quantized = (
+        dict(
+            device_map={"": device},
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=dtype,
+                bnb_4bit_use_double_quant=True,
+            ),
+        )
+        if args.teacher_4bit
+        else {}
+    )
     model = AutoModelForImageTextToText.from_pretrained(path or args.teacher_model, dtype=dtype, **quantized)
     return (model if args.teacher_4bit else model.to(device)).eval().requires_grad_(False)
+
 
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
     """Stops unless both tokenizers give the same ids: scores compare log-probs of the same ids."""
@@ -812,41 +1077,62 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
         raise ValueError(
             f"teacher and student tokenizers differ ({len(t_vocab)} vs {len(s_vocab)} entries; student-only "
             f"(token, id) e.g. {only_s}, teacher-only e.g. {only_t}). GNDPO scores the student's sampled token "
-            f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family.")
+            f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family."
+        )
     for name in ("eos_token_id", "pad_token_id"):
         if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
-            raise ValueError(f"teacher and student tokenizers disagree on {name}: "
-                             f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}")
+            raise ValueError(
+                f"teacher and student tokenizers disagree on {name}: "
+                f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}"
+            )
     probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
     if student_tokenizer(probe)["input_ids"] != teacher_tokenizer(probe)["input_ids"]:
-        raise ValueError("teacher and student tokenizers encode the same text to different ids: use a teacher "
-                         "of the student's model family")
+        raise ValueError(
+            "teacher and student tokenizers encode the same text to different ids: use a teacher "
+            "of the student's model family"
+        )
+
 
 def check_same_image_inputs(student_processor, teacher_processor) -> None:
     """Stops unless both processors make the same inputs of a prompt and a 3:2 (tiled) image: the teacher reads them."""
     from PIL import Image
+
     probe = [("How many shapes are in the image?", [Image.new("RGB", (96, 64), (200, 60, 60))])]
     s, t = encode_prompts(student_processor, probe), encode_prompts(teacher_processor, probe)
     differ = sorted(k for k in set(s) | set(t) if k not in s or k not in t or not torch.equal(s[k], t[k]))
     if differ:
         shapes = {k: (tuple(s[k].shape) if k in s else None, tuple(t[k].shape) if k in t else None) for k in differ}
-        raise ValueError(f"the student's and the teacher's processors make different model inputs from the same "
-                         f"prompt and image ({shapes}, student vs teacher): the teacher would score inputs made for "
-                         f"the student. Pick a teacher with the student's image processing and chat template.")
+        raise ValueError(
+            f"the student's and the teacher's processors make different model inputs from the same "
+            f"prompt and image ({shapes}, student vs teacher): the teacher would score inputs made for "
+            f"the student. Pick a teacher with the student's image processing and chat template."
+        )
+
 
 def vision_token_ids(tokenizer, config=None) -> list[int]:
     """The image/video special tokens (by name, and the config's token ids), never sampled: they break scoring."""
-    ids = {i for i, tok in tokenizer.added_tokens_decoder.items()
-           if tok.special and re.search(r"image|img|vision|video|row_\d+_col_\d+", tok.content, re.IGNORECASE)}
-    ids |= {v for k, v in (config.to_dict().items() if config is not None else ()) if isinstance(v, int)
-            and k.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", k)}
+    ids = {
+        i
+        for i, tok in tokenizer.added_tokens_decoder.items()
+        if tok.special and re.search(r"image|img|vision|video|row_\d+_col_\d+", tok.content, re.IGNORECASE)
+    }
+    ids |= {
+        v
+        for k, v in (config.to_dict().items() if config is not None else ())
+        if isinstance(v, int)
+        and k.endswith(("token_id", "token_index"))
+        and re.search(r"image|video|vision|boi|eoi", k)
+    }
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
 
+
 # --- Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
+
 
 def load_image(value):
     """A dataset cell (PIL image, {'bytes', 'path'} or path) as RGB; ValueError naming a missing or unreadable image."""
     from PIL import Image
+
     if value is None or isinstance(value, dict) and value.get("bytes") is None and not value.get("path"):
         raise ValueError("no image" if value is None else "an image cell with neither bytes nor path")
     if isinstance(value, dict):
@@ -862,6 +1148,7 @@ def load_image(value):
         value = value.convert("I").point(lambda v: v / 257)
     return value.convert("RGB")
 
+
 def row_images(row: dict, image_column: str) -> list:
     """All images of a row (the column holds one image or a list) as RGB PIL images."""
     values = list(row[image_column]) if isinstance(row[image_column], (list, tuple)) else [row[image_column]]
@@ -869,11 +1156,13 @@ def row_images(row: dict, image_column: str) -> list:
         raise ValueError(f"no image in column {image_column!r}")
     return [load_image(v) for v in values]
 
+
 def message_text(content) -> str | None:
     """The text of a message's content (a string or a list of items), or None when it has none."""
     if isinstance(content, (list, tuple)):
         content = "\n".join(i.get("text") or "" for i in content if isinstance(i, dict) and i.get("type") == "text")
     return content if isinstance(content, str) and content.strip() else None
+
 
 def split_chat(cell) -> tuple:
     """A prompt cell as (prompt, its answer or None), chat messages cut after the first user turn; never raises."""
@@ -882,17 +1171,21 @@ def split_chat(cell) -> tuple:
     prompt = []
     for m in cell:
         role = m.get("role") or m.get("from")
-        m = {"role": {"human": "user", "gpt": "assistant"}.get(role, role) if isinstance(role, str) else role,
-             "content": m["content"] if m.get("content") is not None else m.get("value")}
+        m = {
+            "role": {"human": "user", "gpt": "assistant"}.get(role, role) if isinstance(role, str) else role,
+            "content": m["content"] if m.get("content") is not None else m.get("value"),
+        }
         if prompt and prompt[-1]["role"] == "user":
             return prompt, message_text(m["content"]) if m["role"] == "assistant" else None
         prompt.append(m)
     return prompt, None
 
+
 def answer_text(cell) -> str | None:
     """A reference answer from an answer cell: text, a number, or messages (TRL's `completion`); None when empty."""
     chat = isinstance(cell, (list, tuple)) and cell and all(isinstance(m, dict) for m in cell)
     return message_text(cell[0].get("content", cell[0].get("value")) if chat else cell if cell is None else str(cell))
+
 
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
     """The chat to render from a prompt (text or messages), images at its markers or first; ValueError for a bad one."""
@@ -909,7 +1202,7 @@ def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]
         if m["role"] == "user" and instruction:  # joined to the turn's last text, else a text of its own
             last = items[-1] if items and items[-1].get("type") == "text" else None
             text = instruction if last is None else (last.get("text") or "") + "\n" + instruction
-            items = [*items[:len(items) - (last is not None)], {"type": "text", "text": text}]
+            items = [*items[: len(items) - (last is not None)], {"type": "text", "text": text}]
         content: list[dict] = []
         for item in items:
             if item.get("type") not in ("text", "image"):
@@ -928,22 +1221,31 @@ def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]
         raise ValueError(f"the prompt has {markers} <image> markers but the row has {num_images} images")
     return messages
 
+
 def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> dict:
     """[(prompt, images)] -> a left-padded processor batch: input_ids, attention_mask (n, P), pixel_values, ..."""
-    texts = [processor.apply_chat_template(build_messages(q, len(imgs), instruction), add_generation_prompt=True,
-                                           tokenize=False) for q, imgs in prompts]
+    texts = [
+        processor.apply_chat_template(
+            build_messages(q, len(imgs), instruction), add_generation_prompt=True, tokenize=False
+        )
+        for q, imgs in prompts
+    ]
     processor.tokenizer.padding_side = "left"  # generation appends on the right
     bos = processor.tokenizer.bos_token  # a template writing it (Gemma 3's) must not get a second from the tokenizer
     extra = {"add_special_tokens": False} if bos and all(t.startswith(bos) for t in texts) else {}
     return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True, **extra)
+
 
 def split_files(name: str, split: str, strict: bool = True) -> list[str]:
     """A file's or folder's data files of a split, so `datasets` sees no image folder; [] where it reads the name."""
     if os.path.isfile(name):  # a single data file serves every split
         return [name]
     readme = os.path.join(name, "README.md")
-    if (any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json"))
-            or os.path.isfile(readme) and "\nconfigs:" in open(readme, encoding="utf-8", errors="replace").read()):
+    if (
+        any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json"))
+        or os.path.isfile(readme)
+        and "\nconfigs:" in open(readme, encoding="utf-8", errors="replace").read()
+    ):
         return []
     by_split: dict[str, list[str]] = {}
     for sub in (name, os.path.join(name, "data")):
@@ -955,9 +1257,11 @@ def split_files(name: str, split: str, strict: bool = True) -> list[str]:
         raise ValueError(f"Unknown split {split!r}. Should be one of {list(by_split)}.")
     return by_split.get(split, [])
 
+
 def load_split(args: Args, split: str):
     """A split of the dataset as a `datasets.Dataset`, images left undecoded."""
     import datasets
+
     try:
         if files := split_files(args.dataset_name, split):  # the extension names the builder
             ext = os.path.splitext(files[0])[1].lstrip(".")
@@ -969,8 +1273,11 @@ def load_split(args: Args, split: str):
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)
     except ValueError as e:
-        raise ValueError(f"could not load split {split!r} of dataset {args.dataset_name!r}: {e} (--train_split and "
-                         f"--eval_split name the splits to use; --num_eval_samples 0 needs no eval split)") from e
+        raise ValueError(
+            f"could not load split {split!r} of dataset {args.dataset_name!r}: {e} (--train_split and "
+            f"--eval_split name the splits to use; --num_eval_samples 0 needs no eval split)"
+        ) from e
+
 
 def resolve_image(value, roots: list[str]):
     """An image cell whose relative path is made absolute: the first of roots that holds the file (else the first)."""
@@ -980,23 +1287,30 @@ def resolve_image(value, roots: list[str]):
     full = next((c for c in (os.path.join(r, path) for r in roots) if os.path.exists(c)), os.path.join(roots[0], path))
     return {"bytes": None, "path": full} if isinstance(value, dict) else full
 
+
 def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
     """{flag: its column (None: no answers)}, TRL's and LLaVA's names too at a default; stops naming a missing one."""
     columns = {}
-    for flag, more in {"image_column": ("images",), "question_column": ("prompt", "messages", "conversations"),
-                       "answer_column": ("completion",)}.items():
+    for flag, more in {
+        "image_column": ("images",),
+        "question_column": ("prompt", "messages", "conversations"),
+        "answer_column": ("completion",),
+    }.items():
         name = getattr(args, flag)
         default = name == Args.__dataclass_fields__[flag].default
         names = [name, *(more if default else ())]
         columns[flag] = next((c for c in names if c in ds.column_names), None)
         if columns[flag] is None and (flag != "answer_column" or (need_answer and not default)):
             also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
-            raise ValueError(f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
-                             f"{ds.column_names}: pass {flag_prefix}{flag} with one of them")
+            raise ValueError(
+                f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
+                f"{ds.column_names}: pass {flag_prefix}{flag} with one of them"
+            )
     if len(names := list(teacher_paths(args))) > 1:  # several teachers: every row names its own
         several_teachers().check_teacher_column(ds, args.teacher_column, names, split)
         columns["teacher_column"] = args.teacher_column
     return columns
+
 
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
     """Raw rows (a dict of columns) under args' column names: split_chat's prompts, image lists resolved, answers."""
@@ -1013,12 +1327,15 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) 
         out[args.teacher_column] = list(examples[columns["teacher_column"]])
     return out
 
-def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=print, need_answer: bool = False,
-                  flag_prefix: str = "--") -> tuple:
+
+def prepare_split(
+    ds, args: Args, processor, split: str, limit: int = 0, log=print, need_answer: bool = False, flag_prefix: str = "--"
+) -> tuple:
     """Checks each row once; one without a readable image, a usable prompt or an answer (need_answer), or too long, is
     skipped, counted and logged. Returns (normalize_rows' dataset, kept row indices, skip counts)."""
     import datasets
     from tqdm.auto import tqdm
+
     if len(ds) == 0:
         raise ValueError(f"the {split!r} split of {args.dataset_name} is empty")
     columns = check_columns(ds, args, split, need_answer, flag_prefix)
@@ -1036,13 +1353,21 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
     raw, ds = ds, ds.with_transform(lambda examples: normalize_rows(examples, columns, args, roots))
     chat = isinstance(ds[0][args.question_column], list)
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
-        answers = (f"answers from {columns['answer_column']!r}" if columns["answer_column"] else
-                   "answers from the first assistant turn" if chat else "no answers")
-        log(f"{split}: prompts from column {columns['question_column']!r} ({'chat messages' if chat else 'text'}), "
-            f"images from {columns['image_column']!r}, {answers}")
+        answers = (
+            f"answers from {columns['answer_column']!r}"
+            if columns["answer_column"]
+            else "answers from the first assistant turn"
+            if chat
+            else "no answers"
+        )
+        log(
+            f"{split}: prompts from column {columns['question_column']!r} ({'chat messages' if chat else 'text'}), "
+            f"images from {columns['image_column']!r}, {answers}"
+        )
     n, keep, missing, block = min(len(ds), limit) if limit else len(ds), [], 0, 64  # block: rows per processor call
-    skipped = dict.fromkeys(["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"]
-                            + ["no_answer"] * need_answer, 0)
+    skipped = dict.fromkeys(
+        ["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"] + ["no_answer"] * need_answer, 0
+    )
     for start in tqdm(range(0, n, block), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
         good, notes = [], []  # (row index, prompt, images); skip lines, logged once the block is judged
         for i in range(start, min(start + block, n)):
@@ -1063,9 +1388,11 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
             cell = raw[0][columns["image_column"]]
             paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
             path = next(p for p in paths if isinstance(p, str) and not os.path.exists(resolve_image(p, roots)))
-            raise ValueError(f"the images of the {split!r} split were not found: row 0's image {path!r} was looked "
-                             f"for in {where}. Pass {flag_prefix}image_root with the folder that the image paths are "
-                             f"relative to")
+            raise ValueError(
+                f"the images of the {split!r} split were not found: row 0's image {path!r} was looked "
+                f"for in {where}. Pass {flag_prefix}image_root with the folder that the image paths are "
+                f"relative to"
+            )
         for note in notes if log else ():
             log(note)
         if good:
@@ -1074,14 +1401,23 @@ def prepare_split(ds, args: Args, processor, split: str, limit: int = 0, log=pri
             skipped["prompt_too_long"] += sum(too_long)
             keep += [i for (i, _, _), long in zip(good, too_long) if not long]
     if log and skipped["prompt_too_long"]:
-        log(f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
-            f"--max_prompt_length {args.max_prompt_length}")
+        log(
+            f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
+            f"--max_prompt_length {args.max_prompt_length}"
+        )
     if not keep:
-        fixes = {"no_or_unreadable_image": "{0}image_column and {0}image_root", "unusable_prompt": "{0}question_column",
-                 "prompt_too_long": "--max_prompt_length", "no_answer": "{0}answer_column"}
-        raise ValueError(f"no usable row in the {split!r} split ({skipped}): check "
-                         + ", ".join(fixes[k].format(flag_prefix) for k, v in skipped.items() if v))
+        fixes = {
+            "no_or_unreadable_image": "{0}image_column and {0}image_root",
+            "unusable_prompt": "{0}question_column",
+            "prompt_too_long": "--max_prompt_length",
+            "no_answer": "{0}answer_column",
+        }
+        raise ValueError(
+            f"no usable row in the {split!r} split ({skipped}): check "
+            + ", ".join(fixes[k].format(flag_prefix) for k, v in skipped.items() if v)
+        )
     return ds, keep, skipped
+
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     """At most num_eval_samples rows [(prompt, images, answer[, teacher])] of the set the eval_* flags name."""
@@ -1093,37 +1429,52 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     ds = load_split(e, args.eval_split)
     columns = check_columns(ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
     if len(ds) and not columns["answer_column"] and split_chat(ds[columns["question_column"]][0])[1] is None:
-        problem = (f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
-                   f"{e.answer_column!r}, no assistant turn in its prompts)")
+        problem = (
+            f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
+            f"{e.answer_column!r}, no assistant turn in its prompts)"
+        )
         if args.eval_dataset_name is not None or args.num_eval_samples != Args.num_eval_samples:
-            raise ValueError(f"{problem}, and evaluation needs them: pass --eval_dataset_name (and "
-                             f"--eval_answer_column) for a set with answers, or --num_eval_samples 0")
+            raise ValueError(
+                f"{problem}, and evaluation needs them: pass --eval_dataset_name (and "
+                f"--eval_answer_column) for a set with answers, or --num_eval_samples 0"
+            )
         if log:
             log(f"evaluation skipped: {problem}; --eval_dataset_name names a set to measure accuracy on")
         return []
-    ds, keep, _ = prepare_split(ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True,
-                                flag_prefix="--eval_")
-    return [(row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
-            + ((row[e.teacher_column],) if "teacher_column" in columns else ()) for row in map(ds.__getitem__, keep)]
+    ds, keep, _ = prepare_split(
+        ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True, flag_prefix="--eval_"
+    )
+    return [
+        (row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
+        + ((row[e.teacher_column],) if "teacher_column" in columns else ())
+        for row in map(ds.__getitem__, keep)
+    ]
+
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
     """A step's distinct row positions: each epoch's seeded permutation cut into whole steps; resumes draw the same."""
     if not 0 < prompts_per_step <= n_rows:
-        raise ValueError(f"{prompts_per_step} distinct prompts per step need at least that many usable rows, "
-                         f"got {n_rows}: lower --prompts_per_step or add data")
+        raise ValueError(
+            f"{prompts_per_step} distinct prompts per step need at least that many usable rows, "
+            f"got {n_rows}: lower --prompts_per_step or add data"
+        )
     epoch, k = divmod(step, n_rows // prompts_per_step)
     perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[k * prompts_per_step:(k + 1) * prompts_per_step].tolist()
+    return perm[k * prompts_per_step : (k + 1) * prompts_per_step].tolist()
 
-def process_prompts(step: int, n_rows: int, prompts_per_step: int, seed: int, num_processes: int,
-                    process_index: int) -> list[tuple[int, int]]:
+
+def process_prompts(
+    step: int, n_rows: int, prompts_per_step: int, seed: int, num_processes: int, process_index: int
+) -> list[tuple[int, int]]:
     """This process's contiguous block of a step's (group id, row position): a group's G samples stay on one process."""
     positions = step_prompt_indices(step, n_rows, prompts_per_step, seed)
     per_process = prompts_per_step // num_processes  # check_args made it divide
     slots = range(process_index * per_process, (process_index + 1) * per_process)
     return [(step * prompts_per_step + slot, positions[slot]) for slot in slots]
 
+
 # --- Evaluation: greedy answers, graded against the reference
+
 
 def extract_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
@@ -1135,11 +1486,13 @@ def extract_boxed(text: str) -> str | None:
             return text[i:j].strip()
     return None
 
+
 def _strip_answer(text: str) -> str:
     text = re.sub(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}", r"\1", text)
     text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\circ", "").replace("°", "")
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
     return re.sub(r"\s+", "", text).strip().rstrip(".").lower()
+
 
 def grade_answer(response: str, reference: str) -> bool:
     """True when the last \\boxed{} of `response` equals `reference`: as text after light normalization (degrees,
@@ -1147,29 +1500,35 @@ def grade_answer(response: str, reference: str) -> bool:
     if (pred := extract_boxed(response)) is None or _strip_answer(pred) == _strip_answer(reference):
         return pred is not None
     from math_verify import parse, verify  # imported lazily: only real-data runs need it
+
     try:
         gold, guess = parse("$" + _strip_answer(reference) + "$"), parse("$" + _strip_answer(pred) + "$")
         return bool(gold) and bool(guess) and bool(verify(gold, guess))
     except Exception:  # math-verify raises many types on unparsable LaTeX; unparsable means not equal
         return False
 
+
 def task_rewards(processor, rollouts: list[Rollout], answers: list) -> torch.Tensor:
     """(n,) float32 task reward of each response (rows in order): grade_answer as 1.0 / 0.0, NaN without a reference."""
     texts = [t for r in rollouts for t in processor.tokenizer.batch_decode(r.response_ids, skip_special_tokens=True)]
     return torch.tensor([float("nan") if a is None else float(grade_answer(t, a)) for t, a in zip(texts, answers)])
+
 
 def is_well_formed(response: str, require_think: bool = False) -> bool:
     """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
     think = r"\s*<think>.*?</think>.*\\boxed\{.*\}.*"
     return (re.fullmatch(think, response, re.DOTALL) if require_think else extract_boxed(response)) is not None
 
+
 @torch.no_grad()
-def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_config,
-             synced_gpus: bool = False) -> dict:
+def evaluate(
+    model, processor, rows: list[tuple], args: Args, accelerator, gen_config, synced_gpus: bool = False
+) -> dict:
     """Greedy answers to (question, images, answer) rows, sharded over processes, args.generation_batch_size (0: all)
     per generate(): accuracy (grade_answer) and format_rate (is_well_formed) over all rows, and "rows": [(row index,
     extracted answer, correct)] of every row, in order."""
     from accelerate.utils import gather_object
+
     was_training, first, n = model.training, accelerator.process_index, accelerator.num_processes
     model.eval()
     n_mine, records = len(mine := rows[first::n]), []
@@ -1177,25 +1536,31 @@ def evaluate(model, processor, rows: list[tuple], args: Args, accelerator, gen_c
     counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
     batch_size = args.generation_batch_size or len(mine)
     for s in range(0, len(mine), batch_size):
-        part = mine[s:s + batch_size]
+        part = mine[s : s + batch_size]
         inputs = encode_prompts(processor, [row[:2] for row in part], args.instruction).to(accelerator.device)
         with accelerator.autocast():  # bf16 compute under mixed precision, as the student trains; a no-op otherwise
             out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
-        texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        texts, part = texts[:max(n_mine - s, 0)], part[:max(n_mine - s, 0)]  # drop the top-up rows
+        texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        texts, part = texts[: max(n_mine - s, 0)], part[: max(n_mine - s, 0)]  # drop the top-up rows
         ok = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
         records += [(first + (s + j) * n, extract_boxed(t), right) for j, (t, right) in enumerate(zip(texts, ok))]
         counts += counts.new_tensor([sum(ok), sum(is_well_formed(t, args.require_think) for t in texts), len(part)])
     counts = accelerator.reduce(counts, reduction="sum").tolist()
     model.train(was_training)
-    return {"accuracy": counts[0] / max(counts[2], 1), "format_rate": counts[1] / max(counts[2], 1),
-            "rows": sorted(gather_object(records) if n > 1 else records)}
+    return {
+        "accuracy": counts[0] / max(counts[2], 1),
+        "format_rate": counts[1] / max(counts[2], 1),
+        "rows": sorted(gather_object(records) if n > 1 else records),
+    }
+
 
 def per_teacher(result: dict, key: str) -> dict:
     """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
     return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
 
+
 # --- Checkpoints: atomic saves, resume, one run per output_dir
+
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints (a trainer_state.json inside, no .tmp suffix) as (step, path), oldest first."""
@@ -1203,13 +1568,16 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     found = [(re.match(r"checkpoint-(\d+)$", name), os.path.join(output_dir, name)) for name in names]
     return sorted((int(m.group(1)), p) for m, p in found if m and os.path.isfile(os.path.join(p, "trainer_state.json")))
 
+
 def weights_are_sharded(accelerator) -> bool:
     """True when no process holds the student's whole weights (FSDP)."""
     return accelerator.distributed_type == "FSDP"  # accelerate's DistributedType is a str enum
 
+
 def student_folder(args) -> str:
     """The student's folder in a run and its checkpoints: adapter/ (LoRA) or model/ (full). args: Args or asdict()."""
     return "model" if (args["lora_r"] if isinstance(args, dict) else args.lora_r) == 0 else "adapter"
+
 
 def save_student(accelerator, student, processor, path: str) -> None:
     """Saves the student (adapter or whole model) and processor to `path`; on every process (sharded: a collective)."""
@@ -1217,6 +1585,7 @@ def save_student(accelerator, student, processor, path: str) -> None:
     if accelerator.is_main_process:
         accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)
         processor.save_pretrained(path)
+
 
 def save_checkpoint(accelerator, student, processor, output_dir: str, step: int, state: dict, keep: int) -> str:
     """Writes checkpoint-<step> as a .tmp folder renamed when complete (a crash never leaves one that looks whole);
@@ -1227,6 +1596,7 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     import logging  # to hide Accelerate's "Removed shared tensor": a tied LM head, saved once, is tied again on load
+
     logger, drop = logging.getLogger("accelerate.utils.other"), lambda r: "Removed shared tensor" not in r.getMessage()
     logger.addFilter(drop)
     try:
@@ -1244,6 +1614,7 @@ def save_checkpoint(accelerator, student, processor, output_dir: str, step: int,
     accelerator.wait_for_everyone()
     return final
 
+
 def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     """Resolves --resume_from_checkpoint and refuses to mix two runs in one output_dir: the checkpoint folder to
     resume from, or None for a fresh start."""
@@ -1257,11 +1628,19 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     if resume and found:
         return found[-1][1]
     if resume:  # with metrics.jsonl: a run that crashed before its first save, whose metrics would repeat steps
-        log(f"no checkpoint in {args.output_dir} yet: " + ("its metrics.jsonl is from a run that saved none; "
-            "starting over at step 0" if holds_run else "starting from step 0"))
+        log(
+            f"no checkpoint in {args.output_dir} yet: "
+            + (
+                "its metrics.jsonl is from a run that saved none; starting over at step 0"
+                if holds_run
+                else "starting from step 0"
+            )
+        )
     elif holds_run and not args.overwrite_output_dir:
-        raise ValueError(f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
-                         f"to continue it, --overwrite_output_dir to start over, or another --output_dir")
+        raise ValueError(
+            f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
+            f"to continue it, --overwrite_output_dir to start over, or another --output_dir"
+        )
     if holds_run and is_main:  # the run's checkpoints and its three files (adapter/ is overwritten)
         for _, path in found:
             shutil.rmtree(path)
@@ -1269,15 +1648,22 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
             os.remove(path)
     return None
 
+
 def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tuple[int, dict]:
     """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl and eval_rows.jsonl back to the
     checkpoint: (step, counters)."""
     accelerator.load_state(resume_from)
     with open(os.path.join(resume_from, "trainer_state.json")) as f:
         saved = json.load(f)
-    kept = {"metrics.jsonl": lambda lines: [ln for ln in lines if ln.endswith("\n")  # not a half-written last line
-                                            and int(re.match(r'\{"step": (\d+)', ln).group(1)) <= saved["step"]],
-            "eval_rows.jsonl": lambda lines: lines[:saved["counters"].get("eval_rows", 0)]}  # the rows it counted
+    kept = {
+        "metrics.jsonl": lambda lines: [
+            ln
+            for ln in lines
+            if ln.endswith("\n")  # not a half-written last line
+            and int(re.match(r'\{"step": (\d+)', ln).group(1)) <= saved["step"]
+        ],
+        "eval_rows.jsonl": lambda lines: lines[: saved["counters"].get("eval_rows", 0)],
+    }  # the rows it counted
     for name, keep in kept.items() if accelerator.is_main_process else ():  # lines logged after the checkpoint go
         if os.path.exists(path := os.path.join(os.path.dirname(metrics_path), name)):
             with open(path) as f:
@@ -1286,7 +1672,9 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
                 f.writelines(lines)
     return saved["step"], saved["counters"]
 
+
 # --- Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
+
 
 def check_args(args: Args, num_processes: int) -> int:
     """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
@@ -1296,40 +1684,67 @@ def check_args(args: Args, num_processes: int) -> int:
         problem(value(flag) < 1, f"--{flag} must be at least 1, got {value(flag)}")
     for flag in ("cpu_threads", "min_new_tokens", "lora_r"):
         problem(value(flag) < 0, f"--{flag} must be >= 0, got {value(flag)}")
-    problem(args.min_new_tokens > args.max_new_tokens,
-            f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}")
-    problem(args.generation_batch_size < 0, "--generation_batch_size must be >= 0 (0 = all of a process's rollouts), "
-            f"got {args.generation_batch_size}")
+    problem(
+        args.min_new_tokens > args.max_new_tokens,
+        f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}",
+    )
+    problem(
+        args.generation_batch_size < 0,
+        f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}",
+    )
     if problems:  # the checks below divide by these
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
-    for flag, choices in (("advantage_mode", ADVANTAGE_MODES), ("loss_type", LOSS_TYPES),
-                          ("score_type", tuple(SCORES)), ("optimizer", ("adamw", "sgd"))):
+    for flag, choices in (
+        ("advantage_mode", ADVANTAGE_MODES),
+        ("loss_type", LOSS_TYPES),
+        ("score_type", tuple(SCORES)),
+        ("optimizer", ("adamw", "sgd")),
+    ):
         problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}")
     for flag in ("power_alpha", "score_clip"):
         problem(value(flag) <= 0, f"--{flag} must be > 0, got {value(flag)}")
     for flag in ("reward_weight", "score_std_floor"):
         problem(value(flag) < 0, f"--{flag} must be >= 0 (0 = off), got {value(flag)}")
     for flag in SPEEDUPS:
-        problem(str(value(flag)).lower() not in ("auto", "true", "false"),
-                f"--{flag} {value(flag)!r} is not one of auto, true, false")
+        problem(
+            str(value(flag)).lower() not in ("auto", "true", "false"),
+            f"--{flag} {value(flag)!r} is not one of auto, true, false",
+        )
     several = len(teacher_paths(args)) > 1
-    problem(args.advantage_mode == "per_teacher" and not several, "--advantage_mode per_teacher whitens each "
-            "teacher's tokens on their own: it needs several teachers (--teacher_model name=path,name=path)")
-    problem(args.shard_teacher and (several or args.teacher_4bit), "--shard_teacher shards one 16-bit or float32 "
-            "teacher with FSDP2, which cannot shard bitsandbytes' 4-bit weights: pass --teacher_4bit false and a "
-            "single --teacher_model")
-    problem(args.advantage_mode == "group" and args.num_generations < 2,
-            "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2")
+    problem(
+        args.advantage_mode == "per_teacher" and not several,
+        "--advantage_mode per_teacher whitens each "
+        "teacher's tokens on their own: it needs several teachers (--teacher_model name=path,name=path)",
+    )
+    problem(
+        args.shard_teacher and (several or args.teacher_4bit),
+        "--shard_teacher shards one 16-bit or float32 "
+        "teacher with FSDP2, which cannot shard bitsandbytes' 4-bit weights: pass --teacher_4bit false and a "
+        "single --teacher_model",
+    )
+    problem(
+        args.advantage_mode == "group" and args.num_generations < 2,
+        "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2",
+    )
     problem(args.temperature <= 0, "--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
-    problem(args.prompts_per_step % num_processes, f"--prompts_per_step {args.prompts_per_step} does not divide "
-            f"across {num_processes} processes: use a multiple of {num_processes}")
+    problem(
+        args.prompts_per_step % num_processes,
+        f"--prompts_per_step {args.prompts_per_step} does not divide "
+        f"across {num_processes} processes: use a multiple of {num_processes}",
+    )
     seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
-    problem(not problems and seqs % args.micro_batch_size, f"each process holds {seqs} sequences per step "
-            f"(prompts_per_step*G/processes), which --micro_batch_size {args.micro_batch_size} does not divide")
+    problem(
+        not problems and seqs % args.micro_batch_size,
+        f"each process holds {seqs} sequences per step "
+        f"(prompts_per_step*G/processes), which --micro_batch_size {args.micro_batch_size} does not divide",
+    )
     micro_batches = seqs // args.micro_batch_size if not problems else 0
-    problem(not problems and micro_batches % args.steps_per_generation, f"each process holds {micro_batches} "
-            f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
-            "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation")
+    problem(
+        not problems and micro_batches % args.steps_per_generation,
+        f"each process holds {micro_batches} "
+        f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
+        "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation",
+    )
     if problems:
         raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
     for flag in SPEEDUPS:
@@ -1338,6 +1753,7 @@ def check_args(args: Args, num_processes: int) -> int:
         optional("gndpo_extras", "--score_std_floor and --reward_weight")
     return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
 
+
 def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
     """Stops where an NVIDIA driver is installed but torch cannot use CUDA (a CPU run: accelerate launch --cpu)."""
     available = torch.cuda.is_available() if cuda_available is None else cuda_available
@@ -1345,15 +1761,19 @@ def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available:
         return
     with open(driver_file) as f:
         driver = re.search(r"Kernel Module\s+(\S+)", f.read())
-    raise RuntimeError(f"an NVIDIA driver is installed (version {driver.group(1) if driver else 'unreadable'}, "
-                       f"{driver_file}) but torch {torch.__version__} cannot use CUDA (built for CUDA "
-                       f"{torch.version.cuda or 'none: a CPU build'}): install a torch build whose CUDA this driver "
-                       f"supports, or train on the CPU on purpose with accelerate launch --cpu")
+    raise RuntimeError(
+        f"an NVIDIA driver is installed (version {driver.group(1) if driver else 'unreadable'}, "
+        f"{driver_file}) but torch {torch.__version__} cannot use CUDA (built for CUDA "
+        f"{torch.version.cuda or 'none: a CPU build'}): install a torch build whose CUDA this driver "
+        f"supports, or train on the CPU on purpose with accelerate launch --cpu"
+    )
+
 
 def make_accelerator(args: Args):
     """(Accelerator, micro-batches per update), after checking the launch and the arguments."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, parse_flag_from_env
+
     asked_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
     cpu = asked_cpu or not torch.accelerator.is_available()  # without cpu=True, CPU processes would each train alone
     if not cpu:  # the caching allocator's fixed-size segments fragment under generate()'s growing KV caches
@@ -1361,12 +1781,16 @@ def make_accelerator(args: Args):
     elif not asked_cpu:
         check_cuda()
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        raise ValueError("DeepSpeed is not supported: shard the student with FSDP2 instead (configs/fsdp_lora.yaml, "
-                         "configs/fsdp2_full.yaml; docs/scaling.md)")
+        raise ValueError(
+            "DeepSpeed is not supported: shard the student with FSDP2 instead (configs/fsdp_lora.yaml, "
+            "configs/fsdp2_full.yaml; docs/scaling.md)"
+        )
     state = PartialState(cpu=cpu, timeout=datetime.timedelta(minutes=args.process_timeout_minutes))
     if state.num_processes != int(os.environ.get("WORLD_SIZE", state.num_processes)):
-        raise RuntimeError(f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
-                           f"{state.num_processes} ({state.distributed_type}): check the launch command")
+        raise RuntimeError(
+            f"{os.environ['WORLD_SIZE']} processes were launched but Accelerate joined "
+            f"{state.num_processes} ({state.distributed_type}): check the launch command"
+        )
     accum = check_args(args, state.num_processes)
     # accelerate launch gives each CPU process one thread unless told otherwise; a user's own OMP_NUM_THREADS stays
     launched_with_one = "ACCELERATE_DYNAMO_BACKEND" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1"
@@ -1375,23 +1799,33 @@ def make_accelerator(args: Args):
         torch.set_num_threads(args.cpu_threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     # full fine-tuning follows the paper's setting on a GPU: float32 master weights, bf16 compute (dtype auto)
     precision = "bf16" if args.lora_r == 0 and args.dtype == "auto" and state.device.type == "cuda" else None
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=accum, project_dir=args.output_dir,
-                              log_with=None if args.report_to == "none" else args.report_to.split(","),
-                              mixed_precision=precision)
+    accelerator = Accelerator(
+        cpu=cpu,
+        gradient_accumulation_steps=accum,
+        project_dir=args.output_dir,
+        log_with=None if args.report_to == "none" else args.report_to.split(","),
+        mixed_precision=precision,
+    )
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        raise ValueError("FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
-                         "student is set up for FSDP2 only): see configs/fsdp_lora.yaml")
+        raise ValueError(
+            "FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
+            "student is set up for FSDP2 only): see configs/fsdp_lora.yaml"
+        )
     # on CPU processes Accelerate silently trains whole replicas (DDP) for an FSDP config
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
         kind = accelerator.distributed_type.value
-        raise ValueError(f"the Accelerate config asks for FSDP, but Accelerate runs FSDP on GPUs only: on "
-                         f"{accelerator.device.type} it would train unsharded replicas ({kind}); launch CPU processes "
-                         "with `accelerate launch --multi_gpu --num_processes N` instead")
+        raise ValueError(
+            f"the Accelerate config asks for FSDP, but Accelerate runs FSDP on GPUs only: on "
+            f"{accelerator.device.type} it would train unsharded replicas ({kind}); launch CPU processes "
+            "with `accelerate launch --multi_gpu --num_processes N` instead"
+        )
     return accelerator, accum
+
 
 def load_models(args: Args, accelerator, log=print) -> tuple:
     """(processor, student, frozen teacher or {name: teacher}), each teacher checked to read the student's inputs."""
     from transformers import AutoProcessor
+
     processor = AutoProcessor.from_pretrained(args.student_model)
     paths = teacher_paths(args)
     for name, path in paths.items():
@@ -1402,46 +1836,58 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
         except ValueError as e:
             raise ValueError(f"teacher {name!r} ({path}): {e}" if len(paths) > 1 else str(e)) from None
     if processor.tokenizer.pad_token_id in (None, processor.tokenizer.eos_token_id):
-        raise ValueError("the tokenizer needs a pad token distinct from its end token (the response mask ends at "
-                         "the first end token; a pad equal to it would end every padded row at once)")
+        raise ValueError(
+            "the tokenizer needs a pad token distinct from its end token (the response mask ends at "
+            "the first end token; a pad equal to it would end every padded row at once)"
+        )
     dtype = resolve_dtype(args.dtype, accelerator.device)
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
     if args.shard_teacher and accelerator.num_processes > 1:
-        sharded = several_teachers().shard_frozen(next(iter(teachers.values())), accelerator.device.type,
-                                                  accelerator.num_processes)
+        sharded = several_teachers().shard_frozen(
+            next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes
+        )
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    log(f"student {args.student_model}: {trainable / 1e6:.3f}M trainable "
+    log(
+        f"student {args.student_model}: {trainable / 1e6:.3f}M trainable "
         f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}) of "
         f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
         f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
         f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
-        f"micro-batch(es) of {args.micro_batch_size} per step")
+        f"micro-batch(es) of {args.micro_batch_size} per step"
+    )
     return processor, student, teachers if len(teachers) > 1 else next(iter(teachers.values()))
+
 
 def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
     """(train dataset, its usable row indices, skip counts, eval rows [(prompt, images, answer)])."""
     split_log = log if is_main else None  # None also hides the progress bar elsewhere
-    train_ds, train_keep, train_skipped = prepare_split(load_split(args, args.train_split), args, processor,
-                                                        args.train_split, args.max_train_samples, split_log)
+    train_ds, train_keep, train_skipped = prepare_split(
+        load_split(args, args.train_split), args, processor, args.train_split, args.max_train_samples, split_log
+    )
     eval_rows = load_eval_rows(args, processor, split_log)
     log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
     step_prompt_indices(0, len(train_keep), args.prompts_per_step, args.seed)  # fails now if rows < prompts_per_step
     if args.reward_weight and all(train_ds[i][args.answer_column] is None for i in train_keep[:64]):
-        raise ValueError(f"--reward_weight {args.reward_weight} grades answers, but the training rows have none: set "
-                         f"--answer_column (or the chat's assistant turn) or leave --reward_weight at 0")
+        raise ValueError(
+            f"--reward_weight {args.reward_weight} grades answers, but the training rows have none: set "
+            f"--answer_column (or the chat's assistant turn) or leave --reward_weight at 0"
+        )
     return train_ds, train_keep, train_skipped, eval_rows
+
 
 def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     """(prepared student, prepared AdamW or SGD, LR scheduler); prepared, Accelerate would step it per process."""
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = (torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW)(
-        params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        params, lr=args.learning_rate, weight_decay=args.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     student, optimizer = accelerator.prepare(student, optimizer)  # the teacher is never prepared
     accelerator.register_for_checkpointing(scheduler)
     return student, optimizer, scheduler
+
 
 def startup_line(args: Args, accelerator, student) -> str:
     """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here."""
@@ -1450,71 +1896,115 @@ def startup_line(args: Args, accelerator, student) -> str:
     teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag)]
-    paths = (f"speed-ups of gndpo_fast: {', '.join(on)}" if on else
-             "plain paths" + ("" if fast else " (gndpo_fast.py not found)"))
-    return (f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
-            f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}")
+    paths = (
+        f"speed-ups of gndpo_fast: {', '.join(on)}"
+        if on
+        else "plain paths" + ("" if fast else " (gndpo_fast.py not found)")
+    )
+    return (
+        f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
+        f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}"
+    )
+
 
 def compute_dtype(accelerator) -> torch.dtype | None:
     """The dtype Accelerate's mixed precision computes the student's forward in (autocast), None without it."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
-SPEEDUPS = {"lean_logps": "lean log-probs", "share_prompt_prefix": "each prompt read once",
-            "fast_sampler": "the sampler"}
+
+SPEEDUPS = {
+    "lean_logps": "lean log-probs",
+    "share_prompt_prefix": "each prompt read once",
+    "fast_sampler": "the sampler",
+}
+
 
 def speedup_on(args: Args, flag: str) -> bool:
     """Whether a speed-up flag of gndpo_fast runs: auto where the module imports; true stops without it."""
     value = str(getattr(args, flag)).lower()
     if value == "true" and fast is None:
-        raise ValueError(f"--{flag} true needs the optional module gndpo_fast.py beside gndpo_minimal.py: copy it "
-                         f"there, or pass --{flag} auto (the plain path where it is absent)")
+        raise ValueError(
+            f"--{flag} true needs the optional module gndpo_fast.py beside gndpo_minimal.py: copy it "
+            f"there, or pass --{flag} auto (the plain path where it is absent)"
+        )
     return value == "true" or (value == "auto" and fast is not None)
+
 
 def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):
     """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. Sharded weights are
     gathered by every forward, so all processes must run the same ones; a replaced teacher forward is not ours."""
     n = accelerator.num_processes
-    agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=accelerator.device),
-                                          reduction="sum").item() == n
+    agree = lambda ok: (
+        accelerator.reduce(torch.tensor(float(ok), device=accelerator.device), reduction="sum").item() == n
+    )
     reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
     teacher_reason = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
-    sharing = fast.PrefixSharing(plain or response_logps, logps_tolerance, log, agree,
-                                 {"student": reason, "rollout": reason, "teacher": teacher_reason},
-                                 speedup_on(args, "lean_logps"), compute_dtype(accelerator))
+    sharing = fast.PrefixSharing(
+        plain or response_logps,
+        logps_tolerance,
+        log,
+        agree,
+        {"student": reason, "rollout": reason, "teacher": teacher_reason},
+        speedup_on(args, "lean_logps"),
+        compute_dtype(accelerator),
+    )
     if teacher_replaced:
         sharing.decided["teacher"] = False
     return sharing
 
+
 def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
     """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling."""
     from torch.distributed.fsdp import register_fsdp_forward_method
+
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
     # generate() never calls the FSDP2 root's forward, which would leave the root's own parameters sharded
     register_fsdp_forward_method(policy, "generate")  # a no-op unless FSDP2
     sample_config, _ = generation_configs(processor.tokenizer, policy, args)
-    ignore_ids = (torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
-                  if sample_config.suppress_tokens else None)
+    ignore_ids = (
+        torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
+        if sample_config.suppress_tokens
+        else None
+    )
     synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1  # all step to the end
     lean = speedup_on(args, "lean_logps")
     plain = fast.lean_forward(sequence_inputs) if lean else response_logps
-    sharing = (prefix_sharing(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
-               if speedup_on(args, "share_prompt_prefix") else None)
+    sharing = (
+        prefix_sharing(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
+        if speedup_on(args, "share_prompt_prefix")
+        else None
+    )
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     draw = fast.draw_tokens if speedup_on(args, "fast_sampler") else multinomial
     sampling = Sampling(sample_config, draw, accelerator.device, synced_gpus, sharing, precision)
     log(startup_line(args, accelerator, student))
     first_teacher = next(iter(teacher.values())) if isinstance(teacher, dict) else teacher
-    log("log-probs: " + ", ".join(f"{role} {fast.head_path(m) if lean else 'full logits'}"
-                                  for role, m in (("student", student), ("teacher", first_teacher))))
+    log(
+        "log-probs: "
+        + ", ".join(
+            f"{role} {fast.head_path(m) if lean else 'full logits'}"
+            for role, m in (("student", student), ("teacher", first_teacher))
+        )
+    )
     teacher_forward = teacher_forward or (sharing.forward("teacher") if sharing else plain)
     if isinstance(teacher, dict):  # several teachers: each row scored by its own
         teacher_forward = several_teachers().routed_forward(teacher_forward)
-    return Models(student, teacher, processor, ignore_ids, teacher_forward,
-                  sharing.forward("student") if sharing else plain, sampling, extras and extras.update_size)
+    return Models(
+        student,
+        teacher,
+        processor,
+        ignore_ids,
+        teacher_forward,
+        sharing.forward("student") if sharing else plain,
+        sampling,
+        extras and extras.update_size,
+    )
+
 
 @dataclass
 class Run:
     """What setup() made: main()'s state, and what the tutorials step through."""
+
     args: Args
     accelerator: object
     models: Models
@@ -1539,8 +2029,11 @@ class Run:
         appends a line per row to eval_rows.jsonl: step, row, model (student, teacher or its name), answer, correct."""
         args, models = self.args, self.models
         config = generation_configs(models.processor.tokenizer, self.policy, args)[1]
-        synced = (args.shard_teacher and self.accelerator.num_processes > 1 if model is models.teacher
-                  else models.sampling.synced_gpus)  # sharded weights: every process steps generate() alike
+        synced = (
+            args.shard_teacher and self.accelerator.num_processes > 1
+            if model is models.teacher
+            else models.sampling.synced_gpus
+        )  # sharded weights: every process steps generate() alike
         one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config, synced_gpus=synced)
         several = isinstance(models.teacher, dict)
         each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model) if several else None
@@ -1548,15 +2041,28 @@ class Run:
         name = "teacher" if model is models.teacher else "student"
         if self.accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "eval_rows.jsonl"), "a") as f:
-                f.writelines(json.dumps({"step": step, "row": r[0], "model": r[3] if name == "teacher" and several
-                                         else name, "answer": r[1], "correct": r[2]}) + "\n" for r in result["rows"])
+                f.writelines(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "row": r[0],
+                            "model": r[3] if name == "teacher" and several else name,
+                            "answer": r[1],
+                            "correct": r[2],
+                        }
+                    )
+                    + "\n"
+                    for r in result["rows"]
+                )
         self.counters["eval_rows"] = self.counters.get("eval_rows", 0) + len(result["rows"])  # resume cuts to it
         return result
+
 
 def setup(args: Args, teacher_forward=None) -> Run:
     """main()'s set-up: the launch, output folder (resumed if asked), models, data, optimizer and the step's Models."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
+
     wall_start = time.time()
     accelerator, accum = make_accelerator(args)
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
@@ -1567,9 +2073,20 @@ def setup(args: Args, teacher_forward=None) -> Run:
     train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
     student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
     models = make_models(args, accelerator, processor, student, teacher, log, teacher_forward)
-    run = Run(args, accelerator, models, optimizer, scheduler, train_ds, train_keep, eval_rows, log, train_skipped,
-              mismatch=MismatchWatch(logps_tolerance(unwrap(student), compute_dtype(accelerator)), log=log),
-              wall_start=wall_start)
+    run = Run(
+        args,
+        accelerator,
+        models,
+        optimizer,
+        scheduler,
+        train_ds,
+        train_keep,
+        eval_rows,
+        log,
+        train_skipped,
+        mismatch=MismatchWatch(logps_tolerance(unwrap(student), compute_dtype(accelerator)), log=log),
+        wall_start=wall_start,
+    )
     if resume_from:
         run.start_step, run.counters = restore_checkpoint(accelerator, resume_from, run.metrics_path)
         log(f"resumed from {resume_from} at step {run.start_step}")
@@ -1579,27 +2096,33 @@ def setup(args: Args, teacher_forward=None) -> Run:
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
     if args.report_to != "none":
-        accelerator.init_trackers("gndpo", config={k: v for k, v in asdict(args).items()
-                                                   if isinstance(v, (int, float, str, bool))})
+        accelerator.init_trackers(
+            "gndpo", config={k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))}
+        )
     return run
 
+
 # --- The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
+
 
 def old_policy_logps(models: Models, parts: list[tuple], start: int, temperature: float) -> dict[int, torch.Tensor]:
     """{micro-batch index: (n, R) sampling policy's log-probs} from `start` on, in eval mode, before any update."""
     with torch.no_grad(), evaluating(models.student):
         return {i: models.student_logps_of(parts[i][0], temperature) for i in range(start, len(parts))}
 
+
 def sequence_counts(accelerator, parts: list[tuple], K: int) -> list[float]:
     """(K,) valid sequences per mini-batch over all processes: GSPO's mean divides by them, however batches are cut."""
     per = len(parts) // K
-    counts = [sum(float((mask.sum(1) > 0).sum()) for _, _, mask in parts[k * per:(k + 1) * per]) for k in range(K)]
+    counts = [sum(float((mask.sum(1) > 0).sum()) for _, _, mask in parts[k * per : (k + 1) * per]) for k in range(K)]
     return accelerator.reduce(torch.tensor(counts, device=accelerator.device), reduction="sum").tolist()
+
 
 def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     """Whether loss and pre-clip grad norm are finite on every process: all decide alike, or the replicas drift."""
     ok = math.isfinite(loss) and grad_norm is not None and math.isfinite(float(grad_norm))
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
+
 
 class UpdateStats:
     """What update_student reports, summed over its micro-batches and updates."""
@@ -1630,50 +2153,90 @@ class UpdateStats:
     def result(self, seconds: float) -> dict:
         """The update's metrics, means over updates or tokens (docs/metrics_and_arguments.md)."""
         s, n, updates = self.sums, max(self.sums["tokens"], 1.0), len(self.grad_norms)
-        return {"loss": s["loss"] / updates, "clip_frac": s["clipped_tokens"] / n, "ratio_mean": s["ratio"] / n,
-                "logp_mismatch": s["mismatch"] / max(s["mismatch_tokens"], 1.0),
-                "grad_norm": sum(self.grad_norms) / updates, "grad_norm_max": max(self.grad_norms), "lr": self.lr,
-                "updates": updates, "skipped_updates": self.skipped, "tokens": s["tokens"],
-                "mismatch_tokens": s["mismatch_tokens"], "update_norm": math.sqrt(self.size_squares),
-                "time_update": seconds}
+        return {
+            "loss": s["loss"] / updates,
+            "clip_frac": s["clipped_tokens"] / n,
+            "ratio_mean": s["ratio"] / n,
+            "logp_mismatch": s["mismatch"] / max(s["mismatch_tokens"], 1.0),
+            "grad_norm": sum(self.grad_norms) / updates,
+            "grad_norm_max": max(self.grad_norms),
+            "lr": self.lr,
+            "updates": updates,
+            "skipped_updates": self.skipped,
+            "tokens": s["tokens"],
+            "mismatch_tokens": s["mismatch_tokens"],
+            "update_norm": math.sqrt(self.size_squares),
+            "time_update": seconds,
+        }
+
 
 # --- Metrics: one line per step, reduced over processes
 
-def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float,
-                 score_clip: float | None = 5.0) -> dict:
+
+def step_metrics(
+    accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float, score_clip: float | None = 5.0
+) -> dict:
     """One step's metrics over the global batch, every valid token weighing alike (loss: the sum of the processes'
     shares; grad_norm, lr: the same everywhere). score_clamped_frac: tokens at the clamp (none with score_clip None)."""
     mask = batch.response_mask.bool()
     student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
     scores, advantages = batch.scores[mask], batch.advantages[mask]
     clamped = float(((teacher_lp - student_lp).abs() >= score_clip).sum()) if score_clip is not None else 0.0
-    r = reduce_metrics(accelerator, sums={"tokens": float(mask.sum()), "responses": float(mask.shape[0]),
-              "kl": (student_lp - teacher_lp).sum().item(), "score_sum": scores.sum().item(),
-              "score_sq_sum": (scores.double() ** 2).sum().item(), "clamped": clamped,
-              "adv_sum": advantages.sum().item(), "adv_sq_sum": (advantages.double() ** 2).sum().item(),
-              "nonfinite": float(batch.nonfinite_tokens), "loss": update["loss"],
-              "update_tokens": update["tokens"], "clipped_tokens": update["clip_frac"] * update["tokens"],
-              "ratio_sum": update["ratio_mean"] * update["tokens"], "mismatch_tokens": update["mismatch_tokens"],
-              "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
-              **(extras.reward_sums(batch) if batch.rewards is not None else {}),
-              **(several_teachers().teacher_sums(batch) if batch.extra.get("teacher_names") else {})},
+    r = reduce_metrics(
+        accelerator,
+        sums={
+            "tokens": float(mask.sum()),
+            "responses": float(mask.shape[0]),
+            "kl": (student_lp - teacher_lp).sum().item(),
+            "score_sum": scores.sum().item(),
+            "score_sq_sum": (scores.double() ** 2).sum().item(),
+            "clamped": clamped,
+            "adv_sum": advantages.sum().item(),
+            "adv_sq_sum": (advantages.double() ** 2).sum().item(),
+            "nonfinite": float(batch.nonfinite_tokens),
+            "loss": update["loss"],
+            "update_tokens": update["tokens"],
+            "clipped_tokens": update["clip_frac"] * update["tokens"],
+            "ratio_sum": update["ratio_mean"] * update["tokens"],
+            "mismatch_tokens": update["mismatch_tokens"],
+            "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
+            **(extras.reward_sums(batch) if batch.rewards is not None else {}),
+            **(several_teachers().teacher_sums(batch) if batch.extra.get("teacher_names") else {}),
+        },
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
-        highs={"adv_max": advantages.max().item() if advantages.numel() else 0.0,
-               "time_generate": batch.seconds.get("generate", 0.0), "time_score": batch.seconds.get("score", 0.0),
-               "time_update": update["time_update"]})
+        highs={
+            "adv_max": advantages.max().item() if advantages.numel() else 0.0,
+            "time_generate": batch.seconds.get("generate", 0.0),
+            "time_score": batch.seconds.get("score", 0.0),
+            "time_update": update["time_update"],
+        },
+    )
     N, U = max(r["tokens"], 1.0), max(r["update_tokens"], 1.0)
     metrics = {
-        "step": step, "loss": r["loss"], "reverse_kl": r["kl"] / N, "score_mean": r["score_sum"] / N,
+        "step": step,
+        "loss": r["loss"],
+        "reverse_kl": r["kl"] / N,
+        "score_mean": r["score_sum"] / N,
         "score_std": spread(N, r["score_sum"], r["score_sq_sum"]),
         **({"score_clamped_frac": r["clamped"] / N} if score_clip is not None else {}),
-        "adv_mean": r["adv_sum"] / N, "adv_std": spread(N, r["adv_sum"], r["adv_sq_sum"]),
-        "adv_min": r["adv_min"], "adv_max": r["adv_max"], "clip_frac": r["clipped_tokens"] / U,
-        "ratio_mean": r["ratio_sum"] / U, "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
-        "grad_norm": update["grad_norm"], "grad_norm_max": update["grad_norm_max"], "lr": update["lr"],
+        "adv_mean": r["adv_sum"] / N,
+        "adv_std": spread(N, r["adv_sum"], r["adv_sq_sum"]),
+        "adv_min": r["adv_min"],
+        "adv_max": r["adv_max"],
+        "clip_frac": r["clipped_tokens"] / U,
+        "ratio_mean": r["ratio_sum"] / U,
+        "logp_mismatch": r["mismatch_sum"] / max(r["mismatch_tokens"], 1.0),
+        "grad_norm": update["grad_norm"],
+        "grad_norm_max": update["grad_norm_max"],
+        "lr": update["lr"],
         "update_norm": update["update_norm"],
-        "response_length": r["tokens"] / max(r["responses"], 1.0), "nonfinite_tokens": int(r["nonfinite"]),
-        "time_generate": r["time_generate"], "time_score": r["time_score"], "time_update": r["time_update"],
-        "tokens_per_second": r["tokens"] / step_time}
+        "response_length": r["tokens"] / max(r["responses"], 1.0),
+        "nonfinite_tokens": int(r["nonfinite"]),
+        "time_generate": r["time_generate"],
+        "time_score": r["time_score"],
+        "time_update": r["time_update"],
+        "tokens_per_second": r["tokens"] / step_time,
+    }
     if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
         metrics["score_std_floored"] = int(batch.std_floored)
     if batch.extra.get("teacher_names"):  # several teachers: the same statistics over each teacher's tokens
@@ -1682,18 +2245,26 @@ def step_metrics(accelerator, batch: ScoredBatch, update: dict, step: int, step_
         metrics.update(extras.reward_metrics(r))
     return metrics
 
+
 def spread(n: float, total: float, total_sq: float) -> float:
     """The population std of n values from their sum and sum of squares."""
     return math.sqrt(max(total_sq / n - (total / n) ** 2, 0.0))
 
+
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
     """Sums, minima and maxima over processes, in one gather."""
-    local = torch.tensor([*sums.values(), *lows.values(), *highs.values()], dtype=torch.float64,
-                         device=accelerator.device)
+    local = torch.tensor(
+        [*sums.values(), *lows.values(), *highs.values()], dtype=torch.float64, device=accelerator.device
+    )
     every = accelerator.gather(local[None]).double()  # (processes, K)
     a, b = len(sums), len(sums) + len(lows)
-    return dict(zip([*sums, *lows, *highs], every[:, :a].sum(0).tolist() + every[:, a:b].min(0).values.tolist()
-                    + every[:, b:].max(0).values.tolist()))
+    return dict(
+        zip(
+            [*sums, *lows, *highs],
+            every[:, :a].sum(0).tolist() + every[:, a:b].min(0).values.tolist() + every[:, b:].max(0).values.tolist(),
+        )
+    )
+
 
 def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
     """The largest log-prob difference (nats) at which two forwards still agree: float32 rounding in float32; 16-bit
@@ -1701,6 +2272,7 @@ def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
     quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {compute_dtype or torch.float32}
     return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
+
 
 class MismatchWatch:
     """Reports once when logp_mismatch stays above `threshold` for `steps` steps in a row."""
@@ -1712,11 +2284,14 @@ class MismatchWatch:
         self.run = self.run + 1 if mismatch > self.threshold else 0
         if self.run == self.steps and not self.reported:
             self.reported = True
-            self.log(f"step {step}: logp_mismatch {mismatch:.2e} has been above {self.threshold:.0e} for {self.steps} "
-                     f"steps: the log-probs recorded while sampling are not what the training forward computes for "
-                     f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
-                     f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
-                     f"reading each prompt once (--share_prompt_prefix false)")
+            self.log(
+                f"step {step}: logp_mismatch {mismatch:.2e} has been above {self.threshold:.0e} for {self.steps} "
+                f"steps: the log-probs recorded while sampling are not what the training forward computes for "
+                f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
+                f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
+                f"reading each prompt once (--share_prompt_prefix false)"
+            )
+
 
 def log_step(run: Run, metrics: dict, progress, bar: dict) -> None:
     """A step's metrics to metrics.jsonl, the progress bar (with `bar`), the full line every logging_steps, trackers."""
@@ -1729,6 +2304,7 @@ def log_step(run: Run, metrics: dict, progress, bar: dict) -> None:
             run.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
     run.accelerator.log(metrics, step=step)
 
+
 def count_skips(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
     """The run's counters after a step (skipped, std-floored steps), into the metrics; the mismatch watch."""
     counters = run.counters
@@ -1739,32 +2315,47 @@ def count_skips(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> No
     metrics["skipped_steps"] = counters["skipped_steps"]
     run.mismatch.see(metrics["step"], metrics["logp_mismatch"])
 
+
 def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
     """Stops after max_consecutive_skips non-finite steps in a row, naming the checkpoint to resume from."""
     if counters["consecutive_skips"] >= args.max_consecutive_skips:
         last = list_checkpoints(args.output_dir)
-        raise RuntimeError(f"{counters['consecutive_skips']} non-finite steps in a row at step {step}: stopping. The "
-                           f"last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
-                           f"lower --learning_rate or check the teacher's outputs, then resume from it.")
+        raise RuntimeError(
+            f"{counters['consecutive_skips']} non-finite steps in a row at step {step}: stopping. The "
+            f"last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
+            f"lower --learning_rate or check the teacher's outputs, then resume from it."
+        )
+
 
 def finish_run(run: Run) -> None:
     """Prints the accuracy table, completes summary.json; closes trackers and the process group."""
     args, accelerator, summary, log = run.args, run.accelerator, run.summary, run.log
-    summary.update(steps=args.max_steps, wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
-                   advantage_mode=args.advantage_mode, seed=args.seed, train_rows=len(run.train_keep),
-                   eval_rows=len(run.eval_rows), skipped_train_rows=run.train_skipped,
-                   skipped_steps=run.counters["skipped_steps"],
-                   **{k: v for k, v in run.counters.items() if k == "std_floored_steps"},
-                   share_prompt_prefix=run.models.sampling.sharing_summary(), torch_threads=torch.get_num_threads())
+    summary.update(
+        steps=args.max_steps,
+        wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
+        advantage_mode=args.advantage_mode,
+        seed=args.seed,
+        train_rows=len(run.train_keep),
+        eval_rows=len(run.eval_rows),
+        skipped_train_rows=run.train_skipped,
+        skipped_steps=run.counters["skipped_steps"],
+        **{k: v for k, v in run.counters.items() if k == "std_floored_steps"},
+        share_prompt_prefix=run.models.sampling.sharing_summary(),
+        torch_threads=torch.get_num_threads(),
+    )
     if accelerator.is_main_process:
         if run.eval_rows:
-            log("\n          accuracy  before   after\n"
+            log(
+                "\n          accuracy  before   after\n"
                 f"  teacher           {summary['teacher_accuracy']:.3f}\n"
                 f"  student           {summary['student_accuracy_before']:.3f}   "
-                f"{summary['student_accuracy_after']:.3f}")
+                f"{summary['student_accuracy_after']:.3f}"
+            )
             for name, after in summary.get("student_accuracy_after_per_teacher", {}).items():
-                log(f"  {name}: teacher {summary['teacher_accuracy_per_teacher'][name]:.3f}, student "
-                    f"{summary['student_accuracy_before_per_teacher'][name]:.3f} -> {after:.3f}")
+                log(
+                    f"  {name}: teacher {summary['teacher_accuracy_per_teacher'][name]:.3f}, student "
+                    f"{summary['student_accuracy_before_per_teacher'][name]:.3f} -> {after:.3f}"
+                )
         with open(run.summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"the trained student, metrics.jsonl and summary.json in {args.output_dir}")
@@ -1773,19 +2364,24 @@ def finish_run(run: Run) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # without it, multi-process runs often abort at exit
 
+
 def parse_args(argv: list[str] | None = None) -> Args:
     """Command line flags, or a YAML/JSON file of them first, with flags after it overriding its values."""
     from transformers import HfArgumentParser
+
     parser = HfArgumentParser(Args)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         import yaml  # JSON is YAML too
+
         with open(argv[0]) as f:
             values = yaml.safe_load(f) or {}
         unknown = sorted(set(values) - {f.name for f in fields(Args)})
         if unknown:
-            raise SystemExit(f"{argv[0]}: unknown setting(s) {unknown}; `python gndpo_minimal.py --help` lists "
-                             "the settings a recipe can hold")
+            raise SystemExit(
+                f"{argv[0]}: unknown setting(s) {unknown}; `python gndpo_minimal.py --help` lists "
+                "the settings a recipe can hold"
+            )
         # auto | true | false: YAML's booleans as the flag's words
         values.update({f: str(values[f]).lower() for f in SPEEDUPS if isinstance(values.get(f), bool)})
         if isinstance(values.get("teacher_model"), dict):  # several teachers as a mapping {name: path}
@@ -1793,6 +2389,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.set_defaults(**values)  # the file's values stand where flags are absent
         argv = argv[1:]
     return parser.parse_args_into_dataclasses(argv)[0]
+
 
 if __name__ == "__main__":
     main(parse_args())

@@ -24,8 +24,10 @@ def teacher_paths(value: str) -> dict[str, str]:
     pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
     names = [name.strip() for name, _ in pairs]
     if any(len(pair) < 2 for pair in pairs) or any(not name for name in names) or len(set(names)) < len(names):
-        raise ValueError(f"--teacher_model {value!r}: several teachers are name=path pairs with distinct, non-empty "
-                         f"names, e.g. color=path/to/a,shape=path/to/b")
+        raise ValueError(
+            f"--teacher_model {value!r}: several teachers are name=path pairs with distinct, non-empty "
+            f"names, e.g. color=path/to/a,shape=path/to/b"
+        )
     return {name.strip(): path.strip() for name, path in pairs}
 
 
@@ -33,15 +35,19 @@ def check_teacher_column(ds, column: str, names: list[str], split: str) -> None:
     """Stops unless every row of the split names one of the loaded teachers in `column`: a row routed to no teacher,
     or to one that was not loaded, cannot be scored."""
     if column not in ds.column_names:
-        raise ValueError(f"several teachers ({', '.join(names)}), but the {split!r} split has no column {column!r} "
-                         f"naming each row's teacher; its columns are {ds.column_names}: pass --teacher_column")
+        raise ValueError(
+            f"several teachers ({', '.join(names)}), but the {split!r} split has no column {column!r} "
+            f"naming each row's teacher; its columns are {ds.column_names}: pass --teacher_column"
+        )
     values = ds.select_columns([column])[column]
     unknown = [(i, v) for i, v in enumerate(values) if v not in names]
     if unknown:
         counts = {str(v): sum(1 for _, u in unknown if u == v) for v in dict.fromkeys(v for _, v in unknown)}
-        raise ValueError(f"{len(unknown)} rows of the {split!r} split name no loaded teacher in column {column!r} "
-                         f"(first: row {unknown[0][0]}; values and counts {counts}); the teachers are {names}: add "
-                         f"them to --teacher_model as name=path, or fix the rows")
+        raise ValueError(
+            f"{len(unknown)} rows of the {split!r} split name no loaded teacher in column {column!r} "
+            f"(first: row {unknown[0][0]}; values and counts {counts}); the teachers are {names}: add "
+            f"them to --teacher_model as name=path, or fix the rows"
+        )
 
 
 def route_to_teachers(rollouts: list, teachers: list[str], names: list[str], encode: Callable) -> list:
@@ -53,7 +59,7 @@ def route_to_teachers(rollouts: list, teachers: list[str], names: list[str], enc
     start = 0
     for r in rollouts:
         n = r.response_ids.shape[0]
-        mine = teachers[start:start + n]
+        mine = teachers[start : start + n]
         r.extra.update(teachers=mine, teacher_ids=torch.tensor([names.index(t) for t in mine]), by_teacher={})
         for name in dict.fromkeys(mine):  # in order of first appearance
             rows = [i for i, t in enumerate(mine) if t == name]
@@ -62,10 +68,14 @@ def route_to_teachers(rollouts: list, teachers: list[str], names: list[str], enc
                 part = dataclasses.replace(r, extra={**r.extra, "teachers": [name] * n, "by_teacher": None})
             else:
                 R = max(1, int(r.response_mask[index].sum(1).max()))
-                part = dataclasses.replace(r, response_ids=r.response_ids[index, :R],
-                                           response_mask=r.response_mask[index, :R],
-                                           sampled_logps=r.sampled_logps[index, :R], row_inputs=None,
-                                           extra={"teachers": [name] * len(rows)})
+                part = dataclasses.replace(
+                    r,
+                    response_ids=r.response_ids[index, :R],
+                    response_mask=r.response_mask[index, :R],
+                    sampled_logps=r.sampled_logps[index, :R],
+                    row_inputs=None,
+                    extra={"teachers": [name] * len(rows)},
+                )
                 part = encode(part, [start + i for i in rows], r.row_inputs is not None, "prompt_index" in r.extra)
             r.extra["by_teacher"][name] = (index, part)
         start += n
@@ -82,7 +92,7 @@ def routed_forward(forward: Callable) -> Callable:
             raise ValueError("several teachers: each rollout needs its rows by teacher (route_to_teachers)")
         out = torch.zeros(rollout.response_ids.shape, device=rollout.response_ids.device)  # (n, R)
         for name, (rows, part) in rollout.extra["by_teacher"].items():
-            out[rows, :part.response_ids.shape[1]] = forward(teachers[name], part, ignore_ids)
+            out[rows, : part.response_ids.shape[1]] = forward(teachers[name], part, ignore_ids)
         return out
 
     return several
@@ -97,8 +107,9 @@ def evaluate_each(evaluate: Callable, models: dict, rows: list[tuple]) -> dict:
     counts = {name: len(where[name]) for name in parts}
     total = sum(counts.values())
     records = sorted((where[name][i], answer, ok, name) for name in parts for i, answer, ok in parts[name]["rows"])
-    return {key: sum(parts[name][key] * counts[name] for name in parts) / total for key in ("accuracy", "format_rate")
-            } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}, "rows": records}
+    return {
+        key: sum(parts[name][key] * counts[name] for name in parts) / total for key in ("accuracy", "format_rate")
+    } | {"accuracy_per_teacher": {name: parts[name]["accuracy"] for name in sorted(parts)}, "rows": records}
 
 
 def teacher_sums(batch) -> dict:
@@ -108,10 +119,16 @@ def teacher_sums(batch) -> dict:
     for k, name in enumerate(batch.extra["teacher_names"]):
         mask = batch.response_mask.bool() & (batch.extra["teacher_ids"] == k)[:, None]
         scores, advantages = batch.scores[mask].double(), batch.advantages[mask].double()
-        out.update({f"{name}/tokens": float(mask.sum()),
-                    f"{name}/kl": (batch.student_logps[mask] - batch.teacher_logps[mask]).sum().item(),
-                    f"{name}/score_sum": scores.sum().item(), f"{name}/score_sq_sum": (scores**2).sum().item(),
-                    f"{name}/adv_sum": advantages.sum().item(), f"{name}/adv_sq_sum": (advantages**2).sum().item()})
+        out.update(
+            {
+                f"{name}/tokens": float(mask.sum()),
+                f"{name}/kl": (batch.student_logps[mask] - batch.teacher_logps[mask]).sum().item(),
+                f"{name}/score_sum": scores.sum().item(),
+                f"{name}/score_sq_sum": (scores**2).sum().item(),
+                f"{name}/adv_sum": advantages.sum().item(),
+                f"{name}/adv_sq_sum": (advantages**2).sum().item(),
+            }
+        )
     return out
 
 
@@ -121,11 +138,16 @@ def teacher_metrics(r: dict, names: list[str], spread: Callable) -> dict:
     out = {}
     for name in names:
         n, key = max(r[f"{name}/tokens"], 1.0), f"teacher/{name}/"
-        out.update({key + "reverse_kl": r[f"{name}/kl"] / n, key + "score_mean": r[f"{name}/score_sum"] / n,
-                    key + "score_std": spread(n, r[f"{name}/score_sum"], r[f"{name}/score_sq_sum"]),
-                    key + "adv_mean": r[f"{name}/adv_sum"] / n,
-                    key + "adv_std": spread(n, r[f"{name}/adv_sum"], r[f"{name}/adv_sq_sum"]),
-                    key + "tokens": int(r[f"{name}/tokens"])})
+        out.update(
+            {
+                key + "reverse_kl": r[f"{name}/kl"] / n,
+                key + "score_mean": r[f"{name}/score_sum"] / n,
+                key + "score_std": spread(n, r[f"{name}/score_sum"], r[f"{name}/score_sq_sum"]),
+                key + "adv_mean": r[f"{name}/adv_sum"] / n,
+                key + "adv_std": spread(n, r[f"{name}/adv_sum"], r[f"{name}/adv_sq_sum"]),
+                key + "tokens": int(r[f"{name}/tokens"]),
+            }
+        )
     return out
 
 
@@ -142,8 +164,10 @@ def shard_frozen(model, device_type: str, num_processes: int) -> int:
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
-        raise ValueError(f"--shard_teacher: {type(model).__name__} names no layer classes (_no_split_modules) to "
-                         f"shard; run without --shard_teacher")
+        raise ValueError(
+            f"--shard_teacher: {type(model).__name__} names no layer classes (_no_split_modules) to "
+            f"shard; run without --shard_teacher"
+        )
     mesh = init_device_mesh(device_type, (num_processes,))
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)

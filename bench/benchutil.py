@@ -33,8 +33,11 @@ def tiny_models(student: str | None = None, teacher: str | None = None, seed: in
     out = os.path.join(tempfile.gettempdir(), f"gndpo-bench-untrained-{seed}")
     if not all(os.path.isfile(os.path.join(out, name, "config.json")) for name in ("student", "teacher")):
         tiny_world.save_untrained(out, seed=seed)
-    return (os.path.join(out, "student"), os.path.join(out, "teacher"),
-            "random-init tiny models (assets/tiny missing): responses run to the length limit")
+    return (
+        os.path.join(out, "student"),
+        os.path.join(out, "teacher"),
+        "random-init tiny models (assets/tiny missing): responses run to the length limit",
+    )
 
 
 def tiny_dataset() -> str:
@@ -134,6 +137,7 @@ def percent(part: float, whole: float) -> str:
 
 def table(headers: list[str], rows: list[list]) -> str:
     """A Markdown table; floats get 3 significant digits."""
+
     def cell(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
@@ -143,8 +147,9 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def add_json_flag(parser) -> None:
-    parser.add_argument("--json", metavar="PATH",
-                        help="Also write the numbers and ratios printed as one JSON dict here.")
+    parser.add_argument(
+        "--json", metavar="PATH", help="Also write the numbers and ratios printed as one JSON dict here."
+    )
 
 
 def report(out: dict, sections: list, json_path: str | None = None, verbose: bool = True) -> dict:

@@ -36,21 +36,43 @@ def run(families: list[str] | None = None, steps: int = 3, json_path: str | None
         for family in families:
             models = tiny_families.build(family, os.path.join(tmp, family))
             run_dir = os.path.join(tmp, family + "-run")
-            g.main(g.Args(student_model=os.path.join(models, "student"), teacher_model=os.path.join(models, "teacher"),
-                          dataset_name=data, prompts_per_step=2, num_generations=2, micro_batch_size=4,
-                          max_new_tokens=6, num_eval_samples=0, max_steps=steps, save_steps=0, max_prompt_length=4096,
-                          output_dir=run_dir, logging_steps=0))
+            g.main(
+                g.Args(
+                    student_model=os.path.join(models, "student"),
+                    teacher_model=os.path.join(models, "teacher"),
+                    dataset_name=data,
+                    prompts_per_step=2,
+                    num_generations=2,
+                    micro_batch_size=4,
+                    max_new_tokens=6,
+                    num_eval_samples=0,
+                    max_steps=steps,
+                    save_steps=0,
+                    max_prompt_length=4096,
+                    output_dir=run_dir,
+                    logging_steps=0,
+                )
+            )
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 metrics = [json.loads(line) for line in f]
             seconds = [m["time_generate"] + m["time_score"] + m["time_update"] for m in metrics]
-            out[family] = {"pair": tiny_families.FAMILIES[family].pair, "step_seconds": median(seconds),
-                           "steps_seconds": seconds,
-                           "logp_mismatch": max(m["logp_mismatch"] for m in metrics),
-                           "response_length": median([m["response_length"] for m in metrics])}
+            out[family] = {
+                "pair": tiny_families.FAMILIES[family].pair,
+                "step_seconds": median(seconds),
+                "steps_seconds": seconds,
+                "logp_mismatch": max(m["logp_mismatch"] for m in metrics),
+                "response_length": median([m["response_length"] for m in metrics]),
+            }
     rows = [[f, r["pair"], r["step_seconds"], f"{r['logp_mismatch']:.1e}"] for f, r in out.items()]
-    return report(out, [f"one GNDPO step per family stand-in (median of {steps} steps; generate + score + update)",
-                        (["family", "student / teacher a user would pick", "step s", "max logp_mismatch"], rows)],
-                  json_path, verbose)
+    return report(
+        out,
+        [
+            f"one GNDPO step per family stand-in (median of {steps} steps; generate + score + update)",
+            (["family", "student / teacher a user would pick", "step s", "max logp_mismatch"], rows),
+        ],
+        json_path,
+        verbose,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

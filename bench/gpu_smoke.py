@@ -81,15 +81,23 @@ RESUME_TOKENS = {"gpu": 32, "tiny": 4}
 TRAIN_ROWS = 64  # rows the phases draw prompts from (and the image size is fitted to)
 # The tiny tokenizer carries Qwen2.5-VL's special tokens under their names, at its own ids: each config id that
 # names one of them is set to the tiny id, or the model would look for image tokens the processor never writes.
-SPECIAL_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
-                  "vision_token_id": "<|vision_pad|>", "image_token_id": "<|image_pad|>",
-                  "video_token_id": "<|video_pad|>"}
-CPU_MEMORY = ("CPU: added_bytes is the most the CPU allocator held above its level at the phase's start, by the "
-              "profiler's records (bench/memory.py's live_peak); peak allocated and reserved are CUDA allocator "
-              "figures and are null here")
-GPU_MEMORY = ("CUDA allocator: peak_allocated_bytes and peak_reserved_bytes are torch.cuda.max_memory_allocated / "
-              "max_memory_reserved over the phase (reset at its start); added_bytes is the peak allocated less what "
-              "was allocated when the phase started")
+SPECIAL_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
+CPU_MEMORY = (
+    "CPU: added_bytes is the most the CPU allocator held above its level at the phase's start, by the "
+    "profiler's records (bench/memory.py's live_peak); peak allocated and reserved are CUDA allocator "
+    "figures and are null here"
+)
+GPU_MEMORY = (
+    "CUDA allocator: peak_allocated_bytes and peak_reserved_bytes are torch.cuda.max_memory_allocated / "
+    "max_memory_reserved over the phase (reset at its start); added_bytes is the peak allocated less what "
+    "was allocated when the phase started"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,8 +112,12 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     missing = [SPECIAL_TOKENS[k] for k, i in ids.items() if i is None or i == tokenizer.unk_token_id]
     if missing:
         raise ValueError(f"the tokenizer has no {missing}: the Qwen2.5-VL configs need them")
-    return {**ids, "bos_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
+    return {
+        **ids,
+        "bos_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def smoke_config(config_dir: str, tokenizer, sizes: dict | None = None):
@@ -132,8 +144,9 @@ def save_random_model(config, processor, out_dir: str, device: str, dtype: torch
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     text = config.get_text_config()
-    model.generation_config.update(bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id,
-                                   pad_token_id=text.pad_token_id)
+    model.generation_config.update(
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id
+    )
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     params = sum(p.numel() for p in model.parameters())
@@ -150,8 +163,9 @@ def image_pixels_for(processor, args: g.Args) -> int:
     tokens in Qwen-VL (14-pixel patches merged 2 x 2); the text around it is measured at the current size."""
     image = processor.image_processor
     step = image.patch_size * image.merge_size
-    ds, keep, _ = g.prepare_split(g.load_split(args, args.train_split), args, processor, args.train_split, TRAIN_ROWS,
-                                  log=None)
+    ds, keep, _ = g.prepare_split(
+        g.load_split(args, args.train_split), args, processor, args.train_split, TRAIN_ROWS, log=None
+    )
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep]
     image_id = processor.tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS["image_token_id"])
 
@@ -180,10 +194,14 @@ def build_models(work: str, args: g.Args, device: str, log) -> dict:
     paths = {"student": os.path.join(work, "student"), "teacher": os.path.join(work, "teacher")}
     processor = AutoProcessor.from_pretrained(tiny_student)
     pixels = image_pixels_for(processor, dataclasses.replace(args, student_model=tiny_student))
-    out = {"source": "random-init from the shipped configs", "student_config": os.path.relpath(STUDENT_CONFIG, ROOT),
-           "teacher_config": os.path.relpath(TEACHER_CONFIG, ROOT),
-           "processor": f"{os.path.relpath(tiny_student, ROOT)} (tokenizer and processor)", "image_pixels": pixels,
-           "special_token_ids": special_token_ids(processor.tokenizer)}
+    out = {
+        "source": "random-init from the shipped configs",
+        "student_config": os.path.relpath(STUDENT_CONFIG, ROOT),
+        "teacher_config": os.path.relpath(TEACHER_CONFIG, ROOT),
+        "processor": f"{os.path.relpath(tiny_student, ROOT)} (tokenizer and processor)",
+        "image_pixels": pixels,
+        "special_token_ids": special_token_ids(processor.tokenizer),
+    }
     t0 = time.perf_counter()
     for role, config_dir in (("student", STUDENT_CONFIG), ("teacher", TEACHER_CONFIG)):
         config = smoke_config(config_dir, processor.tokenizer)
@@ -226,8 +244,13 @@ def measure(fn, cuda: bool) -> tuple[object, dict]:
     if not cuda:
         t0 = time.perf_counter()
         out, added = live_peak(fn)
-        return out, {"seconds": time.perf_counter() - t0, "allocated_before_bytes": None,
-                     "peak_allocated_bytes": None, "peak_reserved_bytes": None, "added_bytes": int(added)}
+        return out, {
+            "seconds": time.perf_counter() - t0,
+            "allocated_before_bytes": None,
+            "peak_allocated_bytes": None,
+            "peak_reserved_bytes": None,
+            "added_bytes": int(added),
+        }
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -240,8 +263,13 @@ def measure(fn, cuda: bool) -> tuple[object, dict]:
     except Exception as e:  # recorded, then raised again with the figures
         error, out = e, None
     peak = torch.cuda.max_memory_allocated()
-    stats = {"seconds": time.perf_counter() - t0, "allocated_before_bytes": before, "peak_allocated_bytes": peak,
-             "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "added_bytes": peak - before}
+    stats = {
+        "seconds": time.perf_counter() - t0,
+        "allocated_before_bytes": before,
+        "peak_allocated_bytes": peak,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+        "added_bytes": peak - before,
+    }
     if error is not None:
         raise PhaseFailed(stats, error) from error
     return out, stats
@@ -256,9 +284,13 @@ def token_counts(rollouts: list[g.Rollout]) -> dict:
         else:  # only the distinct prompts encoded: each row counts its own
             prompts += r.extra["prompt_inputs"]["attention_mask"].sum(1)[r.extra["prompt_index"]].tolist()
     response = int(sum(int(r.response_mask.sum()) for r in rollouts))
-    return {"rows": sum(r.response_ids.shape[0] for r in rollouts), "prompt_tokens": int(max(prompts)),
-            "response_length": max(r.response_ids.shape[1] for r in rollouts), "response_tokens": response,
-            "sequence_tokens": int(sum(prompts)) + response}
+    return {
+        "rows": sum(r.response_ids.shape[0] for r in rollouts),
+        "prompt_tokens": int(max(prompts)),
+        "response_length": max(r.response_ids.shape[1] for r in rollouts),
+        "response_tokens": response,
+        "sequence_tokens": int(sum(prompts)) + response,
+    }
 
 
 def phase_record(stats: dict, rollouts: list[g.Rollout], **extra) -> dict:
@@ -289,10 +321,18 @@ class Smoke:
 
     def __init__(self, path: str, command: str, tiny: bool, commit: str | None):
         self.path, self.cuda, self.t0, self.failed = path, not tiny, time.time(), []
-        self.record = {"name": "gpu_smoke", **provenance(commit), "command": command, "machine": machine(),
-                       "gpu": gpu_info() if self.cuda else None, "packages": packages(),
-                       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "seconds": 0.0,
-                       "rounds": {}, "result": {}}
+        self.record = {
+            "name": "gpu_smoke",
+            **provenance(commit),
+            "command": command,
+            "machine": machine(),
+            "gpu": gpu_info() if self.cuda else None,
+            "packages": packages(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "seconds": 0.0,
+            "rounds": {},
+            "result": {},
+        }
 
     @property
     def result(self) -> dict:
@@ -301,8 +341,10 @@ class Smoke:
     def save(self) -> None:
         self.record["seconds"] = time.time() - self.t0
         # the raw values behind the figures: each phase's seconds and the bytes it added
-        self.record["rounds"] = {p: {k: v.get(k) for k in ("seconds", "added_bytes", "peak_reserved_bytes")}
-                                 for p, v in self.result.get("phases", {}).items()}
+        self.record["rounds"] = {
+            p: {k: v.get(k) for k in ("seconds", "added_bytes", "peak_reserved_bytes")}
+            for p, v in self.result.get("phases", {}).items()
+        }
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path + ".tmp", "w") as f:
             json.dump(self.record, f, indent=1, default=str)
@@ -328,10 +370,15 @@ def provenance(commit: str | None) -> dict:
 
 def gpu_info() -> dict:
     props = torch.cuda.get_device_properties(0)
-    return {"name": torch.cuda.get_device_name(0), "total_memory_bytes": props.total_memory,
-            "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda, "cap_bytes": CAP_BYTES,
-            "cap_fraction": CAP_BYTES / props.total_memory,
-            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    return {
+        "name": torch.cuda.get_device_name(0),
+        "total_memory_bytes": props.total_memory,
+        "capability": f"{props.major}.{props.minor}",
+        "cuda": torch.version.cuda,
+        "cap_bytes": CAP_BYTES,
+        "cap_fraction": CAP_BYTES / props.total_memory,
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
 
 
 def packages() -> dict:
@@ -349,11 +396,23 @@ def base_args(tiny: bool, student: str, teacher: str, output_dir: str) -> g.Args
     """The 24 GB recipe's arguments on the tiny task's rows (its columns, no evaluation), with these models; under
     --tiny its shape shrunk (TINY_SHAPE). Every response is forced to max_new_tokens (--min_new_tokens)."""
     defaults = g.Args()
-    changes = dict(student_model=student, teacher_model=teacher, dataset_name=tiny_dataset(), dataset_config=None,
-                   train_split=defaults.train_split, eval_split=defaults.eval_split,
-                   image_column=defaults.image_column, question_column=defaults.question_column,
-                   answer_column=defaults.answer_column, require_think=False, max_train_samples=TRAIN_ROWS,
-                   num_eval_samples=0, output_dir=output_dir, report_to="none", logging_steps=0)
+    changes = dict(
+        student_model=student,
+        teacher_model=teacher,
+        dataset_name=tiny_dataset(),
+        dataset_config=None,
+        train_split=defaults.train_split,
+        eval_split=defaults.eval_split,
+        image_column=defaults.image_column,
+        question_column=defaults.question_column,
+        answer_column=defaults.answer_column,
+        require_think=False,
+        max_train_samples=TRAIN_ROWS,
+        num_eval_samples=0,
+        output_dir=output_dir,
+        report_to="none",
+        logging_steps=0,
+    )
     args = dataclasses.replace(g.parse_args([RECIPE]), **changes, **(TINY_SHAPE if tiny else {}))
     return dataclasses.replace(args, min_new_tokens=args.max_new_tokens)
 
@@ -371,7 +430,9 @@ def setup_phase(smoke: Smoke, setup_args: g.Args, args: g.Args, log) -> dict | N
             setup_seconds=time.perf_counter() - t0,
             resident_bytes=torch.cuda.memory_allocated() if cuda else None,
             trainable_params=sum(p.numel() for p in models.student.parameters() if p.requires_grad),
-            teacher_4bit=args.teacher_4bit, gradient_checkpointing=args.gradient_checkpointing)
+            teacher_4bit=args.teacher_4bit,
+            gradient_checkpointing=args.gradient_checkpointing,
+        )
     except Exception as e:
         result["models"].update(smoke.fail("models", e))
         for phase in PHASES:
@@ -405,13 +466,16 @@ def estimate_phases(smoke: Smoke, args: g.Args, rollout_args: g.Args, rollouts) 
         lengths = (result["phases"]["rollout"]["prompt_tokens"], args.max_new_tokens) if rollouts else None
         device = "cuda" if smoke.cuda else "cpu"
         estimates["plain"] = estimate(rollout_args, device=device, lengths=lengths)
-        estimates["check"] = estimate(dataclasses.replace(rollout_args, share_prompt_prefix=True), device=device,
-                                      lengths=lengths)
+        estimates["check"] = estimate(
+            dataclasses.replace(rollout_args, share_prompt_prefix=True), device=device, lengths=lengths
+        )
         resident = estimates["plain"]["resident"]
-        result["models"].update(estimated_resident_bytes=resident,
-                                estimated_cuda_context_bytes=estimates["plain"]["cuda_context"],
-                                estimated_peak_bytes=estimates["plain"]["peak"],
-                                estimated_peak_phase=estimates["plain"]["peak_phase"])
+        result["models"].update(
+            estimated_resident_bytes=resident,
+            estimated_cuda_context_bytes=estimates["plain"]["cuda_context"],
+            estimated_peak_bytes=estimates["plain"]["peak"],
+            estimated_peak_phase=estimates["plain"]["peak_phase"],
+        )
     except Exception as e:
         result["models"]["estimate_error"] = smoke.fail("estimate", e)["error"]
         resident = None
@@ -433,8 +497,9 @@ def scoring_phase(smoke: Smoke, models: g.Models, rollouts, estimates: dict, res
         phases["scoring"] = smoke.fail("scoring", e)
 
 
-def update_phase(smoke: Smoke, setup: dict, setup_args: g.Args, prompts, rollouts, estimates: dict,
-                 resident: float | None, log) -> None:
+def update_phase(
+    smoke: Smoke, setup: dict, setup_args: g.Args, prompts, rollouts, estimates: dict, resident: float | None, log
+) -> None:
     """update: one micro-batch of the rollout phase's rollouts; a first update makes AdamW's state, which is
     resident from then on (the estimate counts it there), then the measured one on the same rollouts."""
     cuda, phases = smoke.cuda, smoke.result["phases"]
@@ -443,18 +508,28 @@ def update_phase(smoke: Smoke, setup: dict, setup_args: g.Args, prompts, rollout
         return
     try:
         models, acc = setup["models"], setup["accelerator"]
-        group_ids = torch.tensor(prompts.group_ids[:rollouts[0].response_ids.shape[0]])
+        group_ids = torch.tensor(prompts.group_ids[: rollouts[0].response_ids.shape[0]])
         batch = g.score_rollouts(models, rollouts[:1], group_ids, setup_args, log)
-        update = lambda: g.update_student(models, setup["optimizer"], setup["scheduler"], acc, batch,  # noqa: E731
-                                          setup_args, log=log)
+        update = lambda: g.update_student(
+            models,
+            setup["optimizer"],
+            setup["scheduler"],
+            acc,
+            batch,  # noqa: E731
+            setup_args,
+            log=log,
+        )
         t0 = time.perf_counter()
         update()
         sync(cuda)
         first = time.perf_counter() - t0
         applied, stats = measure(update, cuda)
         phases["update"] = phase_record(
-            stats, batch.rollouts, first_update_seconds=first,
-            **{k: applied[k] for k in ("loss", "grad_norm", "logp_mismatch", "update_norm", "skipped_updates")})
+            stats,
+            batch.rollouts,
+            first_update_seconds=first,
+            **{k: applied[k] for k in ("loss", "grad_norm", "logp_mismatch", "update_norm", "skipped_updates")},
+        )
         compare(phases["update"], estimates.get("plain", {}).get("phase_update"), resident)
     except Exception as e:
         phases["update"] = smoke.fail("update", e)
@@ -468,8 +543,9 @@ def check_phase(smoke: Smoke, setup: dict, check_args: g.Args, estimates: dict, 
     models = setup["models"]
     lines = []
     try:
-        shared = g.make_models(check_args, setup["accelerator"], models.processor, models.student, models.teacher,
-                               lines.append)
+        shared = g.make_models(
+            check_args, setup["accelerator"], models.processor, models.student, models.teacher, lines.append
+        )
         sharing, seen = shared.sampling.sharing, {}
         run_checks = sharing.run_checks
 
@@ -490,11 +566,18 @@ def check_phase(smoke: Smoke, setup: dict, check_args: g.Args, estimates: dict, 
         sampling = total - seen["stats"]["seconds"]
         counts = token_counts(sampled)
         result["checks"] = {
-            "decisions": decisions, "kept_speedup": [r for r, d in decisions.items() if d is True],
-            "fell_back": [r for r, d in decisions.items() if d is not True], "log": lines,
+            "decisions": decisions,
+            "kept_speedup": [r for r, d in decisions.items() if d is True],
+            "fell_back": [r for r, d in decisions.items() if d is not True],
+            "log": lines,
             # the first step's sampling on the shared prompts (again with generate() where its check failed)
-            "sampling": {"rows": counts["rows"], "response_tokens": counts["response_tokens"],
-                         "seconds": sampling, "tokens_per_second": counts["response_tokens"] / sampling}}
+            "sampling": {
+                "rows": counts["rows"],
+                "response_tokens": counts["response_tokens"],
+                "seconds": sampling,
+                "tokens_per_second": counts["response_tokens"] / sampling,
+            },
+        }
     except Exception as e:
         phases["check"] = smoke.fail("check", e)
         result["checks"] = {"error": phases["check"]["error"], "log": lines}
@@ -508,8 +591,13 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
     setup_args = dataclasses.replace(args, prompts_per_step=1, num_generations=micro)
     rollout_args = dataclasses.replace(args, prompts_per_step=max(1, (gen or G) // G))  # one generate() call
     check_tokens = min(args.max_new_tokens, CHECK_TOKENS)
-    check_args = dataclasses.replace(args, prompts_per_step=CHECK_PROMPTS, share_prompt_prefix=True,
-                                     max_new_tokens=check_tokens, min_new_tokens=check_tokens)
+    check_args = dataclasses.replace(
+        args,
+        prompts_per_step=CHECK_PROMPTS,
+        share_prompt_prefix=True,
+        max_new_tokens=check_tokens,
+        min_new_tokens=check_tokens,
+    )
     phases = smoke.result.setdefault("phases", {})
     setup = setup_phase(smoke, setup_args, args, log)
     smoke.save()
@@ -533,9 +621,17 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
 
 def run_resume(args: g.Args, tokens: int, cuda: bool) -> dict:
     """main() for 2 steps with a checkpoint at step 2, then main() from it for step 3."""
-    first = dataclasses.replace(args, **RESUME_SHAPE, max_new_tokens=tokens, min_new_tokens=tokens, max_steps=2,
-                                save_steps=2, share_prompt_prefix=True, overwrite_output_dir=True,
-                                resume_from_checkpoint=None)
+    first = dataclasses.replace(
+        args,
+        **RESUME_SHAPE,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        max_steps=2,
+        save_steps=2,
+        share_prompt_prefix=True,
+        overwrite_output_dir=True,
+        resume_from_checkpoint=None,
+    )
     steps_first, steps_resumed = [], []
     t0 = time.perf_counter()
     summary_first = g.main(first, on_step=steps_first.append)
@@ -555,17 +651,25 @@ def run_resume(args: g.Args, tokens: int, cuda: bool) -> dict:
         metrics = [json.loads(line) for line in f]
     last = metrics[-1]
     numbers = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {"shape": {**RESUME_SHAPE, "max_new_tokens": tokens, "share_prompt_prefix": True},
-            "first_run_steps": steps_first, "checkpoint": os.path.basename(checkpoints[-1][1]),
-            "checkpoint_step": saved_step, "resumed_run_steps": steps_resumed,
-            "metrics_steps": [m["step"] for m in metrics],
-            "step_counter_continued": steps_resumed == [saved_step + 1] and last["step"] == saved_step + 1,
-            "resumed_metrics_finite": all(math.isfinite(v) for v in numbers.values()),
-            "resumed_step_metrics": last, "summary_steps": summary["steps"],
-            "first_run_seconds": seconds_first, "resumed_run_seconds": seconds_resumed,
-            "allocated_between_runs_bytes": between,
-            "share_prompt_prefix": {"first_run": summary_first["share_prompt_prefix"],
-                                    "resumed_run": summary["share_prompt_prefix"]}}
+    return {
+        "shape": {**RESUME_SHAPE, "max_new_tokens": tokens, "share_prompt_prefix": True},
+        "first_run_steps": steps_first,
+        "checkpoint": os.path.basename(checkpoints[-1][1]),
+        "checkpoint_step": saved_step,
+        "resumed_run_steps": steps_resumed,
+        "metrics_steps": [m["step"] for m in metrics],
+        "step_counter_continued": steps_resumed == [saved_step + 1] and last["step"] == saved_step + 1,
+        "resumed_metrics_finite": all(math.isfinite(v) for v in numbers.values()),
+        "resumed_step_metrics": last,
+        "summary_steps": summary["steps"],
+        "first_run_seconds": seconds_first,
+        "resumed_run_seconds": seconds_resumed,
+        "allocated_between_runs_bytes": between,
+        "share_prompt_prefix": {
+            "first_run": summary_first["share_prompt_prefix"],
+            "resumed_run": summary["share_prompt_prefix"],
+        },
+    }
 
 
 def run(tiny: bool, json_path: str, work: str | None, command: str, commit: str | None = None) -> Smoke:
@@ -581,13 +685,17 @@ def run(tiny: bool, json_path: str, work: str | None, command: str, commit: str 
     try:
         shape = base_args(tiny, "", "", os.path.join(work, "run"))
         smoke.result["config"] = {
-            "mode": "tiny" if tiny else "gpu", "device": "cuda" if smoke.cuda else "cpu",
-            "recipe": os.path.relpath(RECIPE, ROOT), "memory": GPU_MEMORY if smoke.cuda else CPU_MEMORY,
+            "mode": "tiny" if tiny else "gpu",
+            "device": "cuda" if smoke.cuda else "cpu",
+            "recipe": os.path.relpath(RECIPE, ROOT),
+            "memory": GPU_MEMORY if smoke.cuda else CPU_MEMORY,
             "cap_bytes": CAP_BYTES if smoke.cuda else None,
-            **{flag: getattr(shape, flag) for flag in SHAPE_FLAGS}, "min_new_tokens": shape.min_new_tokens,
+            **{flag: getattr(shape, flag) for flag in SHAPE_FLAGS},
+            "min_new_tokens": shape.min_new_tokens,
             "check_rows": CHECK_PROMPTS * shape.num_generations,
             "check_response_tokens": min(shape.max_new_tokens, CHECK_TOKENS),
-            "share_prompt_prefix_in_recipe": shape.share_prompt_prefix}
+            "share_prompt_prefix_in_recipe": shape.share_prompt_prefix,
+        }
         smoke.save()
         if tiny:
             student, teacher, which = tiny_models()
@@ -605,8 +713,11 @@ def run(tiny: bool, json_path: str, work: str | None, command: str, commit: str 
             torch.cuda.empty_cache()
         try:
             before = torch.cuda.memory_allocated() if smoke.cuda else None  # the phases' models are gone by now
-            resume = run_resume(dataclasses.replace(args, output_dir=os.path.join(work, "resume")),
-                                RESUME_TOKENS["tiny" if tiny else "gpu"], smoke.cuda)
+            resume = run_resume(
+                dataclasses.replace(args, output_dir=os.path.join(work, "resume")),
+                RESUME_TOKENS["tiny" if tiny else "gpu"],
+                smoke.cuda,
+            )
             smoke.result["resume"] = resume = {**resume, "allocated_before_bytes": before}
             if not (resume["step_counter_continued"] and resume["resumed_metrics_finite"]):
                 smoke.failed.append("resume: the step counter did not continue or the metrics are not finite")
@@ -626,39 +737,87 @@ def print_report(smoke: Smoke) -> None:
     rows = []
     for phase, v in result.get("phases", {}).items():
         if "error" in v and "rows" not in v:
-            rows.append([phase, "", "", "", "", mib(v.get("added_bytes")), "", "", mib(v.get("peak_reserved_bytes")),
-                         v["error"][:60]])
+            rows.append(
+                [
+                    phase,
+                    "",
+                    "",
+                    "",
+                    "",
+                    mib(v.get("added_bytes")),
+                    "",
+                    "",
+                    mib(v.get("peak_reserved_bytes")),
+                    v["error"][:60],
+                ]
+            )
             continue
-        rows.append([phase, v["rows"], v["response_tokens"], v["seconds"], v["tokens_per_second"],
-                     mib(v["added_bytes"]), mib(v.get("estimated_added_bytes")), v.get("estimate_over_measured"),
-                     mib(v["peak_reserved_bytes"]), v.get("error", "")[:60]])
-    print(table(["phase", "rows", "response tokens", "seconds", "tokens/s", "added MiB", "estimated MiB",
-                 "estimate / measured", "peak reserved MiB", "error"], rows))
+        rows.append(
+            [
+                phase,
+                v["rows"],
+                v["response_tokens"],
+                v["seconds"],
+                v["tokens_per_second"],
+                mib(v["added_bytes"]),
+                mib(v.get("estimated_added_bytes")),
+                v.get("estimate_over_measured"),
+                mib(v["peak_reserved_bytes"]),
+                v.get("error", "")[:60],
+            ]
+        )
+    print(
+        table(
+            [
+                "phase",
+                "rows",
+                "response tokens",
+                "seconds",
+                "tokens/s",
+                "added MiB",
+                "estimated MiB",
+                "estimate / measured",
+                "peak reserved MiB",
+                "error",
+            ],
+            rows,
+        )
+    )
     checks = result.get("checks", {})
     if "decisions" in checks:
         print("checks:", ", ".join(f"{role} {'kept' if d else 'fell back'}" for role, d in checks["decisions"].items()))
     resume = result.get("resume", {})
     if "metrics_steps" in resume:
-        print(f"resume: steps {resume['first_run_steps']} then {resume['resumed_run_steps']} from "
-              f"{resume['checkpoint']}; step counter continued {resume['step_counter_continued']}, metrics finite "
-              f"{resume['resumed_metrics_finite']}")
+        print(
+            f"resume: steps {resume['first_run_steps']} then {resume['resumed_run_steps']} from "
+            f"{resume['checkpoint']}; step counter continued {resume['step_counter_continued']}, metrics finite "
+            f"{resume['resumed_metrics_finite']}"
+        )
     print(f"{smoke.record['seconds']:.0f} s; written to {smoke.path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="On a CPU with the tiny models and small shapes.")
-    p.add_argument("--json", metavar="PATH", help=f"Where the record goes (default "
-                   f"{os.path.relpath(DEFAULT_JSON, ROOT)}; --tiny needs one of its own).")
-    p.add_argument("--work_dir", help="Where the random-init models and the runs go (default: a temporary folder, "
-                   "removed at the end); models already there are reused.")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help=f"Where the record goes (default {os.path.relpath(DEFAULT_JSON, ROOT)}; --tiny needs one of its own).",
+    )
+    p.add_argument(
+        "--work_dir",
+        help="Where the random-init models and the runs go (default: a temporary folder, "
+        "removed at the end); models already there are reused.",
+    )
     p.add_argument("--commit", help="The commit of the tree, recorded where git cannot tell (a copy without .git).")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     path = a.json or DEFAULT_JSON
     if a.tiny and os.path.abspath(path) == os.path.abspath(DEFAULT_JSON):
-        p.error(f"--tiny measures CPU runs of the tiny models: give --json PATH, it will not write over "
-                f"{os.path.relpath(DEFAULT_JSON, ROOT)} (the GPU record)")
+        p.error(
+            f"--tiny measures CPU runs of the tiny models: give --json PATH, it will not write over "
+            f"{os.path.relpath(DEFAULT_JSON, ROOT)} (the GPU record)"
+        )
     if not a.tiny and not torch.cuda.is_available():
         p.error("no CUDA device: on a CPU run --tiny --json PATH")
     if a.tiny:  # the CPU even where a GPU is, as `accelerate launch --cpu` asks: the tiny figures are CPU ones

@@ -107,9 +107,16 @@ def measure_phases(args: g.Args) -> dict:
         def checked(*a, **k):
             ok, measured["check"] = live_peak(lambda: run_checks(*a, **k))
             return ok
+
         sharing.run_checks = checked
-    step = lambda i: g.step_prompts(setup["train_ds"], setup["train_keep"], args, i, acc.num_processes,  # noqa: E731
-                                    acc.process_index)
+    step = lambda i: g.step_prompts(
+        setup["train_ds"],
+        setup["train_keep"],
+        args,
+        i,
+        acc.num_processes,  # noqa: E731
+        acc.process_index,
+    )
     batch = g.generate_and_score(models, step(0), args, log=lambda msg: None)  # the checks; then AdamW's state
     g.update_student(models, setup["optimizer"], setup["scheduler"], acc, batch, args, log=lambda msg: None)
 
@@ -120,27 +127,42 @@ def measure_phases(args: g.Args) -> dict:
     with torch.no_grad():
         _, measured["scoring"] = live_peak(lambda: [models.teacher_logps_of(r) for r in batch.rollouts])
     resident = live_tensor_bytes() - before
-    _, measured["update"] = live_peak(lambda: g.update_student(models, setup["optimizer"], setup["scheduler"], acc,
-                                                               batch, args, log=lambda msg: None))
+    _, measured["update"] = live_peak(
+        lambda: g.update_student(models, setup["optimizer"], setup["scheduler"], acc, batch, args, log=lambda msg: None)
+    )
     # the longest prompt: from every row's batch, or the distinct prompts' where each prompt is read once
     prompt = max(int((r.row_inputs or r.extra["prompt_inputs"])["attention_mask"].sum(1).max()) for r in batch.rollouts)
     response = max(r.response_ids.shape[1] for r in batch.rollouts)
-    return {"prompt_tokens": prompt, "response_tokens": response, "resident_bytes": resident,
-            "measured": {phase: int(measured[phase]) for phase in PHASES if phase in measured}}
+    return {
+        "prompt_tokens": prompt,
+        "response_tokens": response,
+        "resident_bytes": resident,
+        "measured": {phase: int(measured[phase]) for phase in PHASES if phase in measured},
+    }
 
 
 def with_estimate(args: g.Args, m: dict, num_processes: int = 1, sharding: str = "none") -> dict:
     """A workload's record: its measured bytes beside estimate()'s for one of its processes, at its lengths."""
     e = estimate(args, num_processes, sharding, device="cpu", lengths=(m["prompt_tokens"], m["response_tokens"]))
-    out = {"prompt_tokens": m["prompt_tokens"], "response_tokens": m["response_tokens"],
-           "student_params": e["student_params"], "num_processes": num_processes, "sharding": sharding,
-           "resident_bytes": m["resident_bytes"], "estimated_resident_bytes": int(e["resident"]),
-           "resident_plus_update_bytes": m["resident_bytes"] + m["measured"]["update"],
-           "estimated_gathered_bytes": int(e["fsdp_gathered"]), "phases": {}}
+    out = {
+        "prompt_tokens": m["prompt_tokens"],
+        "response_tokens": m["response_tokens"],
+        "student_params": e["student_params"],
+        "num_processes": num_processes,
+        "sharding": sharding,
+        "resident_bytes": m["resident_bytes"],
+        "estimated_resident_bytes": int(e["resident"]),
+        "resident_plus_update_bytes": m["resident_bytes"] + m["measured"]["update"],
+        "estimated_gathered_bytes": int(e["fsdp_gathered"]),
+        "phases": {},
+    }
     for phase, measured in m["measured"].items():
         est = e[f"phase_{phase}"]
-        out["phases"][phase] = {"estimated_bytes": int(est), "measured_bytes": measured,
-                                "ratio": round(est / measured, 3) if measured else None}
+        out["phases"][phase] = {
+            "estimated_bytes": int(est),
+            "measured_bytes": measured,
+            "ratio": round(est / measured, 3) if measured else None,
+        }
     return out
 
 
@@ -165,11 +187,29 @@ def measure_sharded(args: g.Args, tmp: str, timeout: float = 1800) -> dict:
         f.write(CPU_FSDP2_CONFIG)
     with open(args_path, "w") as f:
         json.dump(dataclasses.asdict(args), f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes",
-           str(PROCESSES), "--main_process_port", str(free_port()), LAUNCHER, os.path.abspath(__file__), "--worker",
-           args_path, folder]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        config,
+        "--num_processes",
+        str(PROCESSES),
+        "--main_process_port",
+        str(free_port()),
+        LAUNCHER,
+        os.path.abspath(__file__),
+        "--worker",
+        args_path,
+        folder,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
         raise RuntimeError(f"the FSDP2 launch failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
@@ -178,10 +218,12 @@ def measure_sharded(args: g.Args, tmp: str, timeout: float = 1800) -> dict:
         with open(os.path.join(folder, f"rank{rank}.json")) as f:
             ranks.append(json.load(f))
     larger = max(ranks, key=lambda r: r["resident_bytes"] + r["measured"]["update"])
-    merged = {"prompt_tokens": max(r["prompt_tokens"] for r in ranks),
-              "response_tokens": max(r["response_tokens"] for r in ranks),
-              "resident_bytes": larger["resident_bytes"],
-              "measured": {phase: max(r["measured"][phase] for r in ranks) for phase in ranks[0]["measured"]}}
+    merged = {
+        "prompt_tokens": max(r["prompt_tokens"] for r in ranks),
+        "response_tokens": max(r["response_tokens"] for r in ranks),
+        "resident_bytes": larger["resident_bytes"],
+        "measured": {phase: max(r["measured"][phase] for r in ranks) for phase in ranks[0]["measured"]},
+    }
     out = with_estimate(args, merged, PROCESSES, "fsdp")
     out["processes"] = ranks
     out["resident_plus_update_bytes"] = larger["resident_bytes"] + larger["measured"]["update"]
@@ -201,21 +243,41 @@ def workloads(quick: bool, tmp: str) -> dict[str, g.Args]:
     """{name: Args}: the tiny models (names with `tiny`) and, unless quick, the larger stand-in."""
     student, teacher, _ = tiny_models()
     data = g.Args().dataset_name  # the tiny task's dataset on disk
-    base = dict(dataset_name=data, prompts_per_step=4, num_generations=4, max_steps=2, save_steps=0,
-                num_eval_samples=0, output_dir=os.path.join(tmp, "run"), overwrite_output_dir=True, logging_steps=0)
+    base = dict(
+        dataset_name=data,
+        prompts_per_step=4,
+        num_generations=4,
+        max_steps=2,
+        save_steps=0,
+        num_eval_samples=0,
+        output_dir=os.path.join(tmp, "run"),
+        overwrite_output_dir=True,
+        logging_steps=0,
+    )
     out = {}
     models = {"tiny": (student, teacher, dict(micro_batch_size=16))}
     if not quick:
         s, t = padded_models(student, teacher, STAND_IN_VOCAB, os.path.join(tmp, "stand_in"), image_pixels=448 * 448)
-        models["stand_in"] = (s, t, dict(micro_batch_size=8, max_new_tokens=128, min_new_tokens=128,
-                                         prompts_per_step=2))
+        models["stand_in"] = (
+            s,
+            t,
+            dict(micro_batch_size=8, max_new_tokens=128, min_new_tokens=128, prompts_per_step=2),
+        )
     for name, (s, t, changes) in models.items():
         for train, lora_r in (("lora", 16), ("full", 0)):
             for share in (True, False):
                 key = f"{name}_{train}_{'shared' if share else 'plain'}"
-                out[key] = g.Args(**{**base, "student_model": s, "teacher_model": t, "lora_r": lora_r,
-                                     "learning_rate": 1e-3 if lora_r else 1e-4, "share_prompt_prefix": share,
-                                     **changes})
+                out[key] = g.Args(
+                    **{
+                        **base,
+                        "student_model": s,
+                        "teacher_model": t,
+                        "lora_r": lora_r,
+                        "learning_rate": 1e-3 if lora_r else 1e-4,
+                        "share_prompt_prefix": share,
+                        **changes,
+                    }
+                )
     if not quick:  # the stand-in's plain step sharded: each process's half of the rows in micro-batches of 2, so that
         # the update's first micro-batch runs under no_sync (every unit's gradient kept whole until the last)
         for train in ("lora", "full"):
@@ -251,16 +313,16 @@ def run(quick: bool = False) -> dict:
 # Why a stand-in phase's estimate can fall outside WHY_BAND: where the estimate is a bound, not a count
 WHY = {
     "rollout": "the estimate counts SAMPLER_COPIES (6) float32 (rows, V) rows for one sampling step, most of the "
-               "phase's estimate at a 400,000-token vocabulary; SampledTokenLogps, called on generate()'s copy of "
-               "the scores, holds 3 such rows at once (measured alone), and the sampler that reads each prompt once "
-               "holds fewer, so the bound overstates the phase",
+    "phase's estimate at a 400,000-token vocabulary; SampledTokenLogps, called on generate()'s copy of "
+    "the scores, holds 3 such rows at once (measured alone), and the sampler that reads each prompt once "
+    "holds fewer, so the bound overstates the phase",
     "scoring": "the estimate counts the teacher forward's widest layer for all rows of a micro-batch, with a 4-bit "
-               "teacher's dequantized layer on top; the measured peak is the LM head's chunk, after the layers "
-               "have freed their working sets",
+    "teacher's dequantized layer on top; the measured peak is the LM head's chunk, after the layers "
+    "have freed their working sets",
     "check": "the estimate is the largest of the checks' forwards at full check length, each a bound as in the "
-             "rollout and scoring phases",
+    "rollout and scoring phases",
     "update": "the estimate counts every layer's saved tensors at their largest sizes (the widest of a block's "
-              "inputs for each), a bound on what autograd keeps",
+    "inputs for each), a bound on what autograd keeps",
 }
 
 
@@ -270,17 +332,22 @@ WHY_MORE_THAN_TWIN = (
     "head, which stays gathered from the rollout to the update's backward: for the stand-in, its tied 400,000 x 128 "
     "embedding, nearly all of its parameters. Under LoRA sharding saves only half the student's weights (the "
     "optimizer state is the adapter's), less than that whole unit; full fine-tuning also halves AdamW's moments. A "
-    "real model's head is a small part of it")
+    "real model's head is a small part of it"
+)
 
 
 # Why a sharded workload's phase can fall outside WHY_BAND
-WHY_SHARDED = {**WHY, "rollout": (
-    "the previous update's backward frees the unit Accelerate gives the LM head (and here the tied embedding that "
-    "is most of the stand-in's parameters), which stays gathered from a forward to its backward; the rollout's "
-    "first forward gathers it again, through an all-gather buffer of its size, and keeps it through scoring to the "
-    "update. The measurement counts the gathered unit in the rollout, the estimate in the resident bytes "
-    "(fsdp_gathered) and only the buffer in the phase, so the phase's ratio is low and the resident bytes plus the "
-    "phase still bound the peak")}
+WHY_SHARDED = {
+    **WHY,
+    "rollout": (
+        "the previous update's backward frees the unit Accelerate gives the LM head (and here the tied embedding that "
+        "is most of the stand-in's parameters), which stays gathered from a forward to its backward; the rollout's "
+        "first forward gathers it again, through an all-gather buffer of its size, and keeps it through scoring to the "
+        "update. The measurement counts the gathered unit in the rollout, the estimate in the resident bytes "
+        "(fsdp_gathered) and only the buffer in the phase, so the phase's ratio is low and the resident bytes plus the "
+        "phase still bound the peak"
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -294,8 +361,11 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     results = run(a.quick)
     headers = ["workload", "phase", "estimated MiB", "measured MiB", "estimate / measured"]
-    rows = [[name, phase, f"{v['estimated_bytes'] / 2**20:.1f}", f"{v['measured_bytes'] / 2**20:.1f}", v["ratio"]]
-            for name, r in results.items() for phase, v in r["phases"].items()]
+    rows = [
+        [name, phase, f"{v['estimated_bytes'] / 2**20:.1f}", f"{v['measured_bytes'] / 2**20:.1f}", v["ratio"]]
+        for name, r in results.items()
+        for phase, v in r["phases"].items()
+    ]
     return report({"workloads": results}, [(headers, rows)], a.json)
 
 

@@ -35,36 +35,79 @@ VOCAB, IMAGE_PIXELS = 151_936, 224 * 224
 PART_NAMES = {"time_generate": "rollout (generate)", "time_score": "teacher scoring", "time_update": "student update"}
 
 
-def run(quick: bool = False, prompts: int | None = None, generations: int | None = None, tokens: int | None = None,
-        warmup: int | None = None, steps: int | None = None, rounds: int | None = None, trl: bool = True,
-        json_path: str | None = None, verbose: bool = True, baseline: str | None = None,
-        gradient_checkpointing: bool = False) -> dict:
+def run(
+    quick: bool = False,
+    prompts: int | None = None,
+    generations: int | None = None,
+    tokens: int | None = None,
+    warmup: int | None = None,
+    steps: int | None = None,
+    rounds: int | None = None,
+    trl: bool = True,
+    json_path: str | None = None,
+    verbose: bool = True,
+    baseline: str | None = None,
+    gradient_checkpointing: bool = False,
+) -> dict:
     """Runs the sides; returns vs_trl.run's result plus the shared / plain ratios per part (also to json_path).
     gradient_checkpointing goes to every side (its config records it)."""
     tokens = tokens or (16 if quick else 64)
     sides = (("baseline",) if baseline else ()) + ("ours_plain", "ours") + (("trl",) if trl else ())
-    out = vs_trl.run(quick, prompts or (1 if quick else 2), generations or (4 if quick else 16), tokens,
-                     warmup or 1, steps or (1 if quick else 2), rounds or (1 if quick else 2), teacher_4bit=True,
-                     vocab=VOCAB, verbose=verbose, sides=sides, min_new_tokens=tokens, image_pixels=IMAGE_PIXELS,
-                     baseline=baseline, gradient_checkpointing=gradient_checkpointing)
+    out = vs_trl.run(
+        quick,
+        prompts or (1 if quick else 2),
+        generations or (4 if quick else 16),
+        tokens,
+        warmup or 1,
+        steps or (1 if quick else 2),
+        rounds or (1 if quick else 2),
+        teacher_4bit=True,
+        vocab=VOCAB,
+        verbose=verbose,
+        sides=sides,
+        min_new_tokens=tokens,
+        image_pixels=IMAGE_PIXELS,
+        baseline=baseline,
+        gradient_checkpointing=gradient_checkpointing,
+    )
     plain, shared = out["ours_plain"]["parts"], out["ours"]["parts"]
     out["part_ratios"] = {p: shared[p] / plain[p] for p in plain}
-    out["largest_part"] = {side: PART_NAMES[max(out[side]["parts"], key=out[side]["parts"].get)]
-                           for side in ("ours_plain", "ours")}
+    out["largest_part"] = {
+        side: PART_NAMES[max(out[side]["parts"], key=out[side]["parts"].get)] for side in ("ours_plain", "ours")
+    }
     rows = [[PART_NAMES[p], plain[p], shared[p], out["part_ratios"][p]] for p in plain]
-    rows.append(["step", out["ours_plain"]["seconds_per_step"], out["ours"]["seconds_per_step"],
-                 out["shared_vs_plain_time_ratio"]])
-    rows.append(["peak RSS MiB", f"{mib(out['ours_plain']['peak_rss']):.0f}", f"{mib(out['ours']['peak_rss']):.0f}",
-                 out["shared_vs_plain_peak_rss_ratio"]])
-    sections = ["", "parts of our step (median seconds), each prompt read once against every sample reading its own:",
-                (["part", "plain s", "shared s", "shared / plain"], rows),
-                f"largest part: plain {out['largest_part']['ours_plain']}, shared {out['largest_part']['ours']}"]
+    rows.append(
+        [
+            "step",
+            out["ours_plain"]["seconds_per_step"],
+            out["ours"]["seconds_per_step"],
+            out["shared_vs_plain_time_ratio"],
+        ]
+    )
+    rows.append(
+        [
+            "peak RSS MiB",
+            f"{mib(out['ours_plain']['peak_rss']):.0f}",
+            f"{mib(out['ours']['peak_rss']):.0f}",
+            out["shared_vs_plain_peak_rss_ratio"],
+        ]
+    )
+    sections = [
+        "",
+        "parts of our step (median seconds), each prompt read once against every sample reading its own:",
+        (["part", "plain s", "shared s", "shared / plain"], rows),
+        f"largest part: plain {out['largest_part']['ours_plain']}, shared {out['largest_part']['ours']}",
+    ]
     if baseline:
-        sections.append(f"ours / the baseline checkout ({baseline}): {out['vs_baseline_time_ratio']:.3f}x time "
-                        f"per step, {out['vs_baseline_peak_rss_ratio']:.3f}x peak RSS")
+        sections.append(
+            f"ours / the baseline checkout ({baseline}): {out['vs_baseline_time_ratio']:.3f}x time "
+            f"per step, {out['vs_baseline_peak_rss_ratio']:.3f}x peak RSS"
+        )
     if trl:
-        sections.append(f"ours (shared) / TRL DistillationTrainer: {out['time_ratio']:.3f}x time per step, "
-                        f"{out['peak_rss_ratio']:.3f}x peak RSS")
+        sections.append(
+            f"ours (shared) / TRL DistillationTrainer: {out['time_ratio']:.3f}x time per step, "
+            f"{out['peak_rss_ratio']:.3f}x peak RSS"
+        )
     return report(out, sections, json_path, verbose)
 
 
@@ -78,14 +121,31 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, help="Measured steps per process (default 2).")
     p.add_argument("--rounds", type=int, help="Times each side runs, alternating (default 2).")
     p.add_argument("--no_trl", action="store_true", help="Leave TRL out (TRL comes with requirements.txt).")
-    p.add_argument("--gradient_checkpointing", action="store_true",
-                   help="Every side's student recomputes its activations in the backward (default off).")
-    p.add_argument("--baseline", help="A checkout of this repository (e.g. `git worktree add /tmp/before <commit>`): "
-                   "its gndpo_minimal.main() runs as a fourth side.")
+    p.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Every side's student recomputes its activations in the backward (default off).",
+    )
+    p.add_argument(
+        "--baseline",
+        help="A checkout of this repository (e.g. `git worktree add /tmp/before <commit>`): "
+        "its gndpo_minimal.main() runs as a fourth side.",
+    )
     add_json_flag(p)
     a = p.parse_args(argv)
-    return run(a.quick, a.prompts, a.generations, a.tokens, a.warmup, a.steps, a.rounds, not a.no_trl, a.json,
-               baseline=a.baseline, gradient_checkpointing=a.gradient_checkpointing)
+    return run(
+        a.quick,
+        a.prompts,
+        a.generations,
+        a.tokens,
+        a.warmup,
+        a.steps,
+        a.rounds,
+        not a.no_trl,
+        a.json,
+        baseline=a.baseline,
+        gradient_checkpointing=a.gradient_checkpointing,
+    )
 
 
 if __name__ == "__main__":

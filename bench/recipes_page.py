@@ -60,23 +60,32 @@ def markdown_table(paths: list[str]) -> str:
     """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
     from gndpo_minimal import parse_args, speedup_on
 
-    lines = ["| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "
-             "| peak bound per GPU | fits | headroom |", "|" + " --- |" * 10]
+    lines = [
+        "| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "
+        "| peak bound per GPU | fits | headroom |",
+        "|" + " --- |" * 10,
+    ]
     for path in paths:
         args = parse_args([path])
         n, sharding = recipe_launch(path)
         e = estimate(args, n, sharding)
         gib = lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
-        student = (f"{os.path.basename(args.student_model)} ({'LoRA' if args.lora_r else 'full, float32 master'}), "
-                   f"{gib(e['student_weights'] + e['train_state'] + e['fsdp_gathered'])}")
-        teacher = f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'}), " \
-                  f"{gib(e['teacher_weights'])}"
+        student = (
+            f"{os.path.basename(args.student_model)} ({'LoRA' if args.lora_r else 'full, float32 master'}), "
+            f"{gib(e['student_weights'] + e['train_state'] + e['fsdp_gathered'])}"
+        )
+        teacher = (
+            f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'}), "
+            f"{gib(e['teacher_weights'])}"
+        )
         where = f"{n}, FSDP2" if sharding == "fsdp" else str(n)
         shares = speedup_on(args, "share_prompt_prefix")
-        lines.append(f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
-                     f"{'yes' if shares and e['student_reads_prompt_once'] else 'no'} | "
-                     f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
-                     f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, gpu_for(args))} |")
+        lines.append(
+            f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
+            f"{'yes' if shares and e['student_reads_prompt_once'] else 'no'} | "
+            f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
+            f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, gpu_for(args))} |"
+        )
     return "\n".join(lines)
 
 
@@ -84,31 +93,43 @@ def time_table(paths: list[str]) -> str:
     """docs/recipes.md's time table: one row per recipe at its own launch, each figure with its arithmetic."""
     from gndpo_minimal import parse_args
 
-    lines = ["| recipe | GPU | generate() calls per step, per process | one decode step | rollout | teacher scoring "
-             "| student update | step | evaluation before training | run |",
-             "|" + " --- |" * 10]
+    lines = [
+        "| recipe | GPU | generate() calls per step, per process | one decode step | rollout | teacher scoring "
+        "| student update | step | evaluation before training | run |",
+        "|" + " --- |" * 10,
+    ]
     for path in paths:
         args = parse_args([path])
         n, sharding = recipe_launch(path)
         t = step_time(args, n, sharding)
         gpu, bounds = t["gpu"], t["decode_bounds"]
         rate = f"{gpu.bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
-        step = (f"{bounds['memory'] * gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.1f} GB / "
-                f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; host "
-                f"{t['layers']} x {HOST_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['host'])}"
-                + (f"; all-gather {duration(bounds['all-gather'])}" if "all-gather" in bounds else "")
-                + f": **{duration(t['decode_latency'])}** ({t['decode_bound']})")
-        calls = (f"{args.prompts_per_step} x {args.num_generations} / {n} / {t['generation_batch_size']} = "
-                 f"{t['generate_calls']}")
-        rollout = (f"{t['decode_steps']} x {duration(t['decode_latency'])} x {t['generate_calls']} = "
-                   f"{duration(t['rollout_decode'])}, + prefill {duration(t['rollout_prefill'])}")
-        evaluation = (f"{t['eval_calls']} x {t['decode_steps']} x ({duration(t['eval_teacher_step'])} teacher + "
-                      f"{duration(t['eval_student_step'])} student), + prefill = {duration(t['evaluation'])}")
-        lines.append(f"| `recipes/{os.path.basename(path)}` | {gpu.name} | {calls} | {step} | {rollout} | "
-                     f"{flops(t['scoring_flops'])} FLOP / {rate} = {duration(t['scoring'])} | "
-                     f"{flops(t['update_flops'])} FLOP / {rate} = {duration(t['update'])} | "
-                     f"**{duration(t['step'])}** | {evaluation} | {args.max_steps} steps + evaluations = "
-                     f"{duration(t['run'])} |")
+        step = (
+            f"{bounds['memory'] * gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.1f} GB / "
+            f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; host "
+            f"{t['layers']} x {HOST_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['host'])}"
+            + (f"; all-gather {duration(bounds['all-gather'])}" if "all-gather" in bounds else "")
+            + f": **{duration(t['decode_latency'])}** ({t['decode_bound']})"
+        )
+        calls = (
+            f"{args.prompts_per_step} x {args.num_generations} / {n} / {t['generation_batch_size']} = "
+            f"{t['generate_calls']}"
+        )
+        rollout = (
+            f"{t['decode_steps']} x {duration(t['decode_latency'])} x {t['generate_calls']} = "
+            f"{duration(t['rollout_decode'])}, + prefill {duration(t['rollout_prefill'])}"
+        )
+        evaluation = (
+            f"{t['eval_calls']} x {t['decode_steps']} x ({duration(t['eval_teacher_step'])} teacher + "
+            f"{duration(t['eval_student_step'])} student), + prefill = {duration(t['evaluation'])}"
+        )
+        lines.append(
+            f"| `recipes/{os.path.basename(path)}` | {gpu.name} | {calls} | {step} | {rollout} | "
+            f"{flops(t['scoring_flops'])} FLOP / {rate} = {duration(t['scoring'])} | "
+            f"{flops(t['update_flops'])} FLOP / {rate} = {duration(t['update'])} | "
+            f"**{duration(t['step'])}** | {evaluation} | {args.max_steps} steps + evaluations = "
+            f"{duration(t['run'])} |"
+        )
     return time_assumptions() + "\n\n" + "\n".join(lines)
 
 
@@ -119,7 +140,7 @@ def real_recipes() -> list[str]:
 def between(text: str, start_marker: str, end_marker: str) -> str:
     """What docs/recipes.md holds between two of its markers, stripped."""
     start = text.index(start_marker) + len(start_marker)
-    return text[start:text.index(end_marker, start)].strip()
+    return text[start : text.index(end_marker, start)].strip()
 
 
 def write_docs(page: str = RECIPES_PAGE) -> str:
@@ -127,8 +148,10 @@ def write_docs(page: str = RECIPES_PAGE) -> str:
     with open(page) as f:
         text = f.read()
     recipes = real_recipes()
-    for (start_marker, end_marker), table in (((TABLE_START, TABLE_END), markdown_table(recipes)),
-                                              ((TIME_START, TIME_END), time_table(recipes))):
+    for (start_marker, end_marker), table in (
+        ((TABLE_START, TABLE_END), markdown_table(recipes)),
+        ((TIME_START, TIME_END), time_table(recipes)),
+    ):
         start = text.index(start_marker) + len(start_marker)
         end = text.index(end_marker, start)
         text = text[:start] + table + "\n" + text[end:]
@@ -138,10 +161,14 @@ def write_docs(page: str = RECIPES_PAGE) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Rewrite docs/recipes.md's memory and time tables from every real "
-                                "recipe, or print them.")
-    p.add_argument("--print", action="store_true", help="Print the tables (of the recipes given, else of every "
-                   "real recipe) instead of rewriting the page.")
+    p = argparse.ArgumentParser(
+        description="Rewrite docs/recipes.md's memory and time tables from every real recipe, or print them."
+    )
+    p.add_argument(
+        "--print",
+        action="store_true",
+        help="Print the tables (of the recipes given, else of every real recipe) instead of rewriting the page.",
+    )
     p.add_argument("recipes", nargs="*", help="Recipe files, with --print.")
     own = p.parse_args(argv)
     if own.recipes and not own.print:

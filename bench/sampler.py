@@ -102,8 +102,13 @@ SAMPLERS = ("multinomial", "draw_tokens", *RACES)
 
 def samplers() -> dict:
     """name -> sampler, fresh (race_reused's buffer is its own)."""
-    return {"multinomial": multinomial, "draw_tokens": draw_tokens, "race": race, "race_inplace": race_inplace,
-            "race_reused": ReusedRace()}
+    return {
+        "multinomial": multinomial,
+        "draw_tokens": draw_tokens,
+        "race": race,
+        "race_inplace": race_inplace,
+        "race_reused": ReusedRace(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,11 +131,15 @@ def default_world() -> dict:
     student = tiny_models()[0]
     config = transformers.AutoConfig.from_pretrained(student)
     tokenizer = transformers.AutoTokenizer.from_pretrained(student)
-    return {"label": "default world", "n": a.generation_batch_size or rollouts, "V": text_vocab_size(config),
-            "suppressed_ids": g.vision_token_ids(tokenizer, config),
-            "source": f"Args(): prompts_per_step {a.prompts_per_step} x num_generations {a.num_generations} on "
-                      f"{processes} process, generation_batch_size {a.generation_batch_size} (= all at once); V = "
-                      f"the text vocab_size of {os.path.relpath(student, ROOT)}"}
+    return {
+        "label": "default world",
+        "n": a.generation_batch_size or rollouts,
+        "V": text_vocab_size(config),
+        "suppressed_ids": g.vision_token_ids(tokenizer, config),
+        "source": f"Args(): prompts_per_step {a.prompts_per_step} x num_generations {a.num_generations} on "
+        f"{processes} process, generation_batch_size {a.generation_batch_size} (= all at once); V = "
+        f"the text vocab_size of {os.path.relpath(student, ROOT)}",
+    }
 
 
 def paper_shape() -> dict:
@@ -146,12 +155,16 @@ def paper_shape() -> dict:
         recipe = yaml.safe_load(f)
     config = transformers.AutoConfig.from_pretrained(PAPER_CONFIG)
     no_tokenizer = SimpleNamespace(added_tokens_decoder={}, unk_token_id=None)  # the ids the config names
-    return {"label": "paper's shape", "n": recipe["generation_batch_size"], "V": text_vocab_size(config),
-            "suppressed_ids": g.vision_token_ids(no_tokenizer, config),
-            "source": f"generation_batch_size {recipe['generation_batch_size']} of "
-                      f"{os.path.relpath(PAPER_RECIPE, ROOT)} (rows per generate() call; its micro_batch_size "
-                      f"{recipe['micro_batch_size']} is the scoring and update forwards'); V = the vocab_size of "
-                      f"{os.path.relpath(PAPER_CONFIG, ROOT)}"}
+    return {
+        "label": "paper's shape",
+        "n": recipe["generation_batch_size"],
+        "V": text_vocab_size(config),
+        "suppressed_ids": g.vision_token_ids(no_tokenizer, config),
+        "source": f"generation_batch_size {recipe['generation_batch_size']} of "
+        f"{os.path.relpath(PAPER_RECIPE, ROOT)} (rows per generate() call; its micro_batch_size "
+        f"{recipe['micro_batch_size']} is the scoring and update forwards'); V = the vocab_size of "
+        f"{os.path.relpath(PAPER_CONFIG, ROOT)}",
+    }
 
 
 def make_probs(n: int, V: int, scale: float, suppressed: list[int], seed: int) -> torch.Tensor:
@@ -175,7 +188,7 @@ def time_samplers(probs: torch.Tensor, repeats: int, warmup: int, seed: int) -> 
     gens = {name: torch.Generator().manual_seed(seed + i) for i, name in enumerate(names)}
     seconds, zero_picks = {name: [] for name in names}, 0
     for r in range(warmup + repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             ids = fns[name](probs, gens[name])
             elapsed = time.perf_counter() - t0
@@ -186,8 +199,9 @@ def time_samplers(probs: torch.Tensor, repeats: int, warmup: int, seed: int) -> 
     return seconds, zero_picks
 
 
-def frequency_check(sampler, probs: tuple[float, ...] = CHECK_PROBS, draws: int = 200_000, seed: int = 0,
-                    sigmas: float = 6.0) -> dict:
+def frequency_check(
+    sampler, probs: tuple[float, ...] = CHECK_PROBS, draws: int = 200_000, seed: int = 0, sigmas: float = 6.0
+) -> dict:
     """Draws `draws` rows of one small distribution, 2000 a call; the frequencies against the probabilities: the largest
     absolute error (bound: `sigmas` binomial standard deviations of each id), a chi-square over the positive ids
     (bound: df + sigmas * sqrt(2 df)), and how many draws hit a zero-probability id (bound: none)."""
@@ -196,7 +210,7 @@ def frequency_check(sampler, probs: tuple[float, ...] = CHECK_PROBS, draws: int 
     rows, gen = 2000, torch.Generator().manual_seed(seed)  # a call draws `rows` (draw_tokens holds rows x 1024)
     batch, counts = p.float().expand(rows, -1).contiguous(), torch.zeros(len(p), dtype=torch.float64)
     for start in range(0, draws, rows):
-        ids = sampler(batch[:min(rows, draws - start)], gen)
+        ids = sampler(batch[: min(rows, draws - start)], gen)
         counts += torch.bincount(ids.flatten(), minlength=len(p)).double()
     freq, positive = counts / draws, p > 0
     error = (freq - p).abs()
@@ -206,9 +220,16 @@ def frequency_check(sampler, probs: tuple[float, ...] = CHECK_PROBS, draws: int 
     df = int(positive.sum()) - 1
     chi2_bound = df + sigmas * math.sqrt(2 * df)
     zero_picks = int(counts[~positive].sum())
-    return {"draws": draws, "max_abs_error": float(error.max()), "max_error_over_bound": float((error / bound)
-            [positive].max()), "chi2": chi2, "df": df, "chi2_bound": chi2_bound, "zero_picks": zero_picks,
-            "ok": bool((error[positive] <= bound[positive]).all()) and chi2 <= chi2_bound and zero_picks == 0}
+    return {
+        "draws": draws,
+        "max_abs_error": float(error.max()),
+        "max_error_over_bound": float((error / bound)[positive].max()),
+        "chi2": chi2,
+        "df": df,
+        "chi2_bound": chi2_bound,
+        "zero_picks": zero_picks,
+        "ok": bool((error[positive] <= bound[positive]).all()) and chi2 <= chi2_bound and zero_picks == 0,
+    }
 
 
 def sparse_check(sampler, rows: int, V: int, calls: int, seed: int = 0) -> int:
@@ -225,13 +246,17 @@ def checks(quick: bool, seed: int) -> dict:
     draws, (rows, V, calls) = (20_000, (64, 4096, 2)) if quick else (200_000, (128, 50_000, 4))
     out = {"probs": list(CHECK_PROBS), "sparse": {"rows": rows, "V": V, "calls": calls}, "samplers": {}}
     for name, fn in samplers().items():
-        out["samplers"][name] = dict(frequency_check(fn, draws=draws, seed=seed),
-                                     sparse_zero_picks=sparse_check(fn, rows, V, calls, seed))
+        out["samplers"][name] = dict(
+            frequency_check(fn, draws=draws, seed=seed), sparse_zero_picks=sparse_check(fn, rows, V, calls, seed)
+        )
     # on the CPU, torch.multinomial(p, 1) is the race (aten: exponential_, div, argmax after its checks): from one
     # generator state both draw the same ids
     probs = make_probs(64, 1000, 1.0, [0], seed)
-    out["multinomial_is_the_race"] = bool(torch.equal(multinomial(probs, torch.Generator().manual_seed(seed)),
-                                                      race(probs, torch.Generator().manual_seed(seed))))
+    out["multinomial_is_the_race"] = bool(
+        torch.equal(
+            multinomial(probs, torch.Generator().manual_seed(seed)), race(probs, torch.Generator().manual_seed(seed))
+        )
+    )
     return out
 
 
@@ -245,46 +270,79 @@ def ratio_entry(seconds: dict) -> dict:
     med = {name: median(v) for name, v in seconds.items()}
     best = min(RACES, key=lambda name: med[name])
     draw = med["draw_tokens"]
-    per_repeat = {name: [a / b for a, b in zip(seconds[name], seconds["draw_tokens"])]
-                  for name in ("multinomial", best, *RACES)}
-    return {"seconds": med, "runs_seconds": seconds, "best_race": best,
-            "ratios": {"race / draw_tokens": med["race"] / draw, "best race / draw_tokens": med[best] / draw,
-                       "multinomial / draw_tokens": med["multinomial"] / draw,
-                       **{f"{name} / draw_tokens": med[name] / draw for name in RACES}},
-            "per_repeat_ratios": {f"{name} / draw_tokens": v for name, v in per_repeat.items()}}
+    per_repeat = {
+        name: [a / b for a, b in zip(seconds[name], seconds["draw_tokens"])] for name in ("multinomial", best, *RACES)
+    }
+    return {
+        "seconds": med,
+        "runs_seconds": seconds,
+        "best_race": best,
+        "ratios": {
+            "race / draw_tokens": med["race"] / draw,
+            "best race / draw_tokens": med[best] / draw,
+            "multinomial / draw_tokens": med["multinomial"] / draw,
+            **{f"{name} / draw_tokens": med[name] / draw for name in RACES},
+        },
+        "per_repeat_ratios": {f"{name} / draw_tokens": v for name, v in per_repeat.items()},
+    }
 
 
 def decide(shapes: dict) -> dict:
-    cells = {f"{s['label']}, {dist}": d["ratios"]["best race / draw_tokens"]
-             for s in shapes.values() for dist, d in s["distributions"].items()}
+    cells = {
+        f"{s['label']}, {dist}": d["ratios"]["best race / draw_tokens"]
+        for s in shapes.values()
+        for dist, d in s["distributions"].items()
+    }
     replaces = all(r <= THRESHOLD for r in cells.values())
     worst = max(cells, key=cells.get)
-    text = (f"the race replaces draw_tokens: its best form is within {THRESHOLD:.2f}x of draw_tokens' time at "
-            f"every shape (worst: {worst}, {cells[worst]:.2f}x)") if replaces else (
+    text = (
+        (
+            f"the race replaces draw_tokens: its best form is within {THRESHOLD:.2f}x of draw_tokens' time at "
+            f"every shape (worst: {worst}, {cells[worst]:.2f}x)"
+        )
+        if replaces
+        else (
             f"draw_tokens stays (an optional speed-up, --fast_sampler): the race's best form takes "
-            f"{cells[worst]:.2f}x draw_tokens' time at {worst}, over the {THRESHOLD:.2f}x the rule allows")
-    return {"rule": f"the race replaces draw_tokens if best race time <= {THRESHOLD:.2f} x draw_tokens time at both "
-                    "shapes, both distributions", "threshold": THRESHOLD, "best_race_ratios": cells,
-            "race_replaces_draw_tokens": replaces, "text": text}
+            f"{cells[worst]:.2f}x draw_tokens' time at {worst}, over the {THRESHOLD:.2f}x the rule allows"
+        )
+    )
+    return {
+        "rule": f"the race replaces draw_tokens if best race time <= {THRESHOLD:.2f} x draw_tokens time at both "
+        "shapes, both distributions",
+        "threshold": THRESHOLD,
+        "best_race_ratios": cells,
+        "race_replaces_draw_tokens": replaces,
+        "text": text,
+    }
 
 
-def run(quick: bool = False, repeats: int | None = None, warmup: int | None = None, threads: int = 2,
-        seed: int = 0) -> dict:
+def run(
+    quick: bool = False, repeats: int | None = None, warmup: int | None = None, threads: int = 2, seed: int = 0
+) -> dict:
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     repeats = repeats or (2 if quick else 30)
     warmup = (0 if quick else 5) if warmup is None else warmup
-    out = {"threads": torch.get_num_threads(), "torch_threads_default": default_threads, "repeats": repeats,
-           "warmup": warmup, "seed": seed, "noise_dtype": "float32, the probabilities' dtype (one variant)",
-           "samplers": list(SAMPLERS), "races": list(RACES), "shapes": {}}
+    out = {
+        "threads": torch.get_num_threads(),
+        "torch_threads_default": default_threads,
+        "repeats": repeats,
+        "warmup": warmup,
+        "seed": seed,
+        "noise_dtype": "float32, the probabilities' dtype (one variant)",
+        "samplers": list(SAMPLERS),
+        "races": list(RACES),
+        "shapes": {},
+    }
     for key, shape in (("default_world", default_world()), ("paper_shape", paper_shape())):
         shape["distributions"] = {}
         for dist, scale in DISTRIBUTIONS.items():
             probs = make_probs(shape["n"], shape["V"], scale, shape["suppressed_ids"], seed)
             seconds, zero_picks = time_samplers(probs, repeats, warmup, seed)
             entropy = float(-(probs * probs.clamp_min(1e-30).log()).sum(-1).mean())
-            shape["distributions"][dist] = dict(logit_scale=scale, entropy_nats=entropy, zero_picks=zero_picks,
-                                                **ratio_entry(seconds))
+            shape["distributions"][dist] = dict(
+                logit_scale=scale, entropy_nats=entropy, zero_picks=zero_picks, **ratio_entry(seconds)
+            )
         out["shapes"][key] = shape
     out["check"] = checks(quick, seed)
     out["decision"] = decide(out["shapes"])
@@ -296,67 +354,122 @@ def rows_of(out: dict) -> list[list]:
     for s in out["shapes"].values():
         for dist, d in s["distributions"].items():
             r = d["ratios"]
-            rows.append([s["label"], f"{s['n']} x {s['V']}", dist, f"{r['race / draw_tokens']:.2f}x",
-                         f"{r['best race / draw_tokens']:.2f}x ({d['best_race']})",
-                         f"{r['multinomial / draw_tokens']:.2f}x"])
+            rows.append(
+                [
+                    s["label"],
+                    f"{s['n']} x {s['V']}",
+                    dist,
+                    f"{r['race / draw_tokens']:.2f}x",
+                    f"{r['best race / draw_tokens']:.2f}x ({d['best_race']})",
+                    f"{r['multinomial / draw_tokens']:.2f}x",
+                ]
+            )
     return rows
 
 
-HEADERS = ["shape", "n x V", "distribution", "race / draw_tokens", "best race form / draw_tokens",
-           "multinomial / draw_tokens"]
+HEADERS = [
+    "shape",
+    "n x V",
+    "distribution",
+    "race / draw_tokens",
+    "best race form / draw_tokens",
+    "multinomial / draw_tokens",
+]
 
 
 def check_failures(out: dict) -> list[str]:
-    bad = [f"{name}: frequencies or zero-probability ids off ({c})" for name, c in out["check"]["samplers"].items()
-           if not c["ok"] or c["sparse_zero_picks"]]
-    bad += [f"{s['label']}, {dist}: {d['zero_picks']} zero-probability ids drawn"
-            for s in out["shapes"].values() for dist, d in s["distributions"].items() if d["zero_picks"]]
+    bad = [
+        f"{name}: frequencies or zero-probability ids off ({c})"
+        for name, c in out["check"]["samplers"].items()
+        if not c["ok"] or c["sparse_zero_picks"]
+    ]
+    bad += [
+        f"{s['label']}, {dist}: {d['zero_picks']} zero-probability ids drawn"
+        for s in out["shapes"].values()
+        for dist, d in s["distributions"].items()
+        if d["zero_picks"]
+    ]
     return bad
 
 
 def print_report(out: dict, json_path: str | None, verbose: bool) -> dict:
     c = out["check"]
-    check_rows = [[name, f"{v['max_abs_error']:.1e}", f"{v['max_error_over_bound']:.2f}",
-                   f"{v['chi2']:.1f} / {v['chi2_bound']:.1f}", v["zero_picks"] + v["sparse_zero_picks"],
-                   "ok" if v["ok"] and not v["sparse_zero_picks"] else "FAILED"] for name, v in c["samplers"].items()]
-    timed = [[name, *(f"{1e3 * d['seconds'][name]:.3f}" for s in out["shapes"].values()
-                      for d in s["distributions"].values())] for name in SAMPLERS]
+    check_rows = [
+        [
+            name,
+            f"{v['max_abs_error']:.1e}",
+            f"{v['max_error_over_bound']:.2f}",
+            f"{v['chi2']:.1f} / {v['chi2_bound']:.1f}",
+            v["zero_picks"] + v["sparse_zero_picks"],
+            "ok" if v["ok"] and not v["sparse_zero_picks"] else "FAILED",
+        ]
+        for name, v in c["samplers"].items()
+    ]
+    timed = [
+        [
+            name,
+            *(f"{1e3 * d['seconds'][name]:.3f}" for s in out["shapes"].values() for d in s["distributions"].values()),
+        ]
+        for name in SAMPLERS
+    ]
     columns = [f"{s['label']} {dist} ms" for s in out["shapes"].values() for dist in s["distributions"]]
-    return report(out, [
-        f"token samplers on (n, V) float32 probabilities, {out['threads']} torch thread(s); time = median of "
-        f"{out['repeats']} calls after {out['warmup']} warm-up, samplers in rotation; ratios of medians",
-        (HEADERS, rows_of(out)),
-        *(f"- {s['label']}: n = {s['n']}, V = {s['V']} ({s['source']})" for s in out["shapes"].values()),
-        "", "medians (ms; absolute times on a shared machine say little, the ratios above are the result):",
-        (["sampler", *columns], timed),
-        "", f"exactness: {c['samplers']['race']['draws']} draws of {len(c['probs'])} ids (one at probability 0); "
-        f"sparse rows {c['sparse']['rows']} x {c['sparse']['V']} with 3 positive ids, {c['sparse']['calls']} calls",
-        (["sampler", "max abs error", "error / 6-sigma bound", "chi2 / bound", "zero-probability picks", ""],
-         check_rows),
-        "", f"decision ({out['decision']['rule']}): {out['decision']['text']}",
-    ], json_path, verbose)
+    return report(
+        out,
+        [
+            f"token samplers on (n, V) float32 probabilities, {out['threads']} torch thread(s); time = median of "
+            f"{out['repeats']} calls after {out['warmup']} warm-up, samplers in rotation; ratios of medians",
+            (HEADERS, rows_of(out)),
+            *(f"- {s['label']}: n = {s['n']}, V = {s['V']} ({s['source']})" for s in out["shapes"].values()),
+            "",
+            "medians (ms; absolute times on a shared machine say little, the ratios above are the result):",
+            (["sampler", *columns], timed),
+            "",
+            f"exactness: {c['samplers']['race']['draws']} draws of {len(c['probs'])} ids (one at probability 0); "
+            f"sparse rows {c['sparse']['rows']} x {c['sparse']['V']} with 3 positive ids, {c['sparse']['calls']} calls",
+            (
+                ["sampler", "max abs error", "error / 6-sigma bound", "chi2 / bound", "zero-probability picks", ""],
+                check_rows,
+            ),
+            "",
+            f"decision ({out['decision']['rule']}): {out['decision']['text']}",
+        ],
+        json_path,
+        verbose,
+    )
 
 
 def machine(threads: int) -> dict:
     """reproduce.machine()'s fields, the threads being those this script set (not a fresh process's)."""
     import reproduce
 
-    return {"cores": os.cpu_count(), "cpu_model": reproduce.cpu_model(), "isa": reproduce.cpu_isa(),
-            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_num_threads": threads},
-            "torch_threads_default": torch.get_num_threads(), "load_average_before": list(os.getloadavg()),
-            "platform": platform.platform()}
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": reproduce.cpu_model(),
+        "isa": reproduce.cpu_isa(),
+        "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_num_threads": threads},
+        "torch_threads_default": torch.get_num_threads(),
+        "load_average_before": list(os.getloadavg()),
+        "platform": platform.platform(),
+    }
 
 
 def write_record(out: dict, path: str, command: str, seconds: float, before: dict) -> dict:
     """The result as bench/reproduce.py records one: commit, clean, command, machine, date, seconds, rounds, result."""
     import reproduce
 
-    record = {"name": "sampler", "commit": reproduce.git("rev-parse", "HEAD"), "clean": reproduce.code_is_clean(),
-              "command": command, "machine": before,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "seconds": seconds,
-              "rounds": {key: {dist: d["runs_seconds"] for dist, d in s["distributions"].items()}
-                         for key, s in out["shapes"].items()},
-              "result": out}
+    record = {
+        "name": "sampler",
+        "commit": reproduce.git("rev-parse", "HEAD"),
+        "clean": reproduce.code_is_clean(),
+        "command": command,
+        "machine": before,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "seconds": seconds,
+        "rounds": {
+            key: {dist: d["runs_seconds"] for dist, d in s["distributions"].items()} for key, s in out["shapes"].items()
+        },
+        "result": out,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:  # as reproduce.py writes its records
         json.dump(record, f, indent=1)
@@ -369,32 +482,53 @@ def render(record: dict) -> str:
     import reproduce
 
     res, m = record["result"], record["machine"]
+
     def cell(d: dict, key: str, name: str) -> str:
         """A ratio of medians, then the range of the repeats' ratios."""
         values = d["per_repeat_ratios"][f"{name} / draw_tokens"]
         return f"{d['ratios'][key]:.2f}x ({min(values):.2f}-{max(values):.2f})"
 
-    rows = [[s["label"], f"{s['n']} x {s['V']}", dist, cell(d, "race / draw_tokens", "race"),
-             f"{cell(d, 'best race / draw_tokens', d['best_race'])}, `{d['best_race']}`",
-             cell(d, "multinomial / draw_tokens", "multinomial")]
-            for s in res["shapes"].values() for dist, d in s["distributions"].items()]
-    headers = ["shape", "n x V", "distribution", "race / draw_tokens (per repeat)",
-               "best race form / draw_tokens", "multinomial / draw_tokens"]
+    rows = [
+        [
+            s["label"],
+            f"{s['n']} x {s['V']}",
+            dist,
+            cell(d, "race / draw_tokens", "race"),
+            f"{cell(d, 'best race / draw_tokens', d['best_race'])}, `{d['best_race']}`",
+            cell(d, "multinomial / draw_tokens", "multinomial"),
+        ]
+        for s in res["shapes"].values()
+        for dist, d in s["distributions"].items()
+    ]
+    headers = [
+        "shape",
+        "n x V",
+        "distribution",
+        "race / draw_tokens (per repeat)",
+        "best race form / draw_tokens",
+        "multinomial / draw_tokens",
+    ]
     checked, threads = res["check"]["samplers"], res["threads"]
     exact = "every sampler's" if not check_failures(res) else "NOT every sampler's (see the JSON)"
     same = "draws" if res["check"]["multinomial_is_the_race"] else "does NOT draw"
-    return "\n".join([
-        table(headers, rows), "",
-        f"Medians of {res['repeats']} calls after {res['warmup']} warm-up, samplers in rotation, {threads} torch "
-        f"thread{'' if threads == 1 else 's'}. Exactness: over {checked['race']['draws']} draws, {exact} "
-        f"frequencies are within 6 standard deviations of the probabilities (the race's largest error: "
-        f"{checked['race']['max_abs_error']:.1e}) with no zero-probability id drawn; `torch.multinomial` {same} "
-        f"the race's ids from the same generator state.", "",
-        f"**Decision:** {res['decision']['text']}.", "",
-        f"*`python bench/sampler.py` remakes `docs/bench_results/sampler.json` and this block; commit "
-        f"{record['commit'][:7]}{'' if record['clean'] else ' (uncommitted changes)'} on {record['date'][:10]}; "
-        f"{m['cores']} cores ({m['cpu_model']}; {reproduce.isa_text(m)}; {reproduce.threads_text(m)}); load "
-        f"average {m['load_average_before'][0]:.1f} at the start; a machine that may be shared with other jobs.*"])
+    return "\n".join(
+        [
+            table(headers, rows),
+            "",
+            f"Medians of {res['repeats']} calls after {res['warmup']} warm-up, samplers in rotation, {threads} torch "
+            f"thread{'' if threads == 1 else 's'}. Exactness: over {checked['race']['draws']} draws, {exact} "
+            f"frequencies are within 6 standard deviations of the probabilities (the race's largest error: "
+            f"{checked['race']['max_abs_error']:.1e}) with no zero-probability id drawn; `torch.multinomial` {same} "
+            f"the race's ids from the same generator state.",
+            "",
+            f"**Decision:** {res['decision']['text']}.",
+            "",
+            f"*`python bench/sampler.py` remakes `docs/bench_results/sampler.json` and this block; commit "
+            f"{record['commit'][:7]}{'' if record['clean'] else ' (uncommitted changes)'} on {record['date'][:10]}; "
+            f"{m['cores']} cores ({m['cpu_model']}; {reproduce.isa_text(m)}; {reproduce.threads_text(m)}); load "
+            f"average {m['load_average_before'][0]:.1f} at the start; a machine that may be shared with other jobs.*",
+        ]
+    )
 
 
 def render_page(record: dict, page: str = PAGE) -> bool:
@@ -419,8 +553,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2).")
     p.add_argument("--seed", type=int, default=0)
     add_json_flag(p)
-    p.add_argument("--record", metavar="PATH", help="Write the record (commit, machine, date, rounds, result) here "
-                   f"(default {os.path.relpath(RECORD, ROOT)}, none with --quick; '' for none).")
+    p.add_argument(
+        "--record",
+        metavar="PATH",
+        help="Write the record (commit, machine, date, rounds, result) here "
+        f"(default {os.path.relpath(RECORD, ROOT)}, none with --quick; '' for none).",
+    )
     p.add_argument("--render", action="store_true", help="Only rewrite docs/benchmarks.md's block from the record.")
     a = p.parse_args(argv)
     if a.render:

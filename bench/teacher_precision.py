@@ -49,9 +49,21 @@ STEPS = (0, 1, 2)  # steps of seed 0: each samples its own prompts with its own 
 # name -> (the world's flags, prompts per step); stand_in's models are made at run time (world_flags)
 WORLDS = {
     "default": ([], 32),
-    "trace": (["--student_model", os.path.join(ROOT, "assets/trace/student"), "--teacher_model",
-               os.path.join(ROOT, "assets/trace/teacher"), "--dataset_name", os.path.join(ROOT, "assets/trace/data"),
-               "--max_new_tokens", "38", "--require_think", "true"], 32),
+    "trace": (
+        [
+            "--student_model",
+            os.path.join(ROOT, "assets/trace/student"),
+            "--teacher_model",
+            os.path.join(ROOT, "assets/trace/teacher"),
+            "--dataset_name",
+            os.path.join(ROOT, "assets/trace/data"),
+            "--max_new_tokens",
+            "38",
+            "--require_think",
+            "true",
+        ],
+        32,
+    ),
     # 400,000-column logits at every sampling step and scoring forward: fewer prompts, smaller micro-batches
     "stand_in": (["--micro_batch_size", "8"], 16),
 }
@@ -80,8 +92,12 @@ def per_teacher(teacher_lp: torch.Tensor, student_lp: torch.Tensor, clip: float)
     """One teacher's scores at (N,) valid tokens: the share at the clamp, the clamped scores' mean and unbiased std
     (distill_scores, as the run computes them), the token count."""
     clamped = g.distill_scores(teacher_lp, student_lp, torch.ones_like(teacher_lp), clip).double()
-    return {"clamp_share": float(((teacher_lp - student_lp).abs() >= clip).double().mean()),
-            "score_mean": float(clamped.mean()), "score_std": float(clamped.std()), "tokens": teacher_lp.numel()}
+    return {
+        "clamp_share": float(((teacher_lp - student_lp).abs() >= clip).double().mean()),
+        "score_mean": float(clamped.mean()),
+        "score_std": float(clamped.std()),
+        "tokens": teacher_lp.numel(),
+    }
 
 
 def agreement(reference: torch.Tensor, nf4: torch.Tensor, student: torch.Tensor, clip: float = 5.0) -> dict:
@@ -95,11 +111,15 @@ def agreement(reference: torch.Tensor, nf4: torch.Tensor, student: torch.Tensor,
     """
     s_ref, s_nf4 = reference - student, nf4 - student  # (N,) unclamped scores
     diff = (nf4 - reference).abs()
-    return {"tokens": reference.numel(), "teacher_lp_corr": pearson(reference, nf4),
-            "score_corr": pearson(s_ref, s_nf4),
-            "teacher_lp_abs_diff_mean": float(diff.mean()), "teacher_lp_abs_diff_max": float(diff.max()),
-            "sign_change_share": float((torch.sign(s_ref) != torch.sign(s_nf4)).double().mean()),
-            "teachers": {"reference": per_teacher(reference, student, clip), "nf4": per_teacher(nf4, student, clip)}}
+    return {
+        "tokens": reference.numel(),
+        "teacher_lp_corr": pearson(reference, nf4),
+        "score_corr": pearson(s_ref, s_nf4),
+        "teacher_lp_abs_diff_mean": float(diff.mean()),
+        "teacher_lp_abs_diff_max": float(diff.max()),
+        "sign_change_share": float((torch.sign(s_ref) != torch.sign(s_nf4)).double().mean()),
+        "teachers": {"reference": per_teacher(reference, student, clip), "nf4": per_teacher(nf4, student, clip)},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +127,9 @@ def agreement(reference: torch.Tensor, nf4: torch.Tensor, student: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 
-def with_row_prompts(models: g.Models, prompts: g.StepPrompts, rollouts: list[g.Rollout],
-                     args: g.Args) -> list[g.Rollout]:
+def with_row_prompts(
+    models: g.Models, prompts: g.StepPrompts, rollouts: list[g.Rollout], args: g.Args
+) -> list[g.Rollout]:
     """The rollouts, each holding every row's encoded prompt (row_inputs), which the plain forward reads: where
     every forward reads each prompt once, sample_rollouts keeps only the distinct prompts. Micro-batch k holds the
     step's rows in order, as cut_rollouts cuts them."""
@@ -116,8 +137,15 @@ def with_row_prompts(models: g.Models, prompts: g.StepPrompts, rollouts: list[g.
     for r in rollouts:
         n = r.response_ids.shape[0]
         if r.row_inputs is None:
-            g.encode_rollout_prompts(models.processor, r, prompts.prompts[start:start + n],
-                                     prompts.group_ids[start:start + n], args, True, False)
+            g.encode_rollout_prompts(
+                models.processor,
+                r,
+                prompts.prompts[start : start + n],
+                prompts.group_ids[start : start + n],
+                args,
+                True,
+                False,
+            )
         start += n
     return rollouts
 
@@ -136,8 +164,11 @@ def step_tokens(run: g.Run, reference, step: int) -> dict[str, torch.Tensor]:
     parts = []
     with torch.no_grad():
         for r in rollouts:
-            logps = {"reference": g.response_logps(reference, r, models.ignore_ids),
-                     "nf4": g.response_logps(models.teacher, r, models.ignore_ids), "student": r.sampled_logps}
+            logps = {
+                "reference": g.response_logps(reference, r, models.ignore_ids),
+                "nf4": g.response_logps(models.teacher, r, models.ignore_ids),
+                "student": r.sampled_logps,
+            }
             parts.append(valid_tokens(logps, r.response_mask))
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
@@ -145,9 +176,25 @@ def step_tokens(run: g.Run, reference, step: int) -> dict[str, torch.Tensor]:
 def measure_world(flags: list[str], prompts_per_step: int, steps: tuple[int, ...], out_dir: str) -> dict:
     """A world's agreement over `steps` (all their valid tokens) and step by step. flags: the world's command-line
     flags; the run's set-up loads the nf4 teacher (--teacher_4bit true), the reference one is loaded beside it."""
-    args = g.parse_args([*flags, "--teacher_4bit", "true", "--num_eval_samples", "0", "--prompts_per_step",
-                         str(prompts_per_step), "--max_steps", str(max(steps) + 1), "--output_dir", out_dir,
-                         "--overwrite_output_dir", "true", "--save_steps", "0"])
+    args = g.parse_args(
+        [
+            *flags,
+            "--teacher_4bit",
+            "true",
+            "--num_eval_samples",
+            "0",
+            "--prompts_per_step",
+            str(prompts_per_step),
+            "--max_steps",
+            str(max(steps) + 1),
+            "--output_dir",
+            out_dir,
+            "--overwrite_output_dir",
+            "true",
+            "--save_steps",
+            "0",
+        ]
+    )
     # a step's rows must fill whole micro-batches: fewer prompts than the default, smaller micro-batches
     rows = args.prompts_per_step * args.num_generations
     args = dataclasses.replace(args, micro_batch_size=min(args.micro_batch_size, rows))
@@ -158,14 +205,26 @@ def measure_world(flags: list[str], prompts_per_step: int, steps: tuple[int, ...
     per_step, tokens = [], []
     for step in steps:
         tokens.append(step_tokens(run, reference, step))
-        per_step.append({"step": step, **agreement(tokens[-1]["reference"], tokens[-1]["nf4"],
-                                                   tokens[-1]["student"], args.score_clip)})
+        per_step.append(
+            {
+                "step": step,
+                **agreement(tokens[-1]["reference"], tokens[-1]["nf4"], tokens[-1]["student"], args.score_clip),
+            }
+        )
     every = {name: torch.cat([t[name] for t in tokens]) for name in tokens[0]}
-    return {"flags": flags, "prompts_per_step": prompts_per_step, "num_generations": args.num_generations,
-            "max_new_tokens": args.max_new_tokens, "steps": list(steps), "score_clip": args.score_clip,
-            "reference_dtype": str(dtype).removeprefix("torch."), "nf4_layers": count_4bit_layers(run.models.teacher),
-            "vocabulary": run.models.teacher.get_output_embeddings().weight.shape[0],
-            **agreement(every["reference"], every["nf4"], every["student"], args.score_clip), "per_step": per_step}
+    return {
+        "flags": flags,
+        "prompts_per_step": prompts_per_step,
+        "num_generations": args.num_generations,
+        "max_new_tokens": args.max_new_tokens,
+        "steps": list(steps),
+        "score_clip": args.score_clip,
+        "reference_dtype": str(dtype).removeprefix("torch."),
+        "nf4_layers": count_4bit_layers(run.models.teacher),
+        "vocabulary": run.models.teacher.get_output_embeddings().weight.shape[0],
+        **agreement(every["reference"], every["nf4"], every["student"], args.score_clip),
+        "per_step": per_step,
+    }
 
 
 def world_flags(name: str, tmp: str) -> list[str]:
@@ -184,8 +243,9 @@ def run(worlds: list[str], steps: tuple[int, ...], prompts: int | None = None) -
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in worlds:
-            out[name] = measure_world(world_flags(name, tmp), prompts or WORLDS[name][1], steps,
-                                      os.path.join(tmp, f"run-{name}"))
+            out[name] = measure_world(
+                world_flags(name, tmp), prompts or WORLDS[name][1], steps, os.path.join(tmp, f"run-{name}")
+            )
             # recorded paths: relative to the repository, the stand-in's under <tmp> (gone after the run)
             out[name]["flags"] = [f.replace(tmp, "<tmp>").replace(ROOT + os.sep, "") for f in out[name]["flags"]]
             print(name, {k: out[name][k] for k in ("tokens", "teacher_lp_corr", "sign_change_share")}, flush=True)
@@ -194,17 +254,51 @@ def run(worlds: list[str], steps: tuple[int, ...], prompts: int | None = None) -
 
 def tables(worlds: dict) -> list:
     """The report's sections: the two teachers' agreement per world, then each teacher's scores per world."""
-    agree = [[name, f"{w['prompts_per_step']} x {w['num_generations']} x {len(w['steps'])}", w["vocabulary"],
-              w["tokens"], f"{w['teacher_lp_corr']:.4f}", f"{w['score_corr']:.4f}",
-              f"{w['teacher_lp_abs_diff_mean']:.4f}", f"{w['teacher_lp_abs_diff_max']:.3f}",
-              f"{100 * w['sign_change_share']:.2f}%"] for name, w in worlds.items()]
-    scores = [[name, teacher, f"{100 * t['clamp_share']:.2f}%", f"{t['score_mean']:.4f}", f"{t['score_std']:.4f}",
-               t["tokens"]] for name, w in worlds.items() for teacher, t in w["teachers"].items()]
-    return ["nf4 teacher against the unquantized one (reference: float32 on a CPU), on the same rollouts:",
-            (["world", "prompts x G x steps", "vocabulary", "tokens", "corr(teacher lp)", "corr(score)",
-              "mean abs diff lp (nats)", "max abs diff lp (nats)", "score sign changes"], agree),
-            "Each teacher's scores (clamped to +-score_clip; std unbiased):",
-            (["world", "teacher", "at the clamp", "mean score", "score std", "tokens"], scores)]
+    agree = [
+        [
+            name,
+            f"{w['prompts_per_step']} x {w['num_generations']} x {len(w['steps'])}",
+            w["vocabulary"],
+            w["tokens"],
+            f"{w['teacher_lp_corr']:.4f}",
+            f"{w['score_corr']:.4f}",
+            f"{w['teacher_lp_abs_diff_mean']:.4f}",
+            f"{w['teacher_lp_abs_diff_max']:.3f}",
+            f"{100 * w['sign_change_share']:.2f}%",
+        ]
+        for name, w in worlds.items()
+    ]
+    scores = [
+        [
+            name,
+            teacher,
+            f"{100 * t['clamp_share']:.2f}%",
+            f"{t['score_mean']:.4f}",
+            f"{t['score_std']:.4f}",
+            t["tokens"],
+        ]
+        for name, w in worlds.items()
+        for teacher, t in w["teachers"].items()
+    ]
+    return [
+        "nf4 teacher against the unquantized one (reference: float32 on a CPU), on the same rollouts:",
+        (
+            [
+                "world",
+                "prompts x G x steps",
+                "vocabulary",
+                "tokens",
+                "corr(teacher lp)",
+                "corr(score)",
+                "mean abs diff lp (nats)",
+                "max abs diff lp (nats)",
+                "score sign changes",
+            ],
+            agree,
+        ),
+        "Each teacher's scores (clamped to +-score_clip; std unbiased):",
+        (["world", "teacher", "at the clamp", "mean score", "score std", "tokens"], scores),
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -217,9 +311,11 @@ def main(argv: list[str] | None = None) -> dict:
     worlds = run(["default"], steps, 2) if a.quick else run(a.worlds, steps)
     note = f"Steps {', '.join(map(str, steps))} of seed 0, every valid response token."
     if "stand_in" in worlds:
-        note += (f" The stand-in samples {worlds['stand_in']['prompts_per_step']} prompts a step, not "
-                 f"{WORLDS['default'][1]}: its {STAND_IN_VOCAB:,}-row vocabulary makes every sampling step and "
-                 "scoring forward large.")
+        note += (
+            f" The stand-in samples {worlds['stand_in']['prompts_per_step']} prompts a step, not "
+            f"{WORLDS['default'][1]}: its {STAND_IN_VOCAB:,}-row vocabulary makes every sampling step and "
+            "scoring forward large."
+        )
     return report({"worlds": worlds, "note": note}, [*tables(worlds), note], a.json)
 
 

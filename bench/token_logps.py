@@ -81,25 +81,51 @@ def worker(side: str, mode: str, batch: int, tokens: int, vocab: int) -> dict:
     before = rss_bytes()
     reset_peak_rss()
     run_once(side, inputs, ids)
-    return {"side": side, "mode": mode, "extra_bytes": peak_rss_bytes() - before,
-            "input_bytes": sum(x.nbytes for x in inputs)}
+    return {
+        "side": side,
+        "mode": mode,
+        "extra_bytes": peak_rss_bytes() - before,
+        "input_bytes": sum(x.nbytes for x in inputs),
+    }
 
 
 def peak_extra_memory(side: str, mode: str, batch: int, tokens: int, vocab: int) -> int:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--mode", mode, "--batch", str(batch),
-           "--tokens", str(tokens), "--vocab", str(vocab)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        side,
+        "--mode",
+        mode,
+        "--batch",
+        str(batch),
+        "--tokens",
+        str(tokens),
+        "--vocab",
+        str(vocab),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
 
 
-def run(quick: bool = False, batch: int | None = None, tokens: int | None = None, grad_tokens: int | None = None,
-        vocab: int = VOCAB, repeats: int | None = None, json_path: str | None = None, verbose: bool = True) -> dict:
+def run(
+    quick: bool = False,
+    batch: int | None = None,
+    tokens: int | None = None,
+    grad_tokens: int | None = None,
+    vocab: int = VOCAB,
+    repeats: int | None = None,
+    json_path: str | None = None,
+    verbose: bool = True,
+) -> dict:
     """Returns {mode: {"shape", "naive": {"extra_bytes", "seconds"}, "token_logps": {...}, "max_abs_diff",
     "memory_ratio" (naive / token_logps), "time_ratio" (token_logps / naive)}} (also written to json_path)."""
     batch = batch or (2 if quick else 4)
-    shapes = {"no autograd": (batch, tokens or (64 if quick else 1024), vocab),
-              "with backward": (batch, grad_tokens or (64 if quick else 512), vocab),
-              "trainable head": (batch, grad_tokens or (64 if quick else 512), vocab)}
+    shapes = {
+        "no autograd": (batch, tokens or (64 if quick else 1024), vocab),
+        "with backward": (batch, grad_tokens or (64 if quick else 512), vocab),
+        "trainable head": (batch, grad_tokens or (64 if quick else 512), vocab),
+    }
     repeats = repeats or (2 if quick else 3)
     out = {"threads": torch.get_num_threads(), "vocab": vocab, "repeats": repeats}
     for mode in MODES:
@@ -115,8 +141,14 @@ def run(quick: bool = False, batch: int | None = None, tokens: int | None = None
                 if grad:  # the last input's gradient: the logits', or the trainable head weight's
                     grads[side] = inputs[-1].grad
         del inputs
-        r = {side: {"seconds": median(seconds[side]), "runs_seconds": seconds[side],
-                    "extra_bytes": peak_extra_memory(side, mode, *shapes[mode])} for side in SIDES}
+        r = {
+            side: {
+                "seconds": median(seconds[side]),
+                "runs_seconds": seconds[side],
+                "extra_bytes": peak_extra_memory(side, mode, *shapes[mode]),
+            }
+            for side in SIDES
+        }
         r["shape"] = shapes[mode]
         r["logits_bytes"] = shapes[mode][0] * shapes[mode][1] * shapes[mode][2] * 2  # bf16
         if mode == "trainable head":
@@ -134,16 +166,44 @@ def run(quick: bool = False, batch: int | None = None, tokens: int | None = None
         B, T, _ = r["shape"]
         ratio = r["memory_ratio"]  # below 1 at --quick sizes with a backward: say "more", not "0.7x less"
         memory = f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"
-        rows.append([mode, f"{B} x {T}", f"{mib(r['logits_bytes']):.0f}", f"{mib(r['naive']['extra_bytes']):.0f}",
-                     f"{mib(r['token_logps']['extra_bytes']):.0f}", memory,
-                     r["naive"]["seconds"], r["token_logps"]["seconds"], f"{r['time_ratio']:.2f}",
-                     f"{r['max_abs_diff']:.1e}"])
-    return report(out, [
-        f"log-probs of the given tokens from bf16 logits (vocabulary {vocab}), {out['threads']} thread(s); "
-        f"time = median of {repeats} runs, sides interleaved",
-        (["mode", "tokens", "logits MiB", "naive peak extra MiB", "token_logps peak extra MiB", "memory",
-          "naive s", "token_logps s", "time ratio (token_logps / naive)", "max abs diff"], rows),
-    ], json_path, verbose)
+        rows.append(
+            [
+                mode,
+                f"{B} x {T}",
+                f"{mib(r['logits_bytes']):.0f}",
+                f"{mib(r['naive']['extra_bytes']):.0f}",
+                f"{mib(r['token_logps']['extra_bytes']):.0f}",
+                memory,
+                r["naive"]["seconds"],
+                r["token_logps"]["seconds"],
+                f"{r['time_ratio']:.2f}",
+                f"{r['max_abs_diff']:.1e}",
+            ]
+        )
+    return report(
+        out,
+        [
+            f"log-probs of the given tokens from bf16 logits (vocabulary {vocab}), {out['threads']} thread(s); "
+            f"time = median of {repeats} runs, sides interleaved",
+            (
+                [
+                    "mode",
+                    "tokens",
+                    "logits MiB",
+                    "naive peak extra MiB",
+                    "token_logps peak extra MiB",
+                    "memory",
+                    "naive s",
+                    "token_logps s",
+                    "time ratio (token_logps / naive)",
+                    "max abs diff",
+                ],
+                rows,
+            ),
+        ],
+        json_path,
+        verbose,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -41,15 +41,37 @@ from reproduce import machine  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 OUT_DIR = os.path.join(ROOT, "docs", "studies")  # where the tables and plots go by default
-NAMES = {"none": "OPD", "center": "center", "scale": "scale", "global": "GNDPO", "sequence": "sequence",
-         "group": "group"}
-COLORS = {"none": "tab:orange", "center": "tab:green", "scale": "tab:purple", "global": "tab:blue",
-          "sequence": "tab:brown", "group": "tab:gray"}
+NAMES = {
+    "none": "OPD",
+    "center": "center",
+    "scale": "scale",
+    "global": "GNDPO",
+    "sequence": "sequence",
+    "group": "group",
+}
+COLORS = {
+    "none": "tab:orange",
+    "center": "tab:green",
+    "scale": "tab:purple",
+    "global": "tab:blue",
+    "sequence": "tab:brown",
+    "group": "tab:gray",
+}
 TRACE = os.path.join(ROOT, "assets", "trace")
-WORLDS = {"tiny": [],  # the script's defaults: assets/tiny
-          "trace": ["--student_model", os.path.join(TRACE, "student"),
-                    "--teacher_model", os.path.join(TRACE, "teacher"), "--dataset_name", os.path.join(TRACE, "data"),
-                    "--max_new_tokens", "38", "--require_think"]}
+WORLDS = {
+    "tiny": [],  # the script's defaults: assets/tiny
+    "trace": [
+        "--student_model",
+        os.path.join(TRACE, "student"),
+        "--teacher_model",
+        os.path.join(TRACE, "teacher"),
+        "--dataset_name",
+        os.path.join(TRACE, "data"),
+        "--max_new_tokens",
+        "38",
+        "--require_think",
+    ],
+}
 
 
 def provenance(env: dict | None = None) -> dict:
@@ -57,9 +79,13 @@ def provenance(env: dict | None = None) -> dict:
     and the machine (bench/reproduce.py's record, with the threads a run gets under `env`): each run folder keeps
     them (study.json), so a table made later (--no_run, --skip_existing) still says what made each of its runs."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", SCRIPT)),
-            "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
-            "date": datetime.date.today().isoformat(), "machine": machine(env)}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", SCRIPT)),
+        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(env),
+    }
 
 
 def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
@@ -72,9 +98,23 @@ def run_all(jobs: list[tuple], extra: list[str], parallel: int) -> None:
 
     def run(job: tuple) -> None:
         mode, lr, seed, out, flags = job
-        cmd = [sys.executable, SCRIPT, "--advantage_mode", mode, "--seed", str(seed),
-               "--output_dir", out, "--overwrite_output_dir", "--save_steps", "0",
-               *(["--learning_rate", f"{lr:g}"] if lr is not None else []), *threads, *extra, *flags]
+        cmd = [
+            sys.executable,
+            SCRIPT,
+            "--advantage_mode",
+            mode,
+            "--seed",
+            str(seed),
+            "--output_dir",
+            out,
+            "--overwrite_output_dir",
+            "--save_steps",
+            "0",
+            *(["--learning_rate", f"{lr:g}"] if lr is not None else []),
+            *threads,
+            *extra,
+            *flags,
+        ]
         print("$", " ".join(cmd), flush=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         try:
@@ -113,14 +153,21 @@ def made_by_lines(outs: list[str]) -> list[str]:
         if os.path.exists(path):
             with open(path) as f:
                 p = json.load(f)
-            key = (p["commit"] + (" (gndpo_minimal.py with uncommitted changes)" if p["dirty"] else ""),
-                   p["date"], p["command"], machine_text(p["machine"]) if "machine" in p else "a machine not recorded")
+            key = (
+                p["commit"] + (" (gndpo_minimal.py with uncommitted changes)" if p["dirty"] else ""),
+                p["date"],
+                p["command"],
+                machine_text(p["machine"]) if "machine" in p else "a machine not recorded",
+            )
         else:
             key = None
         seen[key] = seen.get(key, 0) + 1
-    return [f"{n} run(s) with no record of their commit or command (made before the driver kept one)." if key is None
-            else f"{n} run(s) made with gndpo_minimal.py at commit {key[0]}, {key[1]}, on {key[3]}: `{key[2]}`"
-            for key, n in seen.items()] + [""]
+    return [
+        f"{n} run(s) with no record of their commit or command (made before the driver kept one)."
+        if key is None
+        else f"{n} run(s) made with gndpo_minimal.py at commit {key[0]}, {key[1]}, on {key[3]}: `{key[2]}`"
+        for key, n in seen.items()
+    ] + [""]
 
 
 def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
@@ -130,25 +177,37 @@ def row_stats(steps: list[dict], summary: dict, max_grad_norm: float) -> dict:
     median = statistics.median(norms)
     first, last = steps[:10], steps[-10:]
     avg = lambda rows, key: statistics.mean(s.get(key, nan) for s in rows)  # noqa: E731
-    return {"acc_before": summary.get("student_accuracy_before", nan),
-            "acc_after": summary.get("student_accuracy_after", nan),
-            "teacher": summary.get("teacher_accuracy", nan),
-            "format_after": summary.get("student_format_rate_after", nan),
-            "kl_first": steps[0]["reverse_kl"], "kl_last": avg(last, "reverse_kl"),
-            "gn_median": median, "gn_max": max(norms), "spikes": sum(n > 5 * median for n in norms),
-            "clipped": sum(n > max_grad_norm for n in norms) / len(norms),
-            "len_first": avg(first, "response_length"), "len_last": avg(last, "response_length"),
-            "clamp_first": avg(first, "score_clamped_frac"), "clamp_last": avg(last, "score_clamped_frac"),
-            "gn_first": avg(first, "grad_norm"), "gn_last": avg(last, "grad_norm"),
-            "score_std_first": avg(first, "score_std"), "score_std_last": avg(last, "score_std"),
-            "adv_std_first": avg(first, "adv_std"), "adv_std_last": avg(last, "adv_std"),
-            "adv_min_first": avg(first, "adv_min"), "adv_min_last": avg(last, "adv_min"),
-            "update_median": statistics.median(s.get("update_norm", nan) for s in steps),
-            "update_max": max(s.get("update_norm", nan) for s in steps),
-            # Adam's largest update is its first (each parameter moves by about lr); what a gradient spike does
-            # to the weights is the update of the spike's own step
-            "update_at_gn_max": max(steps, key=lambda s: s["grad_norm"]).get("update_norm", nan),
-            "wall": summary.get("wall_seconds", nan), "stopped": 0 if summary else steps[-1]["step"]}
+    return {
+        "acc_before": summary.get("student_accuracy_before", nan),
+        "acc_after": summary.get("student_accuracy_after", nan),
+        "teacher": summary.get("teacher_accuracy", nan),
+        "format_after": summary.get("student_format_rate_after", nan),
+        "kl_first": steps[0]["reverse_kl"],
+        "kl_last": avg(last, "reverse_kl"),
+        "gn_median": median,
+        "gn_max": max(norms),
+        "spikes": sum(n > 5 * median for n in norms),
+        "clipped": sum(n > max_grad_norm for n in norms) / len(norms),
+        "len_first": avg(first, "response_length"),
+        "len_last": avg(last, "response_length"),
+        "clamp_first": avg(first, "score_clamped_frac"),
+        "clamp_last": avg(last, "score_clamped_frac"),
+        "gn_first": avg(first, "grad_norm"),
+        "gn_last": avg(last, "grad_norm"),
+        "score_std_first": avg(first, "score_std"),
+        "score_std_last": avg(last, "score_std"),
+        "adv_std_first": avg(first, "adv_std"),
+        "adv_std_last": avg(last, "adv_std"),
+        "adv_min_first": avg(first, "adv_min"),
+        "adv_min_last": avg(last, "adv_min"),
+        "update_median": statistics.median(s.get("update_norm", nan) for s in steps),
+        "update_max": max(s.get("update_norm", nan) for s in steps),
+        # Adam's largest update is its first (each parameter moves by about lr); what a gradient spike does
+        # to the weights is the update of the spike's own step
+        "update_at_gn_max": max(steps, key=lambda s: s["grad_norm"]).get("update_norm", nan),
+        "wall": summary.get("wall_seconds", nan),
+        "stopped": 0 if summary else steps[-1]["step"],
+    }
 
 
 def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
@@ -158,19 +217,23 @@ def table_row(name: str, lr: str, seed: str, r: dict, bold: bool = True) -> str:
     if r["stopped"]:  # a stopped run: no summary, no final evaluation
         before = f"stopped after step {r['stopped']:g}, not evaluated"
     fmt = "-" if math.isnan(r["format_after"]) else f"{r['format_after']:.3f}"
-    return (f"| {name} | {lr} | {seed} | {before} | {fmt} | "
-            f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
-            f"{r['spikes']:.3g} | "
-            f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | {r['update_at_gn_max']:.3g} | "
-            f"{r['len_first']:.1f} -> {r['len_last']:.1f} | "
-            f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {'-' if math.isnan(r['wall']) else round(r['wall'])} |")
+    return (
+        f"| {name} | {lr} | {seed} | {before} | {fmt} | "
+        f"{r['kl_first']:.3f} -> {r['kl_last']:.3f} | {r['gn_median']:.3f} / {r['gn_max']:.3f} | "
+        f"{r['spikes']:.3g} | "
+        f"{r['clipped']:.2f} | {r['update_median']:.3g} / {r['update_max']:.3g} | {r['update_at_gn_max']:.3g} | "
+        f"{r['len_first']:.1f} -> {r['len_last']:.1f} | "
+        f"{r['clamp_first']:.3f} -> {r['clamp_last']:.3f} | {'-' if math.isnan(r['wall']) else round(r['wall'])} |"
+    )
 
 
 def scale_row(name: str, lr: str, seed: str, r: dict) -> str:
-    return (f"| {name} | {lr} | {seed} | {r['score_std_first']:.3f} -> {r['score_std_last']:.3f} | "
-            f"{r['adv_std_first']:.3f} -> {r['adv_std_last']:.3f} | "
-            f"{r['adv_min_first']:.2f} -> {r['adv_min_last']:.2f} | "
-            f"{r['gn_first']:.3f} -> {r['gn_last']:.3f} |")
+    return (
+        f"| {name} | {lr} | {seed} | {r['score_std_first']:.3f} -> {r['score_std_last']:.3f} | "
+        f"{r['adv_std_first']:.3f} -> {r['adv_std_last']:.3f} | "
+        f"{r['adv_min_first']:.2f} -> {r['adv_min_last']:.2f} | "
+        f"{r['gn_first']:.3f} -> {r['gn_last']:.3f} |"
+    )
 
 
 def accuracy_curve(steps: list[dict], summary: dict) -> tuple[list[int], list[float]]:
@@ -186,19 +249,34 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["none", "center", "scale", "global"], choices=list(NAMES))
-    parser.add_argument("--lrs", type=float, nargs="+", default=None,
-                        help="learning rates (default: the script's own; run folders then carry no lr)")
-    parser.add_argument("--settings", nargs="+", default=None, metavar="NAME=FLAGS",
-                        help="named flag sets, each run with every mode and lr (default: one, with no flags)")
+    parser.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="learning rates (default: the script's own; run folders then carry no lr)",
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        metavar="NAME=FLAGS",
+        help="named flag sets, each run with every mode and lr (default: one, with no flags)",
+    )
     parser.add_argument("--world", choices=list(WORLDS), default="tiny", help="trace: the runs use assets/trace")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0,
-                        help="the runs' --max_grad_norm, for the share of steps cut by the clip "
-                             "(pass the same after --)")
+    parser.add_argument(
+        "--max_grad_norm",
+        type=float,
+        default=1.0,
+        help="the runs' --max_grad_norm, for the share of steps cut by the clip (pass the same after --)",
+    )
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "compare"))
     parser.add_argument("--no_run", action="store_true", help="only tabulate and plot existing runs")
-    parser.add_argument("--skip_existing", action="store_true",
-                        help="run only the jobs whose folder has no summary.json yet (e.g. one grid reusing "
-                             "another's runs)")
+    parser.add_argument(
+        "--skip_existing",
+        action="store_true",
+        help="run only the jobs whose folder has no summary.json yet (e.g. one grid reusing another's runs)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each then uses one thread)")
     parser.add_argument("--tag", default="opd_vs_gndpo", help="name of the .md/.png written under --out_dir")
     parser.add_argument("--out_dir", default=OUT_DIR, help="folder of the table and plot (default: docs/studies)")
@@ -216,11 +294,13 @@ def run_folder(runs_dir: str, mode: str, lr: tuple, seed: int) -> str:
 def write_tables(args: argparse.Namespace, lrs: list[tuple], jobs: list[tuple], results: dict) -> None:
     """The markdown page (<out_dir>/<tag>.md), also printed: who made the runs, a row per run and a mean per
     (setting, lr, mode), the means again together, then the scale of scores and advantages."""
-    header = ["| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
-              "reverse KL step 1 -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
-              "update size median / max | update size at the largest grad norm | response length first 10 -> "
-              "last 10 | tokens at the clamp first 10 -> last 10 | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = [
+        "| advantages | lr | seed | accuracy before -> after (teacher) | format after | "
+        "reverse KL step 1 -> last 10 | grad norm median / max | spikes (> 5x median) | steps clipped | "
+        "update size median / max | update size at the largest grad norm | response length first 10 -> "
+        "last 10 | tokens at the clamp first 10 -> last 10 | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     lines = [*made_by_lines([out for *_, out in jobs]), *header]
     means, scales = [], []
     for lr in lrs:
@@ -239,9 +319,14 @@ def write_tables(args: argparse.Namespace, lrs: list[tuple], jobs: list[tuple], 
                 scales.append(scale_row(NAMES[mode], lr_text, str(args.seeds[0]), rows[0]))
     if len(args.seeds) > 1:  # the mean rows again, together, for a quick comparison
         lines += ["", "Means over seeds:", "", *header, *means]
-    lines += ["", "Scale of scores and advantages (first 10 -> last 10 steps; a step's adv min is its most negative "
-              "advantage):", "", "| advantages | lr | seed | score std | advantage std | advantage min | grad norm |",
-              "|---|---|---|---|---|---|---|", *scales]
+    lines += [
+        "",
+        "Scale of scores and advantages (first 10 -> last 10 steps; a step's adv min is its most negative advantage):",
+        "",
+        "| advantages | lr | seed | score std | advantage std | advantage min | grad norm |",
+        "|---|---|---|---|---|---|---|",
+        *scales,
+    ]
     table = "\n".join(lines)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{args.tag}.md"), "w") as f:
@@ -291,11 +376,18 @@ def main() -> None:
     settings = dict(s.split("=", 1) for s in args.settings) if args.settings else {"": ""}
     # a block of the tables and a row of plots per (setting, lr)
     lrs = [(name, lr) for name in settings for lr in (args.lrs or [None])]
-    jobs = [(mode, lr, seed, run_folder(args.runs_dir, mode, lr, seed))
-            for lr in lrs for mode in args.modes for seed in args.seeds]
+    jobs = [
+        (mode, lr, seed, run_folder(args.runs_dir, mode, lr, seed))
+        for lr in lrs
+        for mode in args.modes
+        for seed in args.seeds
+    ]
     if not args.no_run:
-        todo = [(mode, lr[1], seed, out, settings[lr[0]].split()) for mode, lr, seed, out in jobs
-                if not (args.skip_existing and os.path.exists(os.path.join(out, "summary.json")))]
+        todo = [
+            (mode, lr[1], seed, out, settings[lr[0]].split())
+            for mode, lr, seed, out in jobs
+            if not (args.skip_existing and os.path.exists(os.path.join(out, "summary.json")))
+        ]
         run_all(todo, extra, args.jobs)
     results = {(mode, lr, seed): load(out) for mode, lr, seed, out in jobs}
     write_tables(args, lrs, jobs, results)

@@ -35,13 +35,33 @@ from reproduce import machine  # noqa: E402
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 OUTLIERS = os.path.join(ROOT, "studies", "outliers.py")
 TRACE = os.path.join(ROOT, "assets", "trace")
-WORLDS = {"default": [],  # the script's defaults: assets/tiny
-          "trace": ["--student_model", os.path.join(TRACE, "student"), "--teacher_model",
-                    os.path.join(TRACE, "teacher"), "--dataset_name", os.path.join(TRACE, "data"),
-                    "--max_new_tokens", "38", "--require_think"]}
+WORLDS = {
+    "default": [],  # the script's defaults: assets/tiny
+    "trace": [
+        "--student_model",
+        os.path.join(TRACE, "student"),
+        "--teacher_model",
+        os.path.join(TRACE, "teacher"),
+        "--dataset_name",
+        os.path.join(TRACE, "data"),
+        "--max_new_tokens",
+        "38",
+        "--require_think",
+    ],
+}
 # the paper's setting, with nothing that caps an update before normalization can: full fine-tuning, no clip
-FULL_FT = ["--lora_r", "0", "--learning_rate", "1e-3", "--max_grad_norm", "1e9", "--max_steps", "40",
-           "--num_eval_samples", "100"]
+FULL_FT = [
+    "--lora_r",
+    "0",
+    "--learning_rate",
+    "1e-3",
+    "--max_grad_norm",
+    "1e9",
+    "--max_steps",
+    "40",
+    "--num_eval_samples",
+    "100",
+]
 NO_CLAMP = ["--score_clip", "1e9"]
 SHORT_TRACE = ["--max_steps", "40", "--num_eval_samples", "100"]  # the trace world's LoRA runs
 
@@ -51,8 +71,18 @@ def grid(study: str) -> list[dict]:
     jobs = []
 
     def add(world, mode, seed, variant, flags, runner=SCRIPT, pre=()):
-        jobs.append({"name": f"{world}_{variant}_{mode}_seed{seed}", "world": world, "mode": mode, "seed": seed,
-                     "variant": variant, "runner": runner, "pre": list(pre), "flags": WORLDS[world] + flags})
+        jobs.append(
+            {
+                "name": f"{world}_{variant}_{mode}_seed{seed}",
+                "world": world,
+                "mode": mode,
+                "seed": seed,
+                "variant": variant,
+                "runner": runner,
+                "pre": list(pre),
+                "flags": WORLDS[world] + flags,
+            }
+        )
 
     if study == "unbounded":
         for world in ("trace", "default"):
@@ -64,10 +94,24 @@ def grid(study: str) -> list[dict]:
             for nats in (0, 30):
                 for mode in ("none", "global"):
                     for seed in range(3):
-                        add("trace", mode, seed, f"{clamp}_M{nats}", FULL_FT + clip_flags, OUTLIERS,
-                            ["--outlier_nats", str(nats), "--"])
-                        add("trace", mode, seed, f"probe_{clamp}_M{nats}", FULL_FT + clip_flags, OUTLIERS,
-                            ["--probe", "--outlier_nats", str(nats), "--"])  # the first batch's gradient, split
+                        add(
+                            "trace",
+                            mode,
+                            seed,
+                            f"{clamp}_M{nats}",
+                            FULL_FT + clip_flags,
+                            OUTLIERS,
+                            ["--outlier_nats", str(nats), "--"],
+                        )
+                        add(
+                            "trace",
+                            mode,
+                            seed,
+                            f"probe_{clamp}_M{nats}",
+                            FULL_FT + clip_flags,
+                            OUTLIERS,
+                            ["--probe", "--outlier_nats", str(nats), "--"],
+                        )  # the first batch's gradient, split
     elif study == "critics":
         for world in ("default", "trace"):
             steps = SHORT_TRACE if world == "trace" else []
@@ -81,32 +125,58 @@ def grid(study: str) -> list[dict]:
 
 def provenance(env: dict) -> dict:
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", SCRIPT, OUTLIERS,
-                                                                   "gndpo_fast.py", "gndpo_extras.py")),
-            "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
-            "machine": machine(env), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", SCRIPT, OUTLIERS, "gndpo_fast.py", "gndpo_extras.py")),
+        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
+        "machine": machine(env),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 def run_all(jobs: list[dict], runs_dir: str, parallel: int) -> None:
     """Each job once, `parallel` at a time, one thread each when parallel; a run's log in <folder>.log."""
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"} if parallel > 1 else {"TOKENIZERS_PARALLELISM": "false"}
+    env = (
+        {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        if parallel > 1
+        else {"TOKENIZERS_PARALLELISM": "false"}
+    )
     made_by = provenance(env)
 
     def run(job: dict) -> None:
         out = os.path.join(runs_dir, job["name"])
-        cmd = [sys.executable, job["runner"], *job["pre"], "--advantage_mode", job["mode"], "--seed", str(job["seed"]),
-               "--output_dir", out, "--overwrite_output_dir", "true", "--save_steps", "0",
-               *(["--cpu_threads", "1"] if parallel > 1 else []), *job["flags"]]
+        cmd = [
+            sys.executable,
+            job["runner"],
+            *job["pre"],
+            "--advantage_mode",
+            job["mode"],
+            "--seed",
+            str(job["seed"]),
+            "--output_dir",
+            out,
+            "--overwrite_output_dir",
+            "true",
+            "--save_steps",
+            "0",
+            *(["--cpu_threads", "1"] if parallel > 1 else []),
+            *job["flags"],
+        ]
         os.makedirs(runs_dir, exist_ok=True)
         print("$", " ".join(cmd), flush=True)
         t0 = time.time()
         with open(out + ".log", "w") as log:
             code = subprocess.run(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT).returncode
         with open(os.path.join(out, "study.json"), "w") as f:
-            json.dump({**made_by, "run": " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a
-                                                  for a in cmd[1:]), "returncode": code,
-                       "wall_seconds": time.time() - t0}, f)
+            json.dump(
+                {
+                    **made_by,
+                    "run": " ".join(os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in cmd[1:]),
+                    "returncode": code,
+                    "wall_seconds": time.time() - t0,
+                },
+                f,
+            )
         print(f"{job['name']}: exit {code} after {time.time() - t0:.0f} s", flush=True)
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
@@ -124,8 +194,11 @@ def main() -> None:
     runs_dir = args.runs_dir or os.path.join(ROOT, "runs", "fidelity", args.study)
     jobs = grid(args.study)
     if not args.no_run:
-        todo = [j for j in jobs if not (args.skip_existing and os.path.exists(
-            os.path.join(runs_dir, j["name"], "summary.json")))]
+        todo = [
+            j
+            for j in jobs
+            if not (args.skip_existing and os.path.exists(os.path.join(runs_dir, j["name"], "summary.json")))
+        ]
         run_all(todo, runs_dir, args.jobs)
     import fidelity_tables  # noqa: PLC0415 (the tables: a module of their own)
 

@@ -24,7 +24,7 @@ def teacher_answers(args: g.Args, processor, rows: list[tuple]) -> tuple[g.Rollo
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     config = g.generation_configs(processor.tokenizer, teacher, args)[1]
     inputs = dict(g.encode_prompts(processor, [row[:2] for row in rows], args.instruction))
-    ids = teacher.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1]:]  # (n, R)
+    ids = teacher.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1] :]  # (n, R)
     mask = g.response_mask_from_ids(ids, config.eos_token_id)
     texts = processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
     rollout = g.Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, torch.zeros(ids.shape), inputs)
@@ -81,11 +81,16 @@ def measure(runs: dict) -> dict:
         ignore = torch.tensor(ignore) if ignore else None
         base = AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=torch.float32).eval()
         before = {**on_answers(base, rollout, ignore), "agreement": agreement(first["run"]["rows"], answers, 0)}
-        out[world] = {"before": before, "teacher_answered": sum(a is not None for a in answers) / len(answers),
-                      "runs": {}}
+        out[world] = {
+            "before": before,
+            "teacher_answered": sum(a is not None for a in answers) / len(answers),
+            "runs": {},
+        }
         for name, job in mine.items():
             student = trained_student(g.parse_args(job["flags"]), job["folder"])
             last = max(r["step"] for r in job["run"]["rows"])
-            out[world]["runs"][name] = {**on_answers(student, rollout, ignore),
-                                        "agreement": agreement(job["run"]["rows"], answers, last)}
+            out[world]["runs"][name] = {
+                **on_answers(student, rollout, ignore),
+                "agreement": agreement(job["run"]["rows"], answers, last),
+            }
     return out

@@ -25,8 +25,15 @@ RECORDS_DIR = PAGES_DIR  # each page's JSON record beside it, in docs/bench_resu
 BENCH_RESULTS = os.path.join(ROOT, "docs", "bench_results")
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 # equivalence margins, fixed before any run: accuracy in absolute points; a tail ratio as the log of its factor
-MARGINS = {"acc_after": 0.05, "log_gn_max_ratio": math.log(1.5), "log_gn_p99_ratio": math.log(1.5),
-           "log_upd_max_ratio": math.log(1.5), "kl_last5": 0.02, "spikes": 1.0, "rows": 0.05}
+MARGINS = {
+    "acc_after": 0.05,
+    "log_gn_max_ratio": math.log(1.5),
+    "log_gn_p99_ratio": math.log(1.5),
+    "log_upd_max_ratio": math.log(1.5),
+    "kl_last5": 0.02,
+    "spikes": 1.0,
+    "rows": 0.05,
+}
 SPIKE = 5.0  # a step whose norm is above SPIKE x the run's median is a spike
 NAMES = {"none": "OPD (none)", "global": "GNDPO (global)", "constant": "constant (-1)"}
 
@@ -37,15 +44,22 @@ NAMES = {"none": "OPD (none)", "global": "GNDPO (global)", "constant": "constant
 def load_run(folder: str) -> dict:
     """A run folder's files: steps (metrics.jsonl), summary, rows (eval_rows.jsonl), study.json, and the outlier
     teacher's counts or the probe's result where the run has them ({} where a file is missing)."""
+
     def read(name, lines=False):
         path = os.path.join(folder, name)
         if not os.path.exists(path):
             return [] if lines else {}
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
-    return {"steps": read("metrics.jsonl", True), "summary": read("summary.json"),
-            "rows": read("eval_rows.jsonl", True), "study": read("study.json"), "outliers": read("outliers.json"),
-            "probe": read("probe.json")}
+
+    return {
+        "steps": read("metrics.jsonl", True),
+        "summary": read("summary.json"),
+        "rows": read("eval_rows.jsonl", True),
+        "study": read("study.json"),
+        "outliers": read("outliers.json"),
+        "probe": read("probe.json"),
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -59,8 +73,12 @@ def percentile(values: list[float], q: float) -> float:
 def tails(values: list[float]) -> dict:
     """A per-step series' median, max / median, p99 / median and the count of steps above SPIKE x the median."""
     median = statistics.median(values)
-    return {"median": median, "max_ratio": max(values) / median, "p99_ratio": percentile(values, 99) / median,
-            "spikes": sum(v > SPIKE * median for v in values)}
+    return {
+        "median": median,
+        "max_ratio": max(values) / median,
+        "p99_ratio": percentile(values, 99) / median,
+        "spikes": sum(v > SPIKE * median for v in values),
+    }
 
 
 def run_stats(run: dict) -> dict:
@@ -68,20 +86,34 @@ def run_stats(run: dict) -> dict:
     reverse KL of the last 5 steps above twice the run's lowest 5-step mean (it rose again)."""
     steps, summary = run["steps"], run["summary"]
     kl = [s["reverse_kl"] for s in steps]
-    windows = [statistics.mean(kl[i:i + 5]) for i in range(len(kl) - 4)]
+    windows = [statistics.mean(kl[i : i + 5]) for i in range(len(kl) - 4)]
     gn, upd = tails([s["grad_norm"] for s in steps]), tails([s["update_norm"] for s in steps])
     before, after = summary.get("student_accuracy_before", math.nan), summary.get("student_accuracy_after", math.nan)
     rising = windows[-1] > 2 * min(windows)
-    return {"acc_before": before, "acc_after": after, "teacher": summary.get("teacher_accuracy", math.nan),
-            "steps": len(steps), "kl_first": kl[0], "kl_min5": min(windows), "kl_last5": windows[-1],
-            "gn_median": gn["median"], "gn_max_ratio": gn["max_ratio"], "gn_p99_ratio": gn["p99_ratio"],
-            "spikes": gn["spikes"], "log_gn_max_ratio": math.log(gn["max_ratio"]),
-            "log_gn_p99_ratio": math.log(gn["p99_ratio"]), "upd_median": upd["median"],
-            "upd_max_ratio": upd["max_ratio"], "upd_p99_ratio": upd["p99_ratio"], "upd_spikes": upd["spikes"],
-            "log_upd_max_ratio": math.log(upd["max_ratio"]),
-            "score_mean_first5": statistics.mean(s["score_mean"] for s in steps[:5]),
-            "clamped_first5": statistics.mean(s.get("score_clamped_frac", math.nan) for s in steps[:5]),
-            "diverged": bool(after < before - 0.10 or rising), "kl_rising": rising}
+    return {
+        "acc_before": before,
+        "acc_after": after,
+        "teacher": summary.get("teacher_accuracy", math.nan),
+        "steps": len(steps),
+        "kl_first": kl[0],
+        "kl_min5": min(windows),
+        "kl_last5": windows[-1],
+        "gn_median": gn["median"],
+        "gn_max_ratio": gn["max_ratio"],
+        "gn_p99_ratio": gn["p99_ratio"],
+        "spikes": gn["spikes"],
+        "log_gn_max_ratio": math.log(gn["max_ratio"]),
+        "log_gn_p99_ratio": math.log(gn["p99_ratio"]),
+        "upd_median": upd["median"],
+        "upd_max_ratio": upd["max_ratio"],
+        "upd_p99_ratio": upd["p99_ratio"],
+        "upd_spikes": upd["spikes"],
+        "log_upd_max_ratio": math.log(upd["max_ratio"]),
+        "score_mean_first5": statistics.mean(s["score_mean"] for s in steps[:5]),
+        "clamped_first5": statistics.mean(s.get("score_clamped_frac", math.nan) for s in steps[:5]),
+        "diverged": bool(after < before - 0.10 or rising),
+        "kl_rising": rising,
+    }
 
 
 # --- paired differences
@@ -116,8 +148,12 @@ def rows_paired(a_rows: dict, b_rows: dict, model: str = "student") -> dict:
     """b - a in correctness over (seed, row) pairs of the final evaluation; a_rows, b_rows: {seed: eval rows}."""
     diffs = []
     for seed in sorted(set(a_rows) & set(b_rows)):
-        last = lambda rows: {r["row"]: r["correct"] for r in rows if r["model"] == model  # noqa: E731
-                             and r["step"] == max(x["step"] for x in rows)}
+        last = lambda rows: {
+            r["row"]: r["correct"]
+            for r in rows
+            if r["model"] == model  # noqa: E731
+            and r["step"] == max(x["step"] for x in rows)
+        }
         a, b = last(a_rows[seed]), last(b_rows[seed])
         diffs += [float(b[i]) - float(a[i]) for i in sorted(set(a) & set(b))]
     n, mean = len(diffs), statistics.mean(diffs)
@@ -137,9 +173,11 @@ def machine_text(m: dict) -> str:
     isa = m["isa"]
     flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if isa.get(f))
     threads = m["threads"]
-    return (f"{m['cpu_model']}, {m['cores']} cores, instruction set {flags} (torch kernels "
-            f"{isa.get('torch_cpu_capability')}), OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} and "
-            f"{threads['torch_num_threads']} torch thread(s) per run")
+    return (
+        f"{m['cpu_model']}, {m['cores']} cores, instruction set {flags} (torch kernels "
+        f"{isa.get('torch_cpu_capability')}), OMP_NUM_THREADS={threads['OMP_NUM_THREADS']} and "
+        f"{threads['torch_num_threads']} torch thread(s) per run"
+    )
 
 
 def provenance_lines(loaded: list[dict]) -> list[str]:
@@ -147,21 +185,33 @@ def provenance_lines(loaded: list[dict]) -> list[str]:
     seen: dict[tuple, list] = {}
     for run in loaded:
         p = run["study"]
-        key = (p["commit"][:7] + (" (with uncommitted changes to the code that ran)" if p["dirty"] else ""),
-               p["command"], machine_text(p["machine"]))
+        key = (
+            p["commit"][:7] + (" (with uncommitted changes to the code that ran)" if p["dirty"] else ""),
+            p["command"],
+            machine_text(p["machine"]),
+        )
         seen.setdefault(key, []).append(p["date"][:10])
-    return [f"- {len(dates)} run(s) at commit {commit}, {min(dates)}, by `{command}` on {where}; two runs at a "
-            f"time (each run's own command line is in its study.json)" for (commit, command, where), dates in
-            seen.items()]
+    return [
+        f"- {len(dates)} run(s) at commit {commit}, {min(dates)}, by `{command}` on {where}; two runs at a "
+        f"time (each run's own command line is in its study.json)"
+        for (commit, command, where), dates in seen.items()
+    ]
 
 
 def record(name: str, loaded: list[dict], result: dict, rounds: dict) -> dict:
     """The JSON record, in docs/bench_results/'s format."""
     first = loaded[0]["study"]
-    return {"name": name, "commit": first["commit"], "clean": not any(r["study"]["dirty"] for r in loaded),
-            "command": first["command"], "machine": first["machine"],
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "seconds": sum(r["study"].get("wall_seconds", 0.0) for r in loaded), "rounds": rounds, "result": result}
+    return {
+        "name": name,
+        "commit": first["commit"],
+        "clean": not any(r["study"]["dirty"] for r in loaded),
+        "command": first["command"],
+        "machine": first["machine"],
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "seconds": sum(r["study"].get("wall_seconds", 0.0) for r in loaded),
+        "rounds": rounds,
+        "result": result,
+    }
 
 
 def save(name: str, page: str, rec: dict) -> None:
@@ -183,43 +233,70 @@ def f3(x: float) -> str:
 def run_table(runs: dict, keys: list[tuple]) -> list[str]:
     """A row per run: the job's keys (name, job field) then the tails and accuracies."""
     head = [name for name, _ in keys] + [
-        "accuracy before -> after (teacher)", "grad norm median", "grad max / median", "grad p99 / median",
-        f"grad spikes (> {SPIKE:g}x median)", "update median", "update max / median", "update p99 / median",
-        "reverse KL step 1 -> lowest 5 -> last 5", "diverged"]
+        "accuracy before -> after (teacher)",
+        "grad norm median",
+        "grad max / median",
+        "grad p99 / median",
+        f"grad spikes (> {SPIKE:g}x median)",
+        "update median",
+        "update max / median",
+        "update p99 / median",
+        "reverse KL step 1 -> lowest 5 -> last 5",
+        "diverged",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for job, r in sorted(runs.values(), key=lambda jr: tuple(str(jr[0][k]) for _, k in keys)):
         cells = [NAMES.get(job[k], str(job[k])) if k == "mode" else str(job[k]) for _, k in keys] + [
-            f"{f3(r['acc_before'])} -> **{f3(r['acc_after'])}** ({f3(r['teacher'])})", f3(r["gn_median"]),
-            f"{r['gn_max_ratio']:.2f}", f"{r['gn_p99_ratio']:.2f}", str(r["spikes"]), f3(r["upd_median"]),
-            f"{r['upd_max_ratio']:.2f}", f"{r['upd_p99_ratio']:.2f}",
-            f"{r['kl_first']:.3f} -> {r['kl_min5']:.3f} -> {r['kl_last5']:.3f}", "yes" if r["diverged"] else "no"]
+            f"{f3(r['acc_before'])} -> **{f3(r['acc_after'])}** ({f3(r['teacher'])})",
+            f3(r["gn_median"]),
+            f"{r['gn_max_ratio']:.2f}",
+            f"{r['gn_p99_ratio']:.2f}",
+            str(r["spikes"]),
+            f3(r["upd_median"]),
+            f"{r['upd_max_ratio']:.2f}",
+            f"{r['upd_p99_ratio']:.2f}",
+            f"{r['kl_first']:.3f} -> {r['kl_min5']:.3f} -> {r['kl_last5']:.3f}",
+            "yes" if r["diverged"] else "no",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-PAIRED_KEYS = [("accuracy after", "acc_after"), ("grad max / median (log)", "log_gn_max_ratio"),
-               ("grad p99 / median (log)", "log_gn_p99_ratio"), ("grad spikes", "spikes"),
-               ("update max / median (log)", "log_upd_max_ratio"), ("reverse KL, last 5 steps", "kl_last5")]
+PAIRED_KEYS = [
+    ("accuracy after", "acc_after"),
+    ("grad max / median (log)", "log_gn_max_ratio"),
+    ("grad p99 / median (log)", "log_gn_p99_ratio"),
+    ("grad spikes", "spikes"),
+    ("update max / median (log)", "log_upd_max_ratio"),
+    ("reverse KL, last 5 steps", "kl_last5"),
+]
 
 
 def paired_table(blocks: list[tuple]) -> tuple[list[str], dict]:
     """blocks: (label, a {seed: stats}, b {seed: stats}, a's rows, b's rows). A row per (block, measure): a's mean,
     b's mean, b - a with its interval, the seeds where b is lower, the verdict against the margin."""
-    lines = ["| comparison (b - a) | measure | a: mean | b: mean | b - a: mean [95% CI] | seeds with b < a | "
-             "margin | reading |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| comparison (b - a) | measure | a: mean | b: mean | b - a: mean [95% CI] | seeds with b < a | "
+        "margin | reading |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     out = {}
     for label, a, b, a_rows, b_rows in blocks:
         for name, key in PAIRED_KEYS:
             p = paired(a, b, key)
             out[f"{label}: {key}"] = p
             mean = lambda runs, key=key: statistics.mean(runs[s][key] for s in runs)  # noqa: E731
-            lines.append(f"| {label} | {name} | {mean(a):.3f} | {mean(b):.3f} | {interval(p)} | {p['b_lower']} of "
-                         f"{p['n']} | +-{MARGINS[key]:.3g} | {p['verdict']} |")
+            lines.append(
+                f"| {label} | {name} | {mean(a):.3f} | {mean(b):.3f} | {interval(p)} | {p['b_lower']} of "
+                f"{p['n']} | +-{MARGINS[key]:.3g} | {p['verdict']} |"
+            )
         if a_rows and b_rows:
             p = rows_paired(a_rows, b_rows)
             out[f"{label}: rows"] = p
-            lines.append(f"| {label} | correct, by (seed, row) | | | {interval(p)} | {p['n']} pairs | "
-                         f"+-{MARGINS['rows']:.3g} | {p['verdict']} |")
+            lines.append(
+                f"| {label} | correct, by (seed, row) | | | {interval(p)} | {p['n']} pairs | "
+                f"+-{MARGINS['rows']:.3g} | {p['verdict']} |"
+            )
     return lines, out
 
 
@@ -275,6 +352,13 @@ def old_full_ft_pairs() -> list[dict]:
                 if key in seen:  # the same pair of runs quoted by two tables
                     continue
                 seen.add(key)
-                pairs.append({"table": name, "lr": lr, "seed": int(seed), "opd_ratio": top / median,
-                              "gndpo_ratio": g_top / g_median})
+                pairs.append(
+                    {
+                        "table": name,
+                        "lr": lr,
+                        "seed": int(seed),
+                        "opd_ratio": top / median,
+                        "gndpo_ratio": g_top / g_median,
+                    }
+                )
     return pairs

@@ -74,8 +74,16 @@ def gradient_norm(models: g.Models, batch: g.ScoredBatch, advantages: torch.Tens
     for rollout, _, mask in batch.micro_batches():
         n, R = rollout.response_ids.shape
         logps = models.student_logps_of(rollout, args.temperature)
-        loss, _ = g.policy_loss(logps, logps.detach(), advantages[start:start + n, :R], mask, args.loss_type,
-                                args.clip_low, args.clip_high, sequences)
+        loss, _ = g.policy_loss(
+            logps,
+            logps.detach(),
+            advantages[start : start + n, :R],
+            mask,
+            args.loss_type,
+            args.clip_low,
+            args.clip_high,
+            sequences,
+        )
         loss.backward()
         start += n
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in models.student.parameters() if p.grad is not None))
@@ -93,13 +101,24 @@ def probe(args: g.Args, nats: float) -> dict:
     hit = g.pad_cat([outlier_tokens(r).long() for r in batch.rollouts]).bool() & mask
     A = batch.advantages
     mean = A[mask].double().mean().item()
-    parts = {"outliers": A * hit, "others": A * (mask & ~hit), "mean": torch.where(mask, mean, 0.0).to(A.dtype),
-             "whole": A}
+    parts = {
+        "outliers": A * hit,
+        "others": A * (mask & ~hit),
+        "mean": torch.where(mask, mean, 0.0).to(A.dtype),
+        "whole": A,
+    }
     norms = {name: gradient_norm(run.models, batch, adv, args) for name, adv in parts.items()}
-    return {"advantage_mode": args.advantage_mode, "score_clip": args.score_clip, "outlier_nats": nats,
-            "seed": args.seed, "tokens": int(mask.sum()), "outlier_tokens": int(hit.sum()),
-            "advantage_mean": mean, "outlier_advantage_mean": A[hit].double().mean().item() if hit.any() else None,
-            "grad_norm": norms}
+    return {
+        "advantage_mode": args.advantage_mode,
+        "score_clip": args.score_clip,
+        "outlier_nats": nats,
+        "seed": args.seed,
+        "tokens": int(mask.sum()),
+        "outlier_tokens": int(hit.sum()),
+        "advantage_mean": mean,
+        "outlier_advantage_mean": A[hit].double().mean().item() if hit.any() else None,
+        "grad_norm": norms,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--probe", action="store_true", help="split one batch's gradient instead of training")
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    ours, args = parser.parse_args(argv[:split]), g.parse_args(argv[split + 1:])
+    ours, args = parser.parse_args(argv[:split]), g.parse_args(argv[split + 1 :])
     if ours.probe:
         result = probe(args, ours.outlier_nats)
         os.makedirs(args.output_dir, exist_ok=True)

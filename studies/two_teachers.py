@@ -74,10 +74,14 @@ def row(arm: str, seed, steps: list[dict], summary: dict, names: list[str]) -> d
             "before": summary.get("student_accuracy_before_per_teacher", {}).get(name, nan),
             "after": summary.get("student_accuracy_after_per_teacher", {}).get(name, nan),
             "teacher": summary.get("teacher_accuracy_per_teacher", {}).get(name, nan),
-            "score_std": (mean_of(steps[:10], f"teacher/{name}/score_std"),
-                          mean_of(steps[-10:], f"teacher/{name}/score_std")),
-            "adv_std": (mean_of(steps[:10], f"teacher/{name}/adv_std"),
-                        mean_of(steps[-10:], f"teacher/{name}/adv_std")),
+            "score_std": (
+                mean_of(steps[:10], f"teacher/{name}/score_std"),
+                mean_of(steps[-10:], f"teacher/{name}/score_std"),
+            ),
+            "adv_std": (
+                mean_of(steps[:10], f"teacher/{name}/adv_std"),
+                mean_of(steps[-10:], f"teacher/{name}/adv_std"),
+            ),
             "kl_last": mean_of(steps[-10:], f"teacher/{name}/reverse_kl"),
         }
     return out
@@ -98,10 +102,12 @@ def table_line(r: dict, names: list[str]) -> str:
     cells = [r["arm"], str(r["seed"])]
     for name in names:
         d = r[name]
-        cells += [f"{d['before']:.3f} -> **{d['after']:.3f}** ({d['teacher']:.3f})",
-                  f"{d['score_std'][0]:.3f} -> {d['score_std'][1]:.3f}",
-                  f"{d['adv_std'][0]:.3f} -> {d['adv_std'][1]:.3f}",
-                  f"{d['kl_last']:.3f}"]
+        cells += [
+            f"{d['before']:.3f} -> **{d['after']:.3f}** ({d['teacher']:.3f})",
+            f"{d['score_std'][0]:.3f} -> {d['score_std'][1]:.3f}",
+            f"{d['adv_std'][0]:.3f} -> {d['adv_std'][1]:.3f}",
+            f"{d['kl_last']:.3f}",
+        ]
     return "| " + " | ".join(cells + [f"{r['wall']:.0f}"]) + " |"
 
 
@@ -129,10 +135,15 @@ def main(argv: list[str] | None = None) -> str:
         run_all(todo, flags, args.jobs)
     rows = {(arm, seed): row(arm, seed, *load(out), names) for arm, seed, out in jobs}
 
-    per_domain = [f"{name}: student before -> after (teacher) | {name}: score std first 10 -> last 10 | "
-                  f"{name}: advantage std first 10 -> last 10 | {name}: reverse KL last 10" for name in names]
-    header = ["| arm | seed | " + " | ".join(per_domain) + " | wall s |",
-              "|---|---|" + "---|" * (4 * len(names)) + "---|"]
+    per_domain = [
+        f"{name}: student before -> after (teacher) | {name}: score std first 10 -> last 10 | "
+        f"{name}: advantage std first 10 -> last 10 | {name}: reverse KL last 10"
+        for name in names
+    ]
+    header = [
+        "| arm | seed | " + " | ".join(per_domain) + " | wall s |",
+        "|---|---|" + "---|" * (4 * len(names)) + "---|",
+    ]
     lines = [*made_by_lines([out for *_, out in jobs]), *header]
     means = []
     for arm in args.arms:

@@ -53,9 +53,25 @@ def two_teacher_args(untrained_models, two_teacher_data):
     teachers = f"a={os.path.join(untrained_models, 'teacher')},b={os.path.join(two_teacher_data, 'other', 'student')}"
 
     def make(tmp_path, **changes):
-        return g.Args(**{**dict(student_model=os.path.join(untrained_models, "student"), teacher_model=teachers,
-                                dataset_name=two_teacher_data, prompts_per_step=8, num_generations=2,
-                                micro_batch_size=4, max_new_tokens=4, num_eval_samples=16, teacher_4bit=False,
-                                max_steps=2, save_steps=0, output_dir=str(tmp_path / "run"), logging_steps=0),
-                         **changes})
+        return g.Args(
+            **{
+                **dict(
+                    student_model=os.path.join(untrained_models, "student"),
+                    teacher_model=teachers,
+                    dataset_name=two_teacher_data,
+                    prompts_per_step=8,
+                    num_generations=2,
+                    micro_batch_size=4,
+                    max_new_tokens=4,
+                    num_eval_samples=16,
+                    teacher_4bit=False,
+                    max_steps=2,
+                    save_steps=0,
+                    output_dir=str(tmp_path / "run"),
+                    logging_steps=0,
+                ),
+                **changes,
+            }
+        )
+
     return make

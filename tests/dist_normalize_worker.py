@@ -50,17 +50,21 @@ def main() -> None:
 
     dist.all_reduce = counting_all_reduce
     out = {}
-    for name, mask, mode in [("global", mine["mask"], "global"),
-                             # this rank holds no valid token at all: it must still join the reduction
-                             ("global_empty_rank0", mine["mask"] * (rank != 0), "global"),
-                             ("center", mine["mask"], "center"), ("scale", mine["mask"], "scale"),
-                             ("group", mine["mask"], "group")]:
+    for name, mask, mode in [
+        ("global", mine["mask"], "global"),
+        # this rank holds no valid token at all: it must still join the reduction
+        ("global_empty_rank0", mine["mask"] * (rank != 0), "global"),
+        ("center", mine["mask"], "center"),
+        ("scale", mine["mask"], "scale"),
+        ("group", mine["mask"], "group"),
+    ]:
         calls.clear()
         out[name] = normalize_scores(mine["scores"], mask, mode, mine["group_ids"])
         out[name + "_calls"] = list(calls)
     calls.clear()  # several teachers: each teacher's tokens on their own, all three teachers' sums in one call
-    out["per_teacher"] = normalize_scores(mine["scores"], mine["mask"], "per_teacher", teacher_ids=mine["teacher_ids"],
-                                          num_teachers=3)
+    out["per_teacher"] = normalize_scores(
+        mine["scores"], mine["mask"], "per_teacher", teacher_ids=mine["teacher_ids"], num_teachers=3
+    )
     out["per_teacher_calls"] = list(calls)
     dist.all_reduce = all_reduce
     torch.save(out, os.path.join(os.environ["OUT_DIR"], f"rank{rank}.pt"))

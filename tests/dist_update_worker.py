@@ -28,15 +28,25 @@ from worlds import tiny_world  # noqa: E402
 def main() -> None:
     models_dir = os.environ["MODELS_DIR"]
     ranks = [int(r) for r in os.environ.get("LORA_R", "16").split(",")]
-    args = g.Args(student_model=os.path.join(models_dir, "student"), teacher_model=os.path.join(models_dir, "teacher"),
-                  prompts_per_step=4, num_generations=2, micro_batch_size=2, max_new_tokens=6, max_grad_norm=1e9,
-                  num_eval_samples=0, output_dir=os.environ["OUT_DIR"], lora_r=ranks[0])
+    args = g.Args(
+        student_model=os.path.join(models_dir, "student"),
+        teacher_model=os.path.join(models_dir, "teacher"),
+        prompts_per_step=4,
+        num_generations=2,
+        micro_batch_size=2,
+        max_new_tokens=6,
+        max_grad_norm=1e9,
+        num_eval_samples=0,
+        output_dir=os.environ["OUT_DIR"],
+        lora_r=ranks[0],
+    )
     accelerator, accum = g.make_accelerator(args)
     for lora_r in ranks:
         grad = update_gradient(dataclasses.replace(args, lora_r=lora_r), accelerator, accum)
         if accelerator.is_main_process:
-            name = os.environ.get("GRAD_NAME", "grad{processes}.pt").format(processes=accelerator.num_processes,
-                                                                             lora_r=lora_r)
+            name = os.environ.get("GRAD_NAME", "grad{processes}.pt").format(
+                processes=accelerator.num_processes, lora_r=lora_r
+            )
             torch.save(grad, os.path.join(os.environ["OUT_DIR"], name))
     accelerator.wait_for_everyone()
     if torch.distributed.is_initialized():
@@ -58,12 +68,24 @@ def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     n = len(prompts) // accelerator.num_processes
     mine = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
     step = g.StepPrompts(0, 0, prompts[mine], groups[mine], [None] * n)
-    micro_batches = g.cut_rollouts(processor, step, [g.Rollout(rollout.response_ids[mine],
-                                   rollout.response_mask[mine], rollout.sampled_logps[mine])], args.micro_batch_size,
-                                   args)
+    micro_batches = g.cut_rollouts(
+        processor,
+        step,
+        [g.Rollout(rollout.response_ids[mine], rollout.response_mask[mine], rollout.sampled_logps[mine])],
+        args.micro_batch_size,
+        args,
+    )
     R = max(r.response_ids.shape[1] for r in micro_batches)
-    batch = g.ScoredBatch(micro_batches, torch.tensor(groups[mine]), mask[mine, :R], advantages[mine, :R],
-                          advantages[mine, :R], advantages[mine, :R], advantages[mine, :R], 0)
+    batch = g.ScoredBatch(
+        micro_batches,
+        torch.tensor(groups[mine]),
+        mask[mine, :R],
+        advantages[mine, :R],
+        advantages[mine, :R],
+        advantages[mine, :R],
+        advantages[mine, :R],
+        0,
+    )
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
     params, grads, step = [p for p in student.parameters() if p.requires_grad], [], optimizer.step
 
@@ -76,8 +98,13 @@ def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     lean = os.environ.get("LEAN") == "1"
     if lean:  # under FSDP2 the head is sharded: the chunked head must run on its unit's gathered weight
         assert fast.head_path(student) == "chunked head", type(g.unwrap(student).get_output_embeddings())
-    models = g.Models(student, None, processor, torch.tensor(config.suppress_tokens),
-                      student_forward=fast.lean_forward(g.sequence_inputs) if lean else g.response_logps)
+    models = g.Models(
+        student,
+        None,
+        processor,
+        torch.tensor(config.suppress_tokens),
+        student_forward=fast.lean_forward(g.sequence_inputs) if lean else g.response_logps,
+    )
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda m: None)
     assert update["skipped_updates"] == 0 and len(grads) == 1
     return grads[0]

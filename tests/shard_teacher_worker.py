@@ -87,8 +87,11 @@ def forwards(flags: list[str]) -> dict:
     local = sum(p.to_local().numel() for m in layers for p in m.parameters())
     full = sum(p.numel() for m in layers for p in m.parameters())
     counts = count_forwards(layers)
-    result = {"sharded_layers": n_sharded, "local_layer_fraction": local / full,
-              "held_fraction": {"before": held_fraction(layers)}}
+    result = {
+        "sharded_layers": n_sharded,
+        "local_layer_fraction": local / full,
+        "held_fraction": {"before": held_fraction(layers)},
+    }
 
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=8, log=None)
     rows = [ds[i] for i in keep[:4]]
@@ -97,12 +100,16 @@ def forwards(flags: list[str]) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(20, 200, (8, 6), generator=gen)
     mask = (torch.arange(6)[None] < torch.tensor([6, 5, 4, 6, 3, 6, 2, 5])[:, None]).long()
-    rollout = g.encode_rollout_prompts(processor, g.Rollout(ids, mask, torch.zeros(8, 6)), prompts, groups, args,
-                                       True, True)
+    rollout = g.encode_rollout_prompts(
+        processor, g.Rollout(ids, mask, torch.zeros(8, 6)), prompts, groups, args, True, True
+    )
     ignore = torch.tensor(g.vision_token_ids(processor.tokenizer, whole.config))
     with torch.no_grad():
-        for name, forward in (("plain", g.response_logps), ("lean", fast.lean_forward(g.sequence_inputs)),
-                              ("shared", fast.SharedPrefix.logps)):
+        for name, forward in (
+            ("plain", g.response_logps),
+            ("lean", fast.lean_forward(g.sequence_inputs)),
+            ("shared", fast.SharedPrefix.logps),
+        ):
             a, b = forward(whole, rollout, ignore), forward(sharded, rollout, ignore)
             result["held_fraction"][name] = held_fraction(layers)
             result[f"{name}_max_difference"] = (a - b)[mask.bool()].abs().max().item()
@@ -175,16 +182,33 @@ def run(flags: list[str], hooked: bool, last: bool) -> dict:
             summary = g.main(args, teacher_forward=teacher_forward if hooked else None)
     finally:
         gt.shard_frozen = shard_frozen
-    return {"summary": summary, "log": log.getvalue(), "forwards": seen["counts"],
-            "model_forwards": seen["model_forwards"], "largest_held_fraction": seen["largest"],
-            "scoring_held_fractions": scoring, "held_fraction_after_main": held_fraction(seen["layers"])}
+    return {
+        "summary": summary,
+        "log": log.getvalue(),
+        "forwards": seen["counts"],
+        "model_forwards": seen["model_forwards"],
+        "largest_held_fraction": seen["largest"],
+        "scoring_held_fractions": scoring,
+        "held_fraction_after_main": held_fraction(seen["layers"]),
+    }
 
 
 def main(out_dir: str, flags: list[str]) -> None:
     result = forwards(flags)
     result["hooked"] = run([*flags, "--output_dir", os.path.join(out_dir, "hooked")], hooked=True, last=False)
-    result["one_token"] = run([*flags, "--max_new_tokens", "1", "--share_prompt_prefix", "true",
-                               "--output_dir", os.path.join(out_dir, "one_token")], hooked=False, last=True)
+    result["one_token"] = run(
+        [
+            *flags,
+            "--max_new_tokens",
+            "1",
+            "--share_prompt_prefix",
+            "true",
+            "--output_dir",
+            os.path.join(out_dir, "one_token"),
+        ],
+        hooked=False,
+        last=True,
+    )
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:  # main() ended the process group
         json.dump(result, f)
 

@@ -2,8 +2,14 @@
 
 import pytest
 
-EVAL_KEYS = ("teacher_accuracy", "teacher_format_rate", "student_accuracy_before", "student_format_rate_before",
-             "student_accuracy_after", "student_format_rate_after")
+EVAL_KEYS = (
+    "teacher_accuracy",
+    "teacher_format_rate",
+    "student_accuracy_before",
+    "student_format_rate_before",
+    "student_accuracy_after",
+    "student_format_rate_after",
+)
 
 
 def assert_eval_counts(summary: dict, rows: int, require_think: bool = False) -> None:

@@ -28,15 +28,17 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-IMAGE_FEATURES = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
-                                    "answer": datasets.Value("string")})
+IMAGE_FEATURES = datasets.Features(
+    {"image": datasets.Image(), "question": datasets.Value("string"), "answer": datasets.Value("string")}
+)
 
 
 def make_ds(images: list, questions: list | None = None) -> datasets.Dataset:
     """A dataset with columns image, question, answer; image cells may be PIL images, byte dicts or None."""
     questions = questions or [QUESTION] * len(images)
-    return datasets.Dataset.from_dict({"image": images, "question": questions, "answer": ["one"] * len(images)},
-                                      features=IMAGE_FEATURES)
+    return datasets.Dataset.from_dict(
+        {"image": images, "question": questions, "answer": ["one"] * len(images)}, features=IMAGE_FEATURES
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +92,12 @@ def test_load_image_names_unreadable_truncated_and_missing_images(tmp_path):
     good = png_bytes(shape_image(0))
     buf = io.BytesIO()
     shape_image(0).save(buf, format="JPEG")
-    cases = {"garbage": {"bytes": b"not an image at all", "path": None},
-             "truncated png": {"bytes": good[:len(good) // 2], "path": None},
-             "truncated jpeg": {"bytes": buf.getvalue()[:len(buf.getvalue()) // 2], "path": None},
-             "missing file": str(tmp_path / "nope.png")}
+    cases = {
+        "garbage": {"bytes": b"not an image at all", "path": None},
+        "truncated png": {"bytes": good[: len(good) // 2], "path": None},
+        "truncated jpeg": {"bytes": buf.getvalue()[: len(buf.getvalue()) // 2], "path": None},
+        "missing file": str(tmp_path / "nope.png"),
+    }
     for _name, cell in cases.items():
         with pytest.raises(ValueError, match="unreadable image"):
             g.load_image(cell)
@@ -111,11 +115,11 @@ def test_load_image_names_unreadable_truncated_and_missing_images(tmp_path):
 def test_prepare_split_skips_and_counts_bad_rows(processor):
     good = png_bytes(shape_image(1))
     images = [shape_image(i) for i in range(8)]
-    images[2] = None                                                  # a row with no image
-    images[4] = {"bytes": good[: len(good) // 3], "path": None}       # truncated file
-    images[5] = {"bytes": b"\x89PNG garbage", "path": None}           # unreadable
+    images[2] = None  # a row with no image
+    images[4] = {"bytes": good[: len(good) // 3], "path": None}  # truncated file
+    images[5] = {"bytes": b"\x89PNG garbage", "path": None}  # unreadable
     questions = [QUESTION] * 8
-    questions[6] = "<image> and <image>: two markers, one image"      # markers that do not match the images
+    questions[6] = "<image> and <image>: two markers, one image"  # markers that do not match the images
     lines = []
     ds, keep, skipped = g.prepare_split(make_ds(images, questions), g.Args(), processor, "train", log=lines.append)
     assert keep == [0, 1, 3, 7]
@@ -131,8 +135,9 @@ def test_prepare_split_skips_prompts_longer_than_max_prompt_length(processor):
     questions = [QUESTION, "many words " * 60, QUESTION, "many words " * 60]
     lines = []
     args = g.Args(max_prompt_length=short_len + 5)
-    _, keep, skipped = g.prepare_split(make_ds([shape_image(i) for i in range(4)], questions), args, processor,
-                                       "train", log=lines.append)
+    _, keep, skipped = g.prepare_split(
+        make_ds([shape_image(i) for i in range(4)], questions), args, processor, "train", log=lines.append
+    )
     assert keep == [0, 2] and skipped["prompt_too_long"] == 2
     assert any("2 train rows whose prompt is longer than --max_prompt_length" in ln for ln in lines)
 
@@ -150,8 +155,9 @@ def test_missing_column_is_named_with_the_available_ones(processor):
     with pytest.raises(ValueError) as err:
         g.prepare_split(ds, g.Args(), processor, "train", log=None)
     message = str(err.value)
-    assert ("no column 'image' (--image_column) nor 'images'" in message
-            and "['picture', 'problem', 'answer']" in message)
+    assert (
+        "no column 'image' (--image_column) nor 'images'" in message and "['picture', 'problem', 'answer']" in message
+    )
     # with the flags it names, the same data is accepted
     args = g.Args(image_column="picture", question_column="problem")
     assert g.prepare_split(ds, args, processor, "train", log=None)[1] == [0]
@@ -175,10 +181,19 @@ def test_load_split_reads_local_folders_and_files(tmp_path, processor):
                 w.writerow([f"{i}.png", QUESTION, "one"])
     # geometry3k's layout: a list-of-images column and <image> markers in the question
     multi = datasets.Dataset.from_dict(
-        {"images": [[shape_image(0)], [shape_image(1), shape_image(2)]],
-         "problem": ["<image>" + QUESTION, "Compare <image> with <image>."], "answer": ["one", "two"]},
-        features=datasets.Features({"images": datasets.List(datasets.Image()), "problem": datasets.Value("string"),
-                                    "answer": datasets.Value("string")}))
+        {
+            "images": [[shape_image(0)], [shape_image(1), shape_image(2)]],
+            "problem": ["<image>" + QUESTION, "Compare <image> with <image>."],
+            "answer": ["one", "two"],
+        },
+        features=datasets.Features(
+            {
+                "images": datasets.List(datasets.Image()),
+                "problem": datasets.Value("string"),
+                "answer": datasets.Value("string"),
+            }
+        ),
+    )
     multi.to_parquet(str(tmp_path / "multi.parquet"))
 
     expected = {"flat": (3, 3), "dict": (3, 1), "data.parquet": (3, 3), "imgs": (2, 2), "multi.parquet": (2, 2)}
@@ -190,8 +205,13 @@ def test_load_split_reads_local_folders_and_files(tmp_path, processor):
             assert len(loaded) == n, (name, split)
             _, keep, _ = g.prepare_split(loaded, args, processor, split, log=None)
             assert keep == list(range(n)), (name, split)
-    two = g.prepare_split(g.load_split(g.Args(dataset_name=str(tmp_path / "multi.parquet")), "train"),
-                          g.Args(image_column="images", question_column="problem"), processor, "train", log=None)[0]
+    two = g.prepare_split(
+        g.load_split(g.Args(dataset_name=str(tmp_path / "multi.parquet")), "train"),
+        g.Args(image_column="images", question_column="problem"),
+        processor,
+        "train",
+        log=None,
+    )[0]
     assert len(g.row_images(two[1], "images")) == 2
     for name in ("dict", "imgs"):  # a split that does not exist: the available ones and the flags to set
         with pytest.raises(ValueError, match=r"split 'validation'.*\['train', 'test'\].*--eval_split"):
@@ -206,8 +226,9 @@ def test_teacher_with_another_tokenizer_stops(processor):
     g.check_same_tokenizer(student_tok, copy.deepcopy(student_tok))  # the same tokenizer passes
     extra = copy.deepcopy(student_tok)
     extra.add_tokens(["<extra_teacher_token>"])
-    with pytest.raises(ValueError,
-                       match=r"tokenizers differ .*teacher-only .*extra_teacher_token.*share one tokenizer"):
+    with pytest.raises(
+        ValueError, match=r"tokenizers differ .*teacher-only .*extra_teacher_token.*share one tokenizer"
+    ):
         g.check_same_tokenizer(student_tok, extra)
     # the same tokens under other ids: caught as well
     vocab = student_tok.get_vocab()
@@ -250,8 +271,9 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
         f.write("{}")
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.write('{"step": 1}\n')
-    with pytest.raises(ValueError,
-                       match="already holds a run: pass --resume_from_checkpoint latest .*--overwrite_output_dir"):
+    with pytest.raises(
+        ValueError, match="already holds a run: pass --resume_from_checkpoint latest .*--overwrite_output_dir"
+    ):
         g.prepare_output_dir(g.Args(output_dir=out), True)
     resume = g.prepare_output_dir(g.Args(output_dir=out, resume_from_checkpoint="latest"), True)
     assert resume == os.path.join(out, "checkpoint-2")
@@ -261,15 +283,29 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
     assert os.listdir(out) == []  # the old run's checkpoints and metrics are gone
 
 
-@pytest.mark.parametrize("kwargs, processes, message", [
-    (dict(advantage_mode="group", num_generations=1), 1, "group whitens over the G samples .* --num_generations >= 2"),
-    (dict(prompts_per_step=5, micro_batch_size=4), 2,
-     "--prompts_per_step 5 does not divide across 2 processes: use a multiple of 2"),
-    (dict(prompts_per_step=8, num_generations=3, micro_batch_size=16), 1, "holds 24 sequences .*--micro_batch_size 16"),
-    (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
-    (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
-    (dict(temperature=0.0), 1, "--temperature must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, processes, message",
+    [
+        (
+            dict(advantage_mode="group", num_generations=1),
+            1,
+            "group whitens over the G samples .* --num_generations >= 2",
+        ),
+        (
+            dict(prompts_per_step=5, micro_batch_size=4),
+            2,
+            "--prompts_per_step 5 does not divide across 2 processes: use a multiple of 2",
+        ),
+        (
+            dict(prompts_per_step=8, num_generations=3, micro_batch_size=16),
+            1,
+            "holds 24 sequences .*--micro_batch_size 16",
+        ),
+        (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
+        (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
+        (dict(temperature=0.0), 1, "--temperature must be > 0"),
+    ],
+)
 def test_invalid_argument_combinations(kwargs, processes, message):
     with pytest.raises(ValueError, match=message):
         g.check_args(g.Args(**kwargs), processes)
@@ -280,7 +316,11 @@ def test_valid_arguments_give_the_accumulation_steps():
 
 
 def test_main_checks_arguments_before_loading_anything(tmp_path):
-    args = g.Args(student_model=str(tmp_path / "absent"), advantage_mode="group", num_generations=1,
-                  output_dir=str(tmp_path / "out"))
+    args = g.Args(
+        student_model=str(tmp_path / "absent"),
+        advantage_mode="group",
+        num_generations=1,
+        output_dir=str(tmp_path / "out"),
+    )
     with pytest.raises(ValueError, match="--num_generations >= 2"):
         g.main(args)

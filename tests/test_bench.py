@@ -27,8 +27,18 @@ import step_breakdown  # noqa: E402
 import token_logps as token_logps_bench  # noqa: E402
 import vs_trl  # noqa: E402
 
-CONFIG_KEYS = {"prompts", "G", "max_new_tokens", "micro_batch_size", "teacher_4bit", "steps_per_generation",
-               "num_iterations", "gradient_checkpointing", "warmup", "vocab"}
+CONFIG_KEYS = {
+    "prompts",
+    "G",
+    "max_new_tokens",
+    "micro_batch_size",
+    "teacher_4bit",
+    "steps_per_generation",
+    "num_iterations",
+    "gradient_checkpointing",
+    "warmup",
+    "vocab",
+}
 
 
 def models(untrained_models):
@@ -87,8 +97,11 @@ def test_step_breakdown_parts_add_up_to_the_step(untrained_models, tmp_path, cap
 @pytest.mark.slow
 def test_step_breakdown_compare_under_gradient_checkpointing(untrained_models, tmp_path, capsys):
     student, teacher = models(untrained_models)
-    out = run_cli(step_breakdown, ["--quick", "--compare", "--gradient_checkpointing", "--student_model", student,
-                                   "--teacher_model", teacher], tmp_path)
+    out = run_cli(
+        step_breakdown,
+        ["--quick", "--compare", "--gradient_checkpointing", "--student_model", student, "--teacher_model", teacher],
+        tmp_path,
+    )
     cfg = out["config"]
     assert set(cfg) == CONFIG_KEYS and cfg["gradient_checkpointing"] is True
     assert out["student_gradient_checkpointing"] is True  # the flag reached the model: its layers recompute
@@ -172,14 +185,14 @@ def test_paper_shape_forces_the_shape_on_both_of_our_sides(tmp_path, capsys):
     # over the padded random vocabulary close to its tolerance, so sharing and falling back are both right there.
     shared = out["runs"]["ours"][0]["share_prompt_prefix"]
     assert shared["teacher"] is True and shared["student"] is True, shared
-    assert out["runs"]["ours_plain"][0]["share_prompt_prefix"] == {"teacher": False, "student": False,
-                                                                   "rollout": False}
+    assert out["runs"]["ours_plain"][0]["share_prompt_prefix"] == {"teacher": False, "student": False, "rollout": False}
     printed = capsys.readouterr().out
     assert "| teacher scoring |" in printed and "gradient checkpointing off" in printed
 
 
 def test_gradient_checkpointing_reaches_the_workers(monkeypatch):
     """paper_shape --gradient_checkpointing -> vs_trl.run -> every worker's config -> Args (without running)."""
+
     class Stop(Exception):
         pass
 
@@ -193,7 +206,18 @@ def test_gradient_checkpointing_reaches_the_workers(monkeypatch):
     with pytest.raises(Stop):
         paper_shape.main(["--quick", "--no_trl", "--gradient_checkpointing"])
     assert seen["gradient_checkpointing"] is True
-    cfg = {"student": "s", "teacher": "t", "teacher_4bit": True, "dataset": "d", "prompts": 1, "G": 2,
-           "max_new_tokens": 4, "warmup": 1, "steps": 1, "output_dir": "o", "seed": 0}
+    cfg = {
+        "student": "s",
+        "teacher": "t",
+        "teacher_4bit": True,
+        "dataset": "d",
+        "prompts": 1,
+        "G": 2,
+        "max_new_tokens": 4,
+        "warmup": 1,
+        "steps": 1,
+        "output_dir": "o",
+        "seed": 0,
+    }
     assert vs_trl.gndpo_args(cfg).gradient_checkpointing is False
     assert vs_trl.gndpo_args(dict(cfg, gradient_checkpointing=True)).gradient_checkpointing is True

@@ -80,8 +80,7 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
     """advantages = normalize_scores(scores) + w * group_reward_advantages(rewards) on every valid token, the
     rewards being the graded answers (1 right, 0 wrong); rows without a reference answer get no reward term and
     are counted."""
-    args = default_world(str(tmp_path), prompts_per_step=8, micro_batch_size=32, reward_weight=0.5,
-                         advantage_mode=mode)
+    args = default_world(str(tmp_path), prompts_per_step=8, micro_batch_size=32, reward_weight=0.5, advantage_mode=mode)
     without_answer = {0, 1, 2, 3}  # the first prompt's G = 4 samples
 
     def some_missing(answers):
@@ -90,18 +89,29 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
     accelerator, batch = step_on(args, answers=some_missing)
     assert torch.isnan(batch.rewards[:4]).all() and set(batch.rewards[4:].tolist()) <= {0.0, 1.0}
     assert 0 < batch.rewards[4:].sum() < 28  # the tiny student answers some right and some wrong
-    advantages, reward_advantages = advantages_by_hand(batch.scores.tolist(), batch.response_mask.tolist(),
-                                                       batch.rewards.tolist(), args.num_generations, mode, 0.5)
+    advantages, reward_advantages = advantages_by_hand(
+        batch.scores.tolist(), batch.response_mask.tolist(), batch.rewards.tolist(), args.num_generations, mode, 0.5
+    )
     torch.testing.assert_close(batch.advantages, torch.tensor(advantages, dtype=batch.advantages.dtype))
     assert any(reward_advantages)  # some prompt's samples differ in reward: the task term is exercised
-    no_update = {"loss": 0.0, "tokens": 1.0, "clip_frac": 0.0, "ratio_mean": 1.0, "mismatch_tokens": 1.0,
-                 "logp_mismatch": 0.0, "grad_norm": 0.0, "grad_norm_max": 0.0, "lr": 0.0, "update_norm": 0.0,
-                 "time_update": 0.0}
+    no_update = {
+        "loss": 0.0,
+        "tokens": 1.0,
+        "clip_frac": 0.0,
+        "ratio_mean": 1.0,
+        "mismatch_tokens": 1.0,
+        "logp_mismatch": 0.0,
+        "grad_norm": 0.0,
+        "grad_norm_max": 0.0,
+        "lr": 0.0,
+        "update_norm": 0.0,
+        "time_update": 0.0,
+    }
     metrics = g.step_metrics(accelerator, batch, no_update, 1, 1.0, args.score_clip)
     assert metrics["reward_no_answer"] == 4
     assert metrics["reward_mean"] == pytest.approx(batch.rewards[4:].mean().item())
     G = args.num_generations  # a prompt's G samples are consecutive rows
-    moving = sum(any(reward_advantages[i:i + G]) for i in range(0, len(reward_advantages), G))
+    moving = sum(any(reward_advantages[i : i + G]) for i in range(0, len(reward_advantages), G))
     assert metrics["reward_groups_nonzero"] == pytest.approx(moving / args.prompts_per_step)
 
 
@@ -145,10 +155,17 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
     in): the scores are small noise around 0. GNDPO scales that noise up to unit spread; with --score_std_floor
     above the noise, the step only centers it, so the advantages keep the scores' own small spread, and the step
     says it was floored."""
-    args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4, num_generations=2,
-                  micro_batch_size=8, max_new_tokens=6, max_train_samples=16, num_eval_samples=0,
-                  output_dir=str(tmp_path))
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        prompts_per_step=4,
+        num_generations=2,
+        micro_batch_size=8,
+        max_new_tokens=6,
+        max_train_samples=16,
+        num_eval_samples=0,
+        output_dir=str(tmp_path),
+    )
     results = {}
     for floor in (0.0, 0.1):
         holder = {}
@@ -167,12 +184,16 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
             if "lora_B" in name:  # B starts at 0: a small step away from the base
                 p.data = torch.randn(p.shape, generator=moved) * 2e-3
         train_ds, keep, _, _ = g.load_data(run_args, processor, True, log=lambda msg: None)
-        holder["models"] = g.make_models(run_args, accelerator, processor, student, teacher, lambda m: None,
-                                         base_of_the_student)
+        holder["models"] = g.make_models(
+            run_args, accelerator, processor, student, teacher, lambda m: None, base_of_the_student
+        )
         batch = g.generate_and_score(holder["models"], g.step_prompts(train_ds, keep, run_args, 0), run_args)
         valid = batch.response_mask.bool()
-        results[floor] = (gndpo_extras.score_std(batch.scores, batch.response_mask),
-                          batch.advantages[valid].double().std().item(), batch.std_floored)
+        results[floor] = (
+            gndpo_extras.score_std(batch.scores, batch.response_mask),
+            batch.advantages[valid].double().std().item(),
+            batch.std_floored,
+        )
     noise, spread, flag = results[0.0]
     assert 1e-4 < noise < 0.05  # the scores are small noise
     assert spread == pytest.approx(1.0, abs=1e-2) and flag is None  # GNDPO: the noise at unit spread
@@ -183,10 +204,21 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
 def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
     """--optimizer sgd (no weight decay, no clip): the update's size is the learning rate times the gradient's
     norm, which update_norm measures on the parameters themselves."""
-    args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4, num_generations=2,
-                  micro_batch_size=8, max_new_tokens=6, max_train_samples=16, num_eval_samples=0,
-                  optimizer="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=1e9, output_dir=str(tmp_path))
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        prompts_per_step=4,
+        num_generations=2,
+        micro_batch_size=8,
+        max_new_tokens=6,
+        max_train_samples=16,
+        num_eval_samples=0,
+        optimizer="sgd",
+        learning_rate=0.5,
+        weight_decay=0.0,
+        max_grad_norm=1e9,
+        output_dir=str(tmp_path),
+    )
     accelerator, accum = g.make_accelerator(args)
     set_seed(0)
     processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
@@ -204,8 +236,13 @@ def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
 def test_reward_weight_without_answers_stops_at_start_up(untrained_models, tmp_path):
     path = str(tmp_path / "no_answers.parquet")
     tiny_world.make_dataset(8, seed=1).remove_columns(["answer"]).to_parquet(path)
-    args = g.Args(student_model=os.path.join(untrained_models, "student"), dataset_name=path, prompts_per_step=4,
-                  reward_weight=0.5, num_eval_samples=0)
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        dataset_name=path,
+        prompts_per_step=4,
+        reward_weight=0.5,
+        num_eval_samples=0,
+    )
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
@@ -217,8 +254,14 @@ def test_reward_with_k_two_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_pa
     """--reward_weight with K = 2 mini-batches per step, under an advantage mode other than global: a run stopped
     after step 2 and resumed from its checkpoint logs step 3 exactly as the uninterrupted run does (rewards come
     from the step's own rollouts, so nothing about them has to survive in the checkpoint)."""
-    flags = dict(reward_weight=0.5, steps_per_generation=2, advantage_mode="none", save_steps=1, prompts_per_step=8,
-                 micro_batch_size=8)
+    flags = dict(
+        reward_weight=0.5,
+        steps_per_generation=2,
+        advantage_mode="none",
+        save_steps=1,
+        prompts_per_step=8,
+        micro_batch_size=8,
+    )
     full, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
     g.main(default_world(full, **flags))
     g.main(default_world(stopped, max_steps=2, **flags))
@@ -246,8 +289,12 @@ def test_a_constant_advantage_trains_on_no_teacher_signal(tmp_path):
     outs = {}
     for name, forward in (("plain", None), ("scrambled", scrambled)):
         outs[name] = str(tmp_path / name)
-        g.main(default_world(outs[name], advantage_mode="constant", constant_advantage=-0.5, max_steps=2,
-                             share_prompt_prefix="false"), teacher_forward=forward)
+        g.main(
+            default_world(
+                outs[name], advantage_mode="constant", constant_advantage=-0.5, max_steps=2, share_prompt_prefix="false"
+            ),
+            teacher_forward=forward,
+        )
     plain, other = read_metrics(outs["plain"]), read_metrics(outs["scrambled"])
     for a, b in zip(plain, other):
         assert a["adv_min"] == a["adv_max"] == a["adv_mean"] == -0.5 and a["adv_std"] == pytest.approx(0, abs=1e-6)

@@ -36,8 +36,9 @@ def write_jsonl(path, rows: list[dict]) -> None:
 def jsonl_rows(n: int, answers: bool = True, bad: bool = True) -> list[dict]:
     """n rows {"image": "imgs/<i>.png", "question", "answer"}; with bad, row 1's image file does not exist and
     row 2 has two <image> markers for its one image."""
-    rows = [{"image": f"imgs/{i}.png", "question": QUESTION, **({"answer": "one"} if answers else {})}
-            for i in range(n)]
+    rows = [
+        {"image": f"imgs/{i}.png", "question": QUESTION, **({"answer": "one"} if answers else {})} for i in range(n)
+    ]
     if bad:
         rows[1]["image"] = "imgs/absent.png"
         rows[2]["question"] = "<image> and <image>: two markers, one image"
@@ -45,8 +46,10 @@ def jsonl_rows(n: int, answers: bool = True, bad: bool = True) -> list[dict]:
 
 
 def trl_prompt(text: str, images: int = 1) -> list[dict]:
-    return [{"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
-            {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+    return [
+        {"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
+        {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +67,15 @@ def data(tmp_path_factory):
     write_jsonl(root / "elsewhere_data" / "train.jsonl", jsonl_rows(6))
     write_jsonl(root / "elsewhere_data" / "test.jsonl", jsonl_rows(3, bad=False))
     # TRL conversational: prompt messages with a system turn, an images list column, answers in completion
-    trl = [{"prompt": trl_prompt(QUESTION), "images": [shape_image(i)],
-            "completion": [{"role": "assistant", "content": [{"type": "text", "text": "one"}]}]} for i in range(6)]
-    trl[1]["images"] = []                                    # no image
+    trl = [
+        {
+            "prompt": trl_prompt(QUESTION),
+            "images": [shape_image(i)],
+            "completion": [{"role": "assistant", "content": [{"type": "text", "text": "one"}]}],
+        }
+        for i in range(6)
+    ]
+    trl[1]["images"] = []  # no image
     trl[2]["prompt"] = trl_prompt("Compare the two.", images=2)  # two image items, one image
     string = datasets.Value("string")
     turns = datasets.List({"role": string, "content": datasets.List({"type": string, "text": string})})
@@ -76,10 +85,19 @@ def data(tmp_path_factory):
     os.makedirs(root / "llava" / "images")
     for i in range(6):
         shape_image(i).save(root / "llava" / "images" / f"{i}.png")
-    llava = [{"id": str(i), "image": f"images/{i}.png",
-              "conversations": [{"from": "human", "value": f"<image>\n{QUESTION}"}, {"from": "gpt", "value": "one"},
-                                {"from": "human", "value": "And the colour?"}, {"from": "gpt", "value": "red"}]}
-             for i in range(6)]
+    llava = [
+        {
+            "id": str(i),
+            "image": f"images/{i}.png",
+            "conversations": [
+                {"from": "human", "value": f"<image>\n{QUESTION}"},
+                {"from": "gpt", "value": "one"},
+                {"from": "human", "value": "And the colour?"},
+                {"from": "gpt", "value": "red"},
+            ],
+        }
+        for i in range(6)
+    ]
     llava[3]["image"] = "images/absent.png"
     llava[4]["conversations"] = [{"from": "gpt", "value": "an answer with no question"}]
     with open(root / "llava" / "llava.json", "w") as f:
@@ -90,15 +108,17 @@ def data(tmp_path_factory):
         shape_image(i).save(root / "no_answers" / "imgs" / f"{i}.png")
     write_jsonl(root / "no_answers" / "train.jsonl", jsonl_rows(6, answers=False))
     write_jsonl(root / "no_answers" / "test.jsonl", jsonl_rows(3, answers=False, bad=False))
-    datasets.Dataset.from_dict({"image": [shape_image(i) for i in range(4)], "question": [QUESTION] * 4,
-                                "answer": ["one"] * 4},
-                               features=datasets.Features({"image": datasets.Image(),
-                                                           "question": datasets.Value("string"),
-                                                           "answer": datasets.Value("string")})
-                               ).to_parquet(str(root / "eval_set.parquet"))
+    datasets.Dataset.from_dict(
+        {"image": [shape_image(i) for i in range(4)], "question": [QUESTION] * 4, "answer": ["one"] * 4},
+        features=datasets.Features(
+            {"image": datasets.Image(), "question": datasets.Value("string"), "answer": datasets.Value("string")}
+        ),
+    ).to_parquet(str(root / "eval_set.parquet"))
     os.makedirs(root / "cwd")  # runs start here, away from every data file
-    return {name: str(root / name) for name in ("jsonl", "elsewhere_data", "trl.parquet", "llava", "no_answers",
-                                                "eval_set.parquet", "cwd")}
+    return {
+        name: str(root / name)
+        for name in ("jsonl", "elsewhere_data", "trl.parquet", "llava", "no_answers", "eval_set.parquet", "cwd")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +130,20 @@ def processor(untrained_models):
 
 def tiny_args(untrained_models, output_dir, **data) -> g.Args:
     """One step of 2 prompts x G = 2 with 4 new tokens, 2 evaluation rows."""
-    return g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), output_dir=str(output_dir), max_steps=1,
-                  prompts_per_step=2, num_generations=2, micro_batch_size=4, max_new_tokens=4, num_eval_samples=2,
-                  save_steps=0, logging_steps=1, **data)
+    return g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        output_dir=str(output_dir),
+        max_steps=1,
+        prompts_per_step=2,
+        num_generations=2,
+        micro_batch_size=4,
+        max_new_tokens=4,
+        num_eval_samples=2,
+        save_steps=0,
+        logging_steps=1,
+        **data,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,12 +196,14 @@ def test_trl_prompts_keep_their_system_turn_and_take_answers_from_completion(dat
     ds, keep, skipped = g.prepare_split(g.load_split(args, "train"), args, processor, "train", log=lines.append)
     assert keep == [0, 3, 4, 5]
     assert skipped == {"no_or_unreadable_image": 1, "unusable_prompt": 1, "prompt_too_long": 0}
-    assert ("train: prompts from column 'prompt' (chat messages), images from 'images', answers from 'completion'"
-            in lines)
+    assert (
+        "train: prompts from column 'prompt' (chat messages), images from 'images', answers from 'completion'" in lines
+    )
     row = ds[keep[0]]
     assert row["answer"] == "one" and [m["role"] for m in row["question"]] == ["system", "user"]
-    ids = g.encode_prompts(processor, [(row["question"], g.row_images(row, "image"))],
-                           "Answer briefly.")["input_ids"][0]
+    ids = g.encode_prompts(processor, [(row["question"], g.row_images(row, "image"))], "Answer briefly.")["input_ids"][
+        0
+    ]
     text = processor.tokenizer.decode(ids)
     assert SYSTEM in text and text.index(SYSTEM) < text.index(QUESTION) < text.index("Answer briefly.")
     assert text.count("<|vision_start|>") == 1
@@ -186,7 +218,8 @@ def test_llava_conversations_are_cut_to_the_first_turn_with_its_answer(data, pro
     assert keep == [0, 1, 2, 5] and skipped == {"no_or_unreadable_image": 1, "unusable_prompt": 1, "prompt_too_long": 0}
     assert ds[0]["question"] == [{"role": "user", "content": f"<image>\n{QUESTION}"}] and ds[0]["answer"] == "one"
     assert g.build_messages(ds[0]["question"], 1) == [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+    ]
     assert [r[2] for r in g.load_eval_rows(args, processor, log=None)] == ["one"] * 3
 
 
@@ -194,9 +227,11 @@ def test_evaluation_without_answers_is_skipped_or_stops_when_asked_for(data, pro
     lines = []
     args = g.Args(dataset_name=data["no_answers"])  # the default --num_eval_samples: evaluation not asked for
     assert g.load_eval_rows(args, processor, log=lines.append) == []
-    assert lines == [f"evaluation skipped: the 'test' split of {data['no_answers']} has no reference answers "
-                     "(no column 'answer', no assistant turn in its prompts); --eval_dataset_name names a set to "
-                     "measure accuracy on"]
+    assert lines == [
+        f"evaluation skipped: the 'test' split of {data['no_answers']} has no reference answers "
+        "(no column 'answer', no assistant turn in its prompts); --eval_dataset_name names a set to "
+        "measure accuracy on"
+    ]
     for asked in (dict(num_eval_samples=2), dict(eval_dataset_name=data["no_answers"])):
         with pytest.raises(ValueError, match="no reference answers.*evaluation needs them: pass --eval_dataset_name"):
             g.load_eval_rows(dataclasses.replace(args, **asked), processor, log=None)
@@ -204,8 +239,9 @@ def test_evaluation_without_answers_is_skipped_or_stops_when_asked_for(data, pro
     with pytest.raises(ValueError, match=r"no column 'solution' \(--eval_answer_column\)"):
         g.load_eval_rows(dataclasses.replace(args, eval_answer_column="solution"), processor, log=None)
     # rows of an evaluation set that lack an answer are skipped and counted
-    ds = datasets.Dataset.from_dict({"image": [shape_image(0), shape_image(1)], "question": [QUESTION] * 2,
-                                     "answer": ["one", None]})
+    ds = datasets.Dataset.from_dict(
+        {"image": [shape_image(0), shape_image(1)], "question": [QUESTION] * 2, "answer": ["one", None]}
+    )
     _, keep, skipped = g.prepare_split(ds, g.Args(), processor, "test", log=None, need_answer=True)
     assert keep == [0] and skipped["no_answer"] == 1
 
@@ -218,13 +254,42 @@ def test_evaluation_without_answers_is_skipped_or_stops_when_asked_for(data, pro
 @pytest.mark.slow
 def test_jsonl_beside_its_images_trains_through_the_cli_from_another_directory(data, untrained_models, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "gndpo_minimal.py"),
-           "--dataset_name", os.path.join(data["jsonl"], "train.jsonl"),
-           "--student_model", os.path.join(untrained_models, "student"),
-           "--teacher_model", os.path.join(untrained_models, "teacher"), "--output_dir", str(out), "--max_steps", "1",
-           "--prompts_per_step", "2", "--num_generations", "2", "--micro_batch_size", "4", "--max_new_tokens", "4",
-           "--num_eval_samples", "2", "--save_steps", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        os.path.join(ROOT, "gndpo_minimal.py"),
+        "--dataset_name",
+        os.path.join(data["jsonl"], "train.jsonl"),
+        "--student_model",
+        os.path.join(untrained_models, "student"),
+        "--teacher_model",
+        os.path.join(untrained_models, "teacher"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1",
+        "--prompts_per_step",
+        "2",
+        "--num_generations",
+        "2",
+        "--micro_batch_size",
+        "4",
+        "--max_new_tokens",
+        "4",
+        "--num_eval_samples",
+        "2",
+        "--save_steps",
+        "0",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=data["cwd"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -239,12 +304,15 @@ def test_jsonl_beside_its_images_trains_through_the_cli_from_another_directory(d
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["image_root", "trl", "llava"])
-def test_each_format_trains_one_step_with_its_bad_rows_counted(fmt, data, untrained_models, tmp_path, monkeypatch,
-                                                               capsys):
+def test_each_format_trains_one_step_with_its_bad_rows_counted(
+    fmt, data, untrained_models, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(data["cwd"])
-    flags = {"image_root": dict(dataset_name=data["elsewhere_data"], image_root=data["jsonl"]),
-             "trl": dict(dataset_name=data["trl.parquet"]),
-             "llava": dict(dataset_name=os.path.join(data["llava"], "llava.json"))}[fmt]
+    flags = {
+        "image_root": dict(dataset_name=data["elsewhere_data"], image_root=data["jsonl"]),
+        "trl": dict(dataset_name=data["trl.parquet"]),
+        "llava": dict(dataset_name=os.path.join(data["llava"], "llava.json")),
+    }[fmt]
     summary = g.main(tiny_args(untrained_models, tmp_path / "run", **flags))
     assert summary["skipped_train_rows"] == {"no_or_unreadable_image": 1, "unusable_prompt": 1, "prompt_too_long": 0}
     assert summary["train_rows"] == 4 and "train rows: 4 usable" in capsys.readouterr().out
@@ -255,8 +323,9 @@ def test_each_format_trains_one_step_with_its_bad_rows_counted(fmt, data, untrai
 
 @pytest.mark.slow
 def test_training_rows_without_answers_with_another_evaluation_set(data, untrained_models, tmp_path, capsys):
-    args = tiny_args(untrained_models, tmp_path / "run", dataset_name=data["no_answers"],
-                     eval_dataset_name=data["eval_set.parquet"])
+    args = tiny_args(
+        untrained_models, tmp_path / "run", dataset_name=data["no_answers"], eval_dataset_name=data["eval_set.parquet"]
+    )
     summary = g.main(args)
     printed = capsys.readouterr().out
     assert "train rows: 4 usable" in printed and "eval rows: 2" in printed

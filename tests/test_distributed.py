@@ -17,8 +17,13 @@ import torch
 from gndpo_minimal import normalize_scores, process_prompts, step_prompt_indices, step_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-       "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 
 
 def free_port() -> int:
@@ -36,6 +41,7 @@ def run(cmd: list[str], env: dict | None = None) -> str:
 
 # --- global normalization over processes -------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_global_normalization_over_processes_equals_one_process(tmp_path):
     """Two ranks holding 3 and ~60 valid tokens (and, in a second call, 0 and ~60) get exactly the
@@ -44,19 +50,35 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
     that rank 0 does not hold takes one all-reduce of every teacher's sums and matches."""
     import dist_normalize_worker as worker
 
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), os.path.join("tests", "dist_normalize_worker.py")],
-        env={**ENV, "OUT_DIR": str(tmp_path)})
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            os.path.join("tests", "dist_normalize_worker.py"),
+        ],
+        env={**ENV, "OUT_DIR": str(tmp_path)},
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     batch = worker.global_batch()
     s, m, g = batch["scores"], batch["mask"], batch["group_ids"]
     empty0 = m.clone()
     empty0[worker.SHARES[0]] = 0
 
-    expected = {"global": normalize_scores(s, m, "global"), "global_empty_rank0": normalize_scores(s, empty0, "global"),
-                "group": normalize_scores(s, m, "group", g),
-                "center": normalize_scores(s, m, "center"), "scale": normalize_scores(s, m, "scale"),
-                "per_teacher": normalize_scores(s, m, "per_teacher", teacher_ids=batch["teacher_ids"], num_teachers=3)}
+    expected = {
+        "global": normalize_scores(s, m, "global"),
+        "global_empty_rank0": normalize_scores(s, empty0, "global"),
+        "group": normalize_scores(s, m, "group", g),
+        "center": normalize_scores(s, m, "center"),
+        "scale": normalize_scores(s, m, "scale"),
+        "per_teacher": normalize_scores(s, m, "per_teacher", teacher_ids=batch["teacher_ids"], num_teachers=3),
+    }
     for name, want in expected.items():
         got = torch.cat([ranks[0][name], ranks[1][name]])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
@@ -69,14 +91,16 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
     alone = normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], "global")
     assert not torch.allclose(alone, ranks[0]["global"], atol=1e-3)
     for mode in ("center", "scale"):
-        assert not torch.allclose(normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], mode), ranks[0][mode],
-                                  atol=1e-3)
+        assert not torch.allclose(
+            normalize_scores(s[worker.SHARES[0]], m[worker.SHARES[0]], mode), ranks[0][mode], atol=1e-3
+        )
     share = worker.SHARES[0]
     alone = normalize_scores(s[share], m[share], "per_teacher", teacher_ids=batch["teacher_ids"][share], num_teachers=3)
     assert not torch.allclose(alone, ranks[0]["per_teacher"], atol=1e-3)
 
 
 # --- prompt sharding ---------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_two_processes_give_the_update_gradient_of_one(untrained_models, tmp_path):
@@ -85,9 +109,21 @@ def test_two_processes_give_the_update_gradient_of_one(untrained_models, tmp_pat
     together, not over each process's own."""
     gradients = {}
     for processes in (1, 2):
-        run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr",
-             "127.0.0.1", "--master_port", str(free_port()), os.path.join("tests", "dist_update_worker.py")],
-            env={**ENV, "OUT_DIR": str(tmp_path), "MODELS_DIR": untrained_models})
+        run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(processes),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(free_port()),
+                os.path.join("tests", "dist_update_worker.py"),
+            ],
+            env={**ENV, "OUT_DIR": str(tmp_path), "MODELS_DIR": untrained_models},
+        )
         gradients[processes] = torch.load(tmp_path / f"grad{processes}.pt")
     assert gradients[1].norm() > 0
     relative = ((gradients[2] - gradients[1]).norm() / gradients[1].norm()).item()
@@ -133,14 +169,49 @@ def test_process_prompts_split_the_global_batch_without_overlap():
 
 # --- the script with two processes -------------------------------------------------------------
 
+
 def launch_two_processes(models: str, out: str, *flags: str) -> str:
     """`accelerate launch --multi_gpu --num_processes 2` (gloo on CPU) of a 2-step tiny run."""
-    return run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()),
-                "gndpo_minimal.py", "--student_model", f"{models}/student", "--teacher_model", f"{models}/teacher",
-                "--max_steps", "2", "--prompts_per_step", "4", "--num_generations", "2", "--micro_batch_size", "2",
-                "--max_new_tokens", "4", "--max_train_samples", "16", "--save_steps", "0", "--output_dir", out, *flags])
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "gndpo_minimal.py",
+            "--student_model",
+            f"{models}/student",
+            "--teacher_model",
+            f"{models}/teacher",
+            "--max_steps",
+            "2",
+            "--prompts_per_step",
+            "4",
+            "--num_generations",
+            "2",
+            "--micro_batch_size",
+            "2",
+            "--max_new_tokens",
+            "4",
+            "--max_train_samples",
+            "16",
+            "--save_steps",
+            "0",
+            "--output_dir",
+            out,
+            *flags,
+        ]
+    )
 
 
 def read_metrics(out: str) -> list[dict]:
@@ -161,8 +232,9 @@ def whitened_groups(metrics: dict, seqs: int) -> float:
 @pytest.mark.slow
 def test_script_two_processes_global(untrained_models, tmp_path):
     out = str(tmp_path / "run")
-    log = launch_two_processes(untrained_models, out, "--num_eval_samples", "3", "--warmup_steps", "4",
-                               "--logging_steps", "1")
+    log = launch_two_processes(
+        untrained_models, out, "--num_eval_samples", "3", "--warmup_steps", "4", "--logging_steps", "1"
+    )
     assert "2 process(es)" in log  # the processes joined one group instead of training alone
     assert len(re.findall(r"^step=1 ", log, flags=re.M)) == 1  # only the main process prints
     metrics = read_metrics(out)
@@ -175,7 +247,8 @@ def test_script_two_processes_global(untrained_models, tmp_path):
     adapters = glob.glob(os.path.join(out, "**", "adapter_model.safetensors"), recursive=True)
     assert sorted(os.path.relpath(p, out) for p in adapters) == [  # one final adapter, one in the checkpoint
         os.path.join("adapter", "adapter_model.safetensors"),
-        os.path.join("checkpoint-2", "adapter", "adapter_model.safetensors")]
+        os.path.join("checkpoint-2", "adapter", "adapter_model.safetensors"),
+    ]
     from safetensors.torch import load_file
 
     adapter = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
@@ -188,7 +261,8 @@ def test_script_two_processes_global(untrained_models, tmp_path):
     with open(os.path.join(out, "eval_rows.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [(r["step"], r["model"], r["row"]) for r in rows] == [
-        (step, model, i) for step, model in ((0, "teacher"), (0, "student"), (2, "student")) for i in range(3)]
+        (step, model, i) for step, model in ((0, "teacher"), (0, "student"), (2, "student")) for i in range(3)
+    ]
     for step, model, key in ((0, "teacher", "teacher_accuracy"), (2, "student", "student_accuracy_after")):
         assert sum(r["correct"] for r in rows if (r["step"], r["model"]) == (step, model)) / 3 == summary[key]
     # both processes agreed that every forward reads each prompt once
@@ -208,8 +282,13 @@ def test_script_two_processes_group_mode_keeps_prompts_whole(untrained_models, t
 
 # --- Accelerate config files -------------------------------------------------------------------
 
-EXPECTED_CONFIGS = {"single_gpu.yaml": "NO", "multi_gpu.yaml": "MULTI_GPU", "fsdp_lora.yaml": "FSDP",
-                    "fsdp2_full.yaml": "FSDP", "multi_node.yaml": "MULTI_GPU"}
+EXPECTED_CONFIGS = {
+    "single_gpu.yaml": "NO",
+    "multi_gpu.yaml": "MULTI_GPU",
+    "fsdp_lora.yaml": "FSDP",
+    "fsdp2_full.yaml": "FSDP",
+    "multi_node.yaml": "MULTI_GPU",
+}
 
 
 def test_accelerate_configs_load_and_give_the_intended_launch_settings():
@@ -228,7 +307,8 @@ def test_accelerate_configs_load_and_give_the_intended_launch_settings():
         assert config.distributed_type.value == kind, name
         extra = ["--main_process_ip", "10.0.0.1"] if config.num_machines > 1 else []
         args, _, _ = _validate_launch_command(
-            launch_command_parser().parse_args(["--config_file", path, *extra, "gndpo_minimal.py"]))
+            launch_command_parser().parse_args(["--config_file", path, *extra, "gndpo_minimal.py"])
+        )
         assert args.num_processes == config.num_processes
         if kind == "FSDP":
             with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):

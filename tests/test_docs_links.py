@@ -19,13 +19,14 @@ def relative_links(text: str) -> list[str]:
     """The targets of the page's inline links and images that name a path, without their #anchor."""
     text = CODE_SPAN.sub("", FENCE.sub("", text))
     targets = (m.group(1) for m in LINK.finditer(text))
-    return [t.split("#")[0] for t in targets
-            if not re.match(r"[a-z][a-z0-9+.-]*:", t, re.I) and not t.startswith("#")]
+    return [t.split("#")[0] for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, re.I) and not t.startswith("#")]
 
 
 def test_the_link_reader_finds_links_and_skips_code():
-    text = ("See [code](docs/code.md#the-step), ![plot](studies/a.png) and [a page](https://example.com).\n"
-            "Inline `[not](a_link.md)` and\n```\n[neither](this.md)\n```\n[anchor](#here) [x](../up/one.md \"t\")\n")
+    text = (
+        "See [code](docs/code.md#the-step), ![plot](studies/a.png) and [a page](https://example.com).\n"
+        'Inline `[not](a_link.md)` and\n```\n[neither](this.md)\n```\n[anchor](#here) [x](../up/one.md "t")\n'
+    )
     assert relative_links(text) == ["docs/code.md", "studies/a.png", "../up/one.md"]
 
 

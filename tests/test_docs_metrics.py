@@ -39,16 +39,21 @@ def argument_groups(text: str) -> list[tuple[str, list[tuple[list[str], str]]]]:
     """The Arguments section's `### group` headings, each with its rows: (the flags named in the row's first
     cell, as `--name`, in order; the row's default cell). Rows above the first heading go under ''."""
     parts = re.split(r"^### (.+)\n", section(text, "Arguments"), flags=re.M)  # [above, title, body, title, ...]
-    groups = [(title.strip(), [(re.findall(r"`--([a-z0-9_]+)`", cells[0]), cells[1]) for cells in table_rows(body)])
-              for title, body in zip([""] + parts[1::2], parts[0::2])]
+    groups = [
+        (title.strip(), [(re.findall(r"`--([a-z0-9_]+)`", cells[0]), cells[1]) for cells in table_rows(body)])
+        for title, body in zip([""] + parts[1::2], parts[0::2])
+    ]
     return groups if groups[0][1] else groups[1:]
 
 
 def metric_keys(text: str) -> set[str]:
     """The keys named (in backticks) in the first cell of the Metrics table's rows; a pattern with a <name> part
     (teacher/<name>/reverse_kl) counts as one key."""
-    return {key for cells in table_rows(section(text, "Metrics"))
-            for key in re.findall(r"`([a-z0-9_]+(?:/<name>/[a-z0-9_]+)?)`", cells[0])}
+    return {
+        key
+        for cells in table_rows(section(text, "Metrics"))
+        for key in re.findall(r"`([a-z0-9_]+(?:/<name>/[a-z0-9_]+)?)`", cells[0])
+    }
 
 
 def key_pattern(key: str) -> str:
@@ -137,7 +142,8 @@ def test_the_readers_find_the_rows_and_nothing_else():
     assert metric_keys(SAMPLE) == {"step", "score_mean", "score_std"}
     assert argument_groups(SAMPLE) == [
         ("First", [(["advantage_mode"], "`global`"), (["prompts_per_step", "num_generations"], "32, 4")]),
-        ("Second", [(["lora_target_modules"], "`a,b`")])]
+        ("Second", [(["lora_target_modules"], "`a,b`")]),
+    ]
     assert page_default("`a,b`") == ["a,b"] and page_default("0 (off)") == ["0"]
     assert page_default("32, 4") == ["32", "4"] and page_default("`train`, `test`") == ["train", "test"]
     assert matches_default("1e-3", 1e-3) and matches_default("true", True) and not matches_default("0", 1)
@@ -188,18 +194,33 @@ def test_every_row_states_its_fields_default(page):
 def run_keys(untrained_models: str, out: str, args: g.Args | None = None, **changes) -> list[set[str]]:
     """The key set of each line of metrics.jsonl from main() on the tiny random models (4 prompts x G = 2), or with
     `args`, as the page names them (key_pattern)."""
-    args = args or g.Args(**{**dict(student_model=os.path.join(untrained_models, "student"),
-                                    teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
-                                    num_generations=2, micro_batch_size=8, max_new_tokens=6, max_train_samples=16,
-                                    num_eval_samples=4, save_steps=0, logging_steps=0, output_dir=out), **changes})
+    args = args or g.Args(
+        **{
+            **dict(
+                student_model=os.path.join(untrained_models, "student"),
+                teacher_model=os.path.join(untrained_models, "teacher"),
+                prompts_per_step=4,
+                num_generations=2,
+                micro_batch_size=8,
+                max_new_tokens=6,
+                max_train_samples=16,
+                num_eval_samples=4,
+                save_steps=0,
+                logging_steps=0,
+                output_dir=out,
+            ),
+            **changes,
+        }
+    )
     g.main(args)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [{key_pattern(k) for k in json.loads(line)} for line in f]
 
 
 @pytest.mark.slow
-def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_written(untrained_models, tmp_path, page,
-                                                                                   two_teacher_args):
+def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_written(
+    untrained_models, tmp_path, page, two_teacher_args
+):
     documented = metric_keys(page)
     assert {"reverse_kl", "score_std_floored"} <= documented  # the reader found the table
     # GNDPO with evaluation inside the run: every step's keys, and eval_* on the steps before the last
@@ -207,14 +228,25 @@ def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_writte
     assert len(plain) == 2 and {"eval_accuracy", "eval_format_rate"} <= plain[0] - plain[1]
     assert "score_clamped_frac" in plain[0] and not [k for k in plain[0] if k.startswith("reward")]
     # the options beyond the paper that add keys (the tiny rows have answers), and the score with no clamp
-    beyond = run_keys(untrained_models, str(tmp_path / "beyond"), max_steps=1, num_eval_samples=0,
-                      reward_weight=0.5, score_std_floor=0.1, score_type="power")
+    beyond = run_keys(
+        untrained_models,
+        str(tmp_path / "beyond"),
+        max_steps=1,
+        num_eval_samples=0,
+        reward_weight=0.5,
+        score_std_floor=0.1,
+        score_type="power",
+    )
     assert {"reward_mean", "reward_groups_nonzero", "reward_no_answer", "score_std_floored"} <= beyond[0]
     assert "score_clamped_frac" not in beyond[0]
     # several teachers: one set of keys per teacher, named by the page's pattern
-    teachers = run_keys(untrained_models, str(tmp_path / "teachers"),
-                        two_teacher_args(tmp_path, output_dir=str(tmp_path / "teachers"), max_steps=2, eval_steps=1,
-                                         num_eval_samples=8))
+    teachers = run_keys(
+        untrained_models,
+        str(tmp_path / "teachers"),
+        two_teacher_args(
+            tmp_path, output_dir=str(tmp_path / "teachers"), max_steps=2, eval_steps=1, num_eval_samples=8
+        ),
+    )
     assert {"teacher/<name>/reverse_kl", "teacher/<name>/eval_accuracy"} <= teachers[0] - plain[0]
     written = set().union(*plain, *beyond, *teachers)
     assert not sorted(written - documented), f"keys a run writes that the page lacks: {sorted(written - documented)}"

@@ -26,9 +26,25 @@ from worlds import tiny_world
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 STEPS, PROMPTS, G = 2, 2, 2
-METRIC_KEYS = ("step", "loss", "reverse_kl", "score_mean", "score_std", "score_clamped_frac", "adv_mean", "adv_std",
-               "adv_min", "adv_max", "clip_frac", "grad_norm", "response_length", "time_generate", "time_score",
-               "time_update", "tokens_per_second")
+METRIC_KEYS = (
+    "step",
+    "loss",
+    "reverse_kl",
+    "score_mean",
+    "score_std",
+    "score_clamped_frac",
+    "adv_mean",
+    "adv_std",
+    "adv_min",
+    "adv_max",
+    "clip_frac",
+    "grad_norm",
+    "response_length",
+    "time_generate",
+    "time_score",
+    "time_update",
+    "tokens_per_second",
+)
 
 
 def folder_digest(path: str) -> dict[str, str]:
@@ -58,15 +74,46 @@ def cli_run(untrained_models, tmp_path_factory):
     student, teacher = os.path.join(untrained_models, "student"), os.path.join(untrained_models, "teacher")
     out = str(tmp_path_factory.mktemp("cli") / "run")
     before = {"student": folder_digest(student), "teacher": folder_digest(teacher)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT,
-           "--student_model", student, "--teacher_model", teacher, "--output_dir", out,
-           "--max_steps", str(STEPS), "--prompts_per_step", str(PROMPTS), "--num_generations", str(G),
-           "--micro_batch_size", str(PROMPTS * G // 2),  # 2 micro-batches: gradient accumulation is exercised
-           "--max_new_tokens", "6", "--num_eval_samples", "4", "--max_train_samples", "16", "--save_steps", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        SCRIPT,
+        "--student_model",
+        student,
+        "--teacher_model",
+        teacher,
+        "--output_dir",
+        out,
+        "--max_steps",
+        str(STEPS),
+        "--prompts_per_step",
+        str(PROMPTS),
+        "--num_generations",
+        str(G),
+        "--micro_batch_size",
+        str(PROMPTS * G // 2),  # 2 micro-batches: gradient accumulation is exercised
+        "--max_new_tokens",
+        "6",
+        "--num_eval_samples",
+        "4",
+        "--max_train_samples",
+        "16",
+        "--save_steps",
+        "0",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=str(tmp_path_factory.getbasetemp()), env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=str(tmp_path_factory.getbasetemp()), env=env, capture_output=True, text=True, timeout=600
+    )
     after = {"student": folder_digest(student), "teacher": folder_digest(teacher)}
     return {"proc": proc, "out": out, "student": student, "teacher": teacher, "before": before, "after": after}
 
@@ -163,8 +210,11 @@ def test_cli_base_weights_and_model_files_untouched(cli_run):
 
 @pytest.fixture
 def args(untrained_models):
-    return g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), max_new_tokens=10)
+    return g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        max_new_tokens=10,
+    )
 
 
 def test_teacher_is_4bit_everywhere_and_frozen(args):
@@ -216,8 +266,9 @@ def test_rollout_logps_match_full_forward(args, temperature):
     rows = tiny_world.make_rows(4, seed=3)
     prompts = [(r["question"], [r["image"]]) for r in rows for _ in range(2)]
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, [i // 2 for i in range(8)], g.Sampling(config, fast.draw_tokens),
-                        args)
+    rollout = g.rollout(
+        student, processor, prompts, [i // 2 for i in range(8)], g.Sampling(config, fast.draw_tokens), args
+    )
     ids, mask, sampled = rollout.response_ids, rollout.response_mask, rollout.sampled_logps
     assert ids.shape == mask.shape == sampled.shape and ids.shape[0] == len(prompts)
     assert ids.shape[1] <= args.max_new_tokens  # generate() stops early once every row has ended
@@ -234,7 +285,7 @@ def test_rollout_logps_match_full_forward(args, temperature):
     for i in range(len(prompts)):
         length = int(mask[i].sum())
         assert mask[i, :length].all() and not mask[i, length:].any()
-        assert not is_end[i, :length - 1].any(), "an end token inside the valid response"
+        assert not is_end[i, : length - 1].any(), "an end token inside the valid response"
         if length < ids.shape[1]:
             assert is_end[i, length - 1], "a response stops without an end token"
             assert (ids[i, length:] == tokenizer.pad_token_id).all()
@@ -245,8 +296,9 @@ def test_rollout_logps_match_full_forward(args, temperature):
     with torch.no_grad():
         scored = g.response_logps(student, rollout, ignore_ids, temperature)
         without_types = {k: v for k, v in rollout.row_inputs.items() if k != "mm_token_type_ids"}
-        without_mm = g.response_logps(student, dataclasses.replace(rollout, row_inputs=without_types), ignore_ids,
-                                      temperature)
+        without_mm = g.response_logps(
+            student, dataclasses.replace(rollout, row_inputs=without_types), ignore_ids, temperature
+        )
     assert torch.isfinite(sampled[valid]).all() and (sampled[valid] <= 0).all()
     torch.testing.assert_close(scored[valid], sampled[valid], atol=1e-5, rtol=0)
     # the multimodal position ids matter: without mm_token_type_ids the log-probs move

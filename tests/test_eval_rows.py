@@ -18,19 +18,25 @@ def test_a_one_step_default_run_writes_20_rows_before_and_20_after(tmp_path):
     with open(os.path.join(out, "eval_rows.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert all(set(r) == {"step", "row", "model", "answer", "correct"} for r in rows)
-    by = {(step, model): [r for r in rows if (r["step"], r["model"]) == (step, model)]
-          for step, model in ((0, "teacher"), (0, "student"), (1, "student"))}
+    by = {
+        (step, model): [r for r in rows if (r["step"], r["model"]) == (step, model)]
+        for step, model in ((0, "teacher"), (0, "student"), (1, "student"))
+    }
     assert sum(map(len, by.values())) == len(rows) == 60
     for key, part in by.items():
         assert [r["row"] for r in part] == list(range(20)), key
     # the rows add up to the summary's accuracies, and the answers are what grade_answer judged
-    for key, name in (((0, "teacher"), "teacher_accuracy"), ((0, "student"), "student_accuracy_before"),
-                      ((1, "student"), "student_accuracy_after")):
+    for key, name in (
+        ((0, "teacher"), "teacher_accuracy"),
+        ((0, "student"), "student_accuracy_before"),
+        ((1, "student"), "student_accuracy_after"),
+    ):
         assert sum(r["correct"] for r in by[key]) / 20 == summary[name]
     references = [row[2] for row in g.load_eval_rows(g.Args(num_eval_samples=20), _processor(), log=lambda m: None)]
     for r in rows:
-        assert r["correct"] == (r["answer"] is not None and g.grade_answer(f"\\boxed{{{r['answer']}}}",
-                                                                            references[r["row"]]))
+        assert r["correct"] == (
+            r["answer"] is not None and g.grade_answer(f"\\boxed{{{r['answer']}}}", references[r["row"]])
+        )
     assert any(r["correct"] for r in rows) and not all(r["correct"] for r in rows)
 
 

@@ -50,10 +50,26 @@ def models(request, tmp_path_factory) -> str:
 
 
 def family_args(models: str, data: str, out: str, **changes) -> g.Args:
-    return g.Args(**{**dict(student_model=os.path.join(models, "student"),
-                            teacher_model=os.path.join(models, "teacher"), dataset_name=data, prompts_per_step=2,
-                            num_generations=2, micro_batch_size=4, max_new_tokens=6, num_eval_samples=2, max_steps=1,
-                            save_steps=1, max_prompt_length=4096, output_dir=out, logging_steps=1), **changes})
+    return g.Args(
+        **{
+            **dict(
+                student_model=os.path.join(models, "student"),
+                teacher_model=os.path.join(models, "teacher"),
+                dataset_name=data,
+                prompts_per_step=2,
+                num_generations=2,
+                micro_batch_size=4,
+                max_new_tokens=6,
+                num_eval_samples=2,
+                max_steps=1,
+                save_steps=1,
+                max_prompt_length=4096,
+                output_dir=out,
+                logging_steps=1,
+            ),
+            **changes,
+        }
+    )
 
 
 @pytest.fixture
@@ -93,8 +109,9 @@ def test_sampling_logps_equal_the_training_forward(run):
     assert run["metrics"][0]["logp_mismatch"] < 1e-4
 
 
-def family_rollout(models: str, data: str, n_prompts: int = 2, bias: float = 0.0, shared_prefix: bool = False,
-                   min_tokens: int = 0):
+def family_rollout(
+    models: str, data: str, n_prompts: int = 2, bias: float = 0.0, shared_prefix: bool = False, min_tokens: int = 0
+):
     """A rollout of the family's plain student on the first rows of the data, as main() makes it; with `bias`
     added to the logits of every vision special token (in generate and in any later forward alike); with
     shared_prefix, decoded on the distinct prompts' shared cache instead of by generate(); with min_tokens, every
@@ -115,8 +132,15 @@ def family_rollout(models: str, data: str, n_prompts: int = 2, bias: float = 0.0
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
     step = g.StepPrompts(0, 0, prompts, list(range(len(keep))) * 2, [None] * len(prompts))
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, step.group_ids, g.Sampling(sample_config, fast.draw_tokens), args,
-                        shared_prefix=shared_prefix)
+    rollout = g.rollout(
+        student,
+        processor,
+        prompts,
+        step.group_ids,
+        g.Sampling(sample_config, fast.draw_tokens),
+        args,
+        shared_prefix=shared_prefix,
+    )
     (rollout,) = g.cut_rollouts(processor, step, [rollout], len(prompts), args)  # every row's prompt: plain forwards
     return args, processor, student, rollout, ignore_ids
 
@@ -131,7 +155,7 @@ def test_teacher_scoring_equals_a_plain_full_forward(models, family_data):
         logits = teacher(**inputs, use_cache=False).logits.float()  # (n, P + R, V): every position
     R = rollout.response_ids.shape[1]
     logits[..., ignore_ids] = float("-inf")
-    full = logits[:, -R - 1:-1].log_softmax(-1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
+    full = logits[:, -R - 1 : -1].log_softmax(-1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)
     valid = rollout.response_mask.bool()
     torch.testing.assert_close(scored[valid], full[valid], atol=1e-4, rtol=0)
 
@@ -164,8 +188,11 @@ def test_each_prompt_read_once_equals_the_plain_forward(models, family_data):
         sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
         ok = sharing.check("student", student, rollout, ignore_ids, 0.7)
         if family == "qwen3_5":  # its backward fails, or, checkpointed, runs and gives a wrong gradient
-            assert not ok and ("values equal" in logs[0] and "gradients differ" in logs[0] if checkpointing
-                               else "error: RuntimeError" in logs[0]), logs
+            assert not ok and (
+                "values equal" in logs[0] and "gradients differ" in logs[0]
+                if checkpointing
+                else "error: RuntimeError" in logs[0]
+            ), logs
             continue
         assert ok, logs
         assert measured(logs[0], "max |difference|") < 1e-4 and measured(logs[0], "relative difference") < 1e-4
@@ -195,17 +222,21 @@ def test_lora_on_the_language_model_only_and_the_adapter_reloads(run, models):
     assert not any(w in n for n in language for w in ("visual", "vision", "projector", "connector", "merger"))
     # every base weight (vision tower and projector included) is saved under the model's own name, unchanged; a
     # weight left out is tied to a saved one (one storage: an lm_head tied to the embeddings)
-    base_saved = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): t for k, t in saved.items()
-                  if "lora_" not in k}
+    base_saved = {
+        k.removeprefix("base_model.model.").replace(".base_layer.", "."): t
+        for k, t in saved.items()
+        if "lora_" not in k
+    }
     storage = {name: t.untyped_storage().data_ptr() for name, t in base.state_dict().items()}
     left_out = set(original) - set(base_saved)
     assert set(base_saved) <= set(original), sorted(set(base_saved) - set(original))
     assert all(any(storage[name] == storage[kept] for kept in base_saved) for name in left_out), sorted(left_out)
     assert not [name for name, tensor in base_saved.items() if not torch.equal(tensor, original[name])]
     # the trained student (its full state from the checkpoint) and base + saved adapter compute the same log-probs
-    trained = get_peft_model(AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=torch.float32),
-                             LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                          target_modules=sorted(language), task_type="CAUSAL_LM"))
+    trained = get_peft_model(
+        AutoModelForImageTextToText.from_pretrained(args.student_model, dtype=torch.float32),
+        LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=sorted(language), task_type="CAUSAL_LM"),
+    )
     missing, unexpected = trained.load_state_dict(saved, strict=False)
     assert not unexpected and not [k for k in missing if "lora_" in k]
     reloaded = PeftModel.from_pretrained(base, os.path.join(run["out"], "adapter"))
@@ -252,8 +283,9 @@ def test_estimate_memory_counts_the_loaded_models_exactly(models):
     assert estimated["bytes"] == pytest.approx(held, rel=0.01)
     student = g.load_student(args, torch.float32)
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    assert trainable == sum(args.lora_r * (i + o) for _, i, o in lora_layers(meta_model(args.student_model),
-                                                                                args.lora_target_modules))
+    assert trainable == sum(
+        args.lora_r * (i + o) for _, i, o in lora_layers(meta_model(args.student_model), args.lora_target_modules)
+    )
     frozen = sum(p.numel() for p in student.parameters() if not p.requires_grad)
     assert frozen == sum(p.numel() for p in meta_model(args.student_model).parameters())
 
@@ -282,10 +314,12 @@ def test_the_end_of_an_assistant_turn_is_an_end_token(models):
 
     path = os.path.join(models, "student")
     tokenizer = AutoProcessor.from_pretrained(path).tokenizer
-    chat = [{"role": "user", "content": [{"type": "text", "text": "one"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "two"}]}]
+    chat = [
+        {"role": "user", "content": [{"type": "text", "text": "one"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "two"}]},
+    ]
     text = tokenizer.apply_chat_template(chat, tokenize=False)
-    after = tokenizer(text[text.rindex("two") + len("two"):], add_special_tokens=False)["input_ids"]
+    after = tokenizer(text[text.rindex("two") + len("two") :], add_special_tokens=False)["input_ids"]
     closing = next(i for i in after if i in tokenizer.all_special_ids or i in tokenizer.added_tokens_decoder)
 
     class Model:  # what generation_configs reads from a model, without loading the weights
@@ -315,8 +349,9 @@ def test_a_prompt_starts_with_the_templates_bos_once(models):
     processor = AutoProcessor.from_pretrained(os.path.join(models, "student"))
     bos = processor.tokenizer.bos_token
     (row,) = tiny_world.make_rows(1, 0)
-    text = processor.apply_chat_template(g.build_messages(row["question"], 1), add_generation_prompt=True,
-                                         tokenize=False)
+    text = processor.apply_chat_template(
+        g.build_messages(row["question"], 1), add_generation_prompt=True, tokenize=False
+    )
     ids = g.encode_prompts(processor, [(row["question"], [row["image"]])])["input_ids"][0]
     assert (bos is not None) == (family in BOS_FAMILIES)
     # nothing in front of what the template wrote, and its bos (where it has one) once
@@ -345,8 +380,10 @@ def test_left_padding_changes_no_logprob(models):
     teacher = g.load_teacher(dataclasses.replace(args, teacher_4bit=False), torch.float32, torch.device("cpu"))
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     ignore_ids = torch.tensor(sample_config.suppress_tokens)
-    prompts = [(r["question"] + " Answer with one word." * k, [r["image"]])
-               for k, r in zip((0, 1, 2, 0), tiny_world.make_rows(4, seed=3))]
+    prompts = [
+        (r["question"] + " Answer with one word." * k, [r["image"]])
+        for k, r in zip((0, 1, 2, 0), tiny_world.make_rows(4, seed=3))
+    ]
     torch.manual_seed(0)
     rollout = g.rollout(student, processor, prompts, list(range(4)), g.Sampling(sample_config, fast.draw_tokens), args)
     assert (rollout.row_inputs["attention_mask"] == 0).sum(1).max() >= 8  # real left padding
@@ -356,9 +393,12 @@ def test_left_padding_changes_no_logprob(models):
             batched = g.response_logps(model, rollout, ignore_ids)
             alone = []
             for i in range(len(prompts)):
-                row = g.Rollout(rollout.response_ids[i:i + 1], rollout.response_mask[i:i + 1],
-                                rollout.sampled_logps[i:i + 1],
-                                row_inputs=g.encode_prompts(processor, prompts[i:i + 1]))
+                row = g.Rollout(
+                    rollout.response_ids[i : i + 1],
+                    rollout.response_mask[i : i + 1],
+                    rollout.sampled_logps[i : i + 1],
+                    row_inputs=g.encode_prompts(processor, prompts[i : i + 1]),
+                )
                 alone.append(g.response_logps(model, row, ignore_ids))
         torch.testing.assert_close(batched[valid], torch.cat(alone)[valid], atol=1e-4, rtol=0)
         if model is student:

@@ -49,21 +49,29 @@ def test_pairs_go_by_seed_and_rows_by_seed_and_row():
 
 
 def test_a_run_that_rises_again_is_marked_diverged():
-    steps = [{"reverse_kl": kl, "grad_norm": 1.0, "update_norm": 0.1, "score_mean": -kl}
-             for kl in [1.0, 0.8, 0.5, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9]]
+    steps = [
+        {"reverse_kl": kl, "grad_norm": 1.0, "update_norm": 0.1, "score_mean": -kl}
+        for kl in [1.0, 0.8, 0.5, 0.3, 0.2, 0.2, 0.2, 0.2, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9]
+    ]
     stats = ft.run_stats({"steps": steps, "summary": {"student_accuracy_before": 0.3, "student_accuracy_after": 0.3}})
     assert stats["kl_rising"] and stats["diverged"] and stats["kl_min5"] == pytest.approx(0.2)
-    calm = ft.run_stats({"steps": steps[:9], "summary": {"student_accuracy_before": 0.3,
-                                                        "student_accuracy_after": 0.9}})
+    calm = ft.run_stats(
+        {"steps": steps[:9], "summary": {"student_accuracy_before": 0.3, "student_accuracy_after": 0.9}}
+    )
     assert not calm["diverged"]
-    collapsed = ft.run_stats({"steps": steps[:9], "summary": {"student_accuracy_before": 0.5,
-                                                             "student_accuracy_after": 0.3}})
+    collapsed = ft.run_stats(
+        {"steps": steps[:9], "summary": {"student_accuracy_before": 0.5, "student_accuracy_after": 0.3}}
+    )
     assert collapsed["diverged"] and not collapsed["kl_rising"]
 
 
 def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor) -> g.Rollout:
-    return g.Rollout(response_ids, torch.ones_like(response_ids), torch.zeros(response_ids.shape),
-                     {"input_ids": prompt_ids, "attention_mask": prompt_mask})
+    return g.Rollout(
+        response_ids,
+        torch.ones_like(response_ids),
+        torch.zeros(response_ids.shape),
+        {"input_ids": prompt_ids, "attention_mask": prompt_mask},
+    )
 
 
 def test_outlier_tokens_are_fixed_by_the_state_and_about_one_in_a_hundred():

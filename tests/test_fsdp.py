@@ -36,16 +36,45 @@ def write_config(folder) -> str:
 
 def launch(config: str, *script_and_args: str) -> str:
     """`accelerate launch --config_file config` of a script, through fsdp_cpu_launch.py."""
-    return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-                "--main_process_port", str(free_port()), os.path.join("bench", "fsdp_cpu_launch.py"),
-                *script_and_args])
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            config,
+            "--main_process_port",
+            str(free_port()),
+            os.path.join("bench", "fsdp_cpu_launch.py"),
+            *script_and_args,
+        ]
+    )
 
 
 def script_args(models: str, out: str, *flags: str) -> list[str]:
     """A tiny run: 4 prompts x G = 2 per step, 2 per process, 6 new tokens, 4 held-out rows."""
-    return ["gndpo_minimal.py", "--student_model", f"{models}/student", "--teacher_model", f"{models}/teacher",
-            "--prompts_per_step", "4", "--num_generations", "2", "--micro_batch_size", "2", "--max_new_tokens", "6",
-            "--max_train_samples", "16", "--num_eval_samples", "4", "--output_dir", out, *flags]
+    return [
+        "gndpo_minimal.py",
+        "--student_model",
+        f"{models}/student",
+        "--teacher_model",
+        f"{models}/teacher",
+        "--prompts_per_step",
+        "4",
+        "--num_generations",
+        "2",
+        "--micro_batch_size",
+        "2",
+        "--max_new_tokens",
+        "6",
+        "--max_train_samples",
+        "16",
+        "--num_eval_samples",
+        "4",
+        "--output_dir",
+        out,
+        *flags,
+    ]
 
 
 def read_metrics(out: str) -> list[dict]:
@@ -80,8 +109,9 @@ def fsdp_runs(request, untrained_models, tmp_path_factory) -> dict:
     log = launch(config, *script_args(untrained_models, whole, "--max_steps", "3", *flags))
     shutil.copytree(os.path.join(whole, "checkpoint-2"), os.path.join(cut, "checkpoint-2"))
     shutil.copy(os.path.join(whole, "metrics.jsonl"), cut)  # steps 1-3: the resume cuts it back to step 2
-    resume_log = launch(config, *script_args(untrained_models, cut, "--max_steps", "3",
-                                             "--resume_from_checkpoint", "latest", *flags))
+    resume_log = launch(
+        config, *script_args(untrained_models, cut, "--max_steps", "3", "--resume_from_checkpoint", "latest", *flags)
+    )
     return {"mode": mode, "config": config, "whole": whole, "cut": cut, "log": log, "resume_log": resume_log}
 
 
@@ -91,9 +121,20 @@ def test_fsdp_config_on_cpu_processes_stops_at_start_up(untrained_models, tmp_pa
     stops before loading anything (one process of the config's two is enough to show it)."""
     out = str(tmp_path / "run")
     with pytest.raises(AssertionError) as failed:
-        run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", write_config(tmp_path),
-             "--num_processes", "1", "--main_process_port", str(free_port()),
-             *script_args(untrained_models, out, "--max_steps", "1")])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                write_config(tmp_path),
+                "--num_processes",
+                "1",
+                "--main_process_port",
+                str(free_port()),
+                *script_args(untrained_models, out, "--max_steps", "1"),
+            ]
+        )
     assert "runs FSDP on GPUs only: on cpu it would train unsharded replicas (MULTI_CPU)" in str(failed.value)
     assert not os.path.exists(out)
 
@@ -127,8 +168,9 @@ def test_fsdp2_samples_on_the_sharded_student_what_whole_replicas_sample(fsdp_ru
     summary = read_summary(whole)
     # only the teacher, whole on every process, reads each prompt once; a sharded student's forwards stay plain
     assert summary["share_prompt_prefix"] == {"teacher": True, "student": False, "rollout": False}
-    assert re.search(r"^rollout: each sample reads its prompt itself \(the weights are sharded", fsdp_runs["log"],
-                     flags=re.M)
+    assert re.search(
+        r"^rollout: each sample reads its prompt itself \(the weights are sharded", fsdp_runs["log"], flags=re.M
+    )
     assert summary["steps"] == 3 and "student_accuracy_after" in summary
     # the head is its own FSDP2 unit: the chunked head runs on its gathered weight, no (n, R + 1, V) logits
     assert re.search(r"^log-probs: student chunked head, teacher chunked head$", fsdp_runs["log"], flags=re.M)
@@ -138,10 +180,25 @@ def test_fsdp2_samples_on_the_sharded_student_what_whole_replicas_sample(fsdp_ru
         assert m["response_length"] > 0 and m["grad_norm"] > 0 and m["nonfinite_tokens"] == 0
 
     ddp_out = str(tmp_path / "ddp")
-    run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         "--main_process_port", str(free_port()),
-         *script_args(untrained_models, ddp_out, "--max_steps", "3", "--save_steps", "0", *MODES[fsdp_runs["mode"]])])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            *script_args(untrained_models, ddp_out, "--max_steps", "3", "--save_steps", "0", *MODES[fsdp_runs["mode"]]),
+        ]
+    )
     ddp = read_metrics(ddp_out)
     assert [m["step"] for m in ddp] == [1, 2, 3]
     for a, b in zip(untimed(fsdp), untimed(ddp), strict=True):
@@ -181,11 +238,35 @@ def test_fsdp2_update_gradient_equals_one_process(untrained_models, tmp_path):
     path's gradient, the LM head's included."""
     env = {**ENV, "OUT_DIR": str(tmp_path), "MODELS_DIR": untrained_models, "LORA_R": "16,0"}
     worker = os.path.join("tests", "dist_update_worker.py")
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), worker], env={**env, "GRAD_NAME": "one_r{lora_r}.pt", "LEAN": "0"})
-    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", write_config(tmp_path),
-         "--main_process_port", str(free_port()), os.path.join("bench", "fsdp_cpu_launch.py"), worker],
-        env={**env, "GRAD_NAME": "fsdp_r{lora_r}.pt", "LEAN": "1"})
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            worker,
+        ],
+        env={**env, "GRAD_NAME": "one_r{lora_r}.pt", "LEAN": "0"},
+    )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            write_config(tmp_path),
+            "--main_process_port",
+            str(free_port()),
+            os.path.join("bench", "fsdp_cpu_launch.py"),
+            worker,
+        ],
+        env={**env, "GRAD_NAME": "fsdp_r{lora_r}.pt", "LEAN": "1"},
+    )
     for lora_r in (16, 0):
         one, fsdp = torch.load(tmp_path / f"one_r{lora_r}.pt"), torch.load(tmp_path / f"fsdp_r{lora_r}.pt")
         assert one.shape == fsdp.shape and one.norm() > 0
@@ -203,11 +284,15 @@ def test_fsdp2_full_fine_tuning_trains_under_bf16_mixed_precision(untrained_mode
     config = tmp_path / "fsdp2_bf16.yaml"
     config.write_text(CONFIG.replace("mixed_precision: 'no'", "mixed_precision: bf16"))
     out = str(tmp_path / "run")
-    log = launch(str(config), *script_args(untrained_models, out, "--max_steps", "2", "--save_steps", "0",
-                                           "--lora_r", "0"))
-    assert re.search(r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
-                     r"speed-ups of gndpo_fast: [a-z ,-]+$", log,
-                     flags=re.M), log[-2000:]
+    log = launch(
+        str(config), *script_args(untrained_models, out, "--max_steps", "2", "--save_steps", "0", "--lora_r", "0")
+    )
+    assert re.search(
+        r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
+        r"speed-ups of gndpo_fast: [a-z ,-]+$",
+        log,
+        flags=re.M,
+    ), log[-2000:]
     assert re.search(r"^log-probs: student chunked head, teacher chunked head$", log, flags=re.M)
     assert read_summary(out)["share_prompt_prefix"] == {"teacher": True, "student": False, "rollout": False}
     metrics = read_metrics(out)

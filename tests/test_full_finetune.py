@@ -20,8 +20,22 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def full_args(out: str, **changes) -> g.Args:
     """A short full fine-tuning run on the shipped tiny world: 3 steps of 8 prompts x G = 4, a checkpoint at step
     2, 40 held-out rows."""
-    return g.Args(**{**dict(lora_r=0, prompts_per_step=8, num_generations=4, micro_batch_size=16, max_steps=3,
-                            save_steps=2, num_eval_samples=40, learning_rate=1e-3, output_dir=out), **changes})
+    return g.Args(
+        **{
+            **dict(
+                lora_r=0,
+                prompts_per_step=8,
+                num_generations=4,
+                micro_batch_size=16,
+                max_steps=3,
+                save_steps=2,
+                num_eval_samples=40,
+                learning_rate=1e-3,
+                output_dir=out,
+            ),
+            **changes,
+        }
+    )
 
 
 def read_metrics(out: str) -> list[dict]:

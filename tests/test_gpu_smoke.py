@@ -24,10 +24,19 @@ import gndpo_minimal as g  # noqa: E402
 ROLES = {"teacher", "student", "rollout"}
 # the 3B config made small enough to build on a CPU; the vocabulary (151,936) and the special tokens stay its own.
 # Its M-RoPE sections (16, 24, 24) need heads of 128 dimensions.
-SMALL = {"text_config": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=1, layer_types=["full_attention"] * 2),
-         "vision_config": dict(depth=2, hidden_size=64, intermediate_size=64, num_heads=2, out_hidden_size=256,
-                               fullatt_block_indexes=[1])}
+SMALL = {
+    "text_config": dict(
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        layer_types=["full_attention"] * 2,
+    ),
+    "vision_config": dict(
+        depth=2, hidden_size=64, intermediate_size=64, num_heads=2, out_hidden_size=256, fullatt_block_indexes=[1]
+    ),
+}
 
 
 def documented_names() -> set[str]:
@@ -51,8 +60,14 @@ def errors_in(value, where: str = "result") -> list[str]:
 def record(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("gpu_smoke") / "smoke.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--tiny", "--json", str(path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "bench/gpu_smoke.py", "--tiny", "--json", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "| rollout |" in run.stdout and "resume: steps [1, 2] then [3]" in run.stdout, run.stdout[-2000:]
     with open(path) as f:
@@ -65,8 +80,12 @@ def test_tiny_run_records_every_phase_with_its_tokens_seconds_and_memory(record)
     assert not errors_in(result), errors_in(result)
     assert config["mode"] == "tiny" and config["device"] == "cpu"
     assert set(result["phases"]) == set(gpu_smoke.PHASES)
-    rows = {"rollout": config["generation_batch_size"], "scoring": config["micro_batch_size"],
-            "update": config["micro_batch_size"], "check": config["check_rows"]}
+    rows = {
+        "rollout": config["generation_batch_size"],
+        "scoring": config["micro_batch_size"],
+        "update": config["micro_batch_size"],
+        "check": config["check_rows"],
+    }
     for phase, v in result["phases"].items():
         assert v["rows"] == rows[phase], (phase, v)
         # every response forced to its full length (--min_new_tokens): the shape is the one asked for
@@ -184,6 +203,10 @@ def test_images_are_sized_to_fill_the_recipes_prompts():
     side = math.isqrt(pixels) // 28
     assert side * side * 28 * 28 == pixels and side > 20
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", 8, log=None)
-    lengths = [g.encode_prompts(processor, [(ds[i]["question"], g.row_images(ds[i], "image"))],
-                                args.instruction)["input_ids"].shape[1] for i in keep]
+    lengths = [
+        g.encode_prompts(processor, [(ds[i]["question"], g.row_images(ds[i], "image"))], args.instruction)[
+            "input_ids"
+        ].shape[1]
+        for i in keep
+    ]
     assert max(lengths) <= args.max_prompt_length < max(lengths) + 2 * side + 1, (lengths, side)

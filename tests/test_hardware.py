@@ -19,8 +19,19 @@ from test_distributed import ENV, ROOT, free_port, run
 import gndpo_fast as fast
 import gndpo_minimal as g
 
-BF16_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", "bf16", "--dynamo_backend", "no"]
+BF16_LAUNCH = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--num_processes",
+    "1",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "bf16",
+    "--dynamo_backend",
+    "no",
+]
 
 
 # --- the LM head under autocast --------------------------------------------------------------------
@@ -74,8 +85,9 @@ def test_chunked_head_follows_the_autocast_of_the_models_forward(trained_models)
     groups = [0, 0, 1, 1]
     ids = torch.randint(20, 200, (4, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(4, 6, dtype=torch.long)
-    rollout = g.encode_rollout_prompts(processor, g.Rollout(ids, mask, torch.zeros(4, 6)), prompts, groups, args,
-                                       True, True)
+    rollout = g.encode_rollout_prompts(
+        processor, g.Rollout(ids, mask, torch.zeros(4, 6)), prompts, groups, args, True, True
+    )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         plain = g.response_logps(model, rollout, None)
         lean = fast.lean_forward(g.sequence_inputs)(model, rollout, None)
@@ -103,8 +115,10 @@ def test_a_driver_that_torch_cannot_use_stops_the_run_with_both_versions(tmp_pat
     torch's CUDA, instead of training on the CPU. No driver, a working CUDA, or a CPU run asked for (no visible
     device) go on."""
     driver = tmp_path / "version"
-    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
-                      "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    driver.write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+    )
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(RuntimeError) as stopped:
         g.check_cuda(str(driver), cuda_available=False)
@@ -121,8 +135,10 @@ def test_the_start_up_line_names_device_dtypes_precision_and_threads():
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16")
     student = torch.nn.Linear(2, 2).to(torch.bfloat16)
     line = g.startup_line(g.Args(teacher_4bit=False, dtype="float32"), accelerator, student)
-    assert line == f"device cpu, student bfloat16, teacher float32, mixed precision bf16, {torch.get_num_threads()} " \
-                   f"threads; speed-ups of gndpo_fast: lean log-probs, each prompt read once, the sampler"
+    assert (
+        line == f"device cpu, student bfloat16, teacher float32, mixed precision bf16, {torch.get_num_threads()} "
+        f"threads; speed-ups of gndpo_fast: lean log-probs, each prompt read once, the sampler"
+    )
     plain = g.Args(lean_logps="false", share_prompt_prefix="false", fast_sampler="false")
     assert g.startup_line(plain, accelerator, student).endswith("threads; plain paths")
     assert "teacher 4-bit nf4" in g.startup_line(g.Args(), accelerator, student)
@@ -150,8 +166,20 @@ def test_the_process_group_timeout_is_the_args_field(monkeypatch):
 
 
 def launch_bf16(out: str, *flags: str) -> tuple[str, list[dict], dict]:
-    log = run([*BF16_LAUNCH, "--main_process_port", str(free_port()), os.path.join(ROOT, "gndpo_minimal.py"),
-               "--num_eval_samples", "20", "--output_dir", out, *flags], env=ENV)
+    log = run(
+        [
+            *BF16_LAUNCH,
+            "--main_process_port",
+            str(free_port()),
+            os.path.join(ROOT, "gndpo_minimal.py"),
+            "--num_eval_samples",
+            "20",
+            "--output_dir",
+            out,
+            *flags,
+        ],
+        env=ENV,
+    )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
     with open(os.path.join(out, "summary.json")) as f:
@@ -164,9 +192,12 @@ def test_lora_with_a_bf16_student_trains_under_bf16_mixed_precision(tmp_path):
     and then at the first update (float32 hidden states met the bf16 head outside autocast): 2 steps with finite
     metrics, every speed-up's check passing, the adapter learning (the LoRA B matrices left zero)."""
     log, metrics, summary = launch_bf16(str(tmp_path / "run"), "--dtype", "bfloat16", "--max_steps", "2")
-    assert re.search(r"^device cpu, student bfloat16(/float32)?, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
-                     r"speed-ups of gndpo_fast: [a-z ,-]+$",
-                     log, flags=re.M), log[-2000:]
+    assert re.search(
+        r"^device cpu, student bfloat16(/float32)?, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
+        r"speed-ups of gndpo_fast: [a-z ,-]+$",
+        log,
+        flags=re.M,
+    ), log[-2000:]
     assert "log-probs: student chunked head, teacher chunked head" in log
     assert "falling back" not in log and "Error" not in log
     assert summary["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
@@ -182,11 +213,15 @@ def test_full_fine_tuning_under_bf16_mixed_precision_keeps_its_checks_and_raises
     fell back against float32's tolerance, and the sampler's bf16 head against the trainer's float32 one raised the
     mismatch warning after 3 steps. Now every check keeps its speed-up, no warning appears, and the log-probs the
     sampler recorded are the trainer's to bf16 rounding at every step."""
-    log, metrics, summary = launch_bf16(str(tmp_path / "run"), "--lora_r", "0", "--learning_rate", "1e-3",
-                                        "--max_steps", "3")
-    assert re.search(r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
-                     r"speed-ups of gndpo_fast: [a-z ,-]+$", log,
-                     flags=re.M), log[-2000:]
+    log, metrics, summary = launch_bf16(
+        str(tmp_path / "run"), "--lora_r", "0", "--learning_rate", "1e-3", "--max_steps", "3"
+    )
+    assert re.search(
+        r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
+        r"speed-ups of gndpo_fast: [a-z ,-]+$",
+        log,
+        flags=re.M,
+    ), log[-2000:]
     assert summary["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
     assert "falling back" not in log and "has been above" not in log
     assert [m["step"] for m in metrics] == [1, 2, 3]

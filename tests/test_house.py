@@ -22,8 +22,10 @@ def parse(path: str) -> ast.Module:
 
 def touches_sys_path(tree: ast.AST) -> bool:
     """Whether the code reads or changes `sys.path` (a tutorial has no reason to: the project is installed)."""
-    return any(isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name)
-               and n.value.id == "sys" for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"
+        for n in ast.walk(tree)
+    )
 
 
 def tutorial_sources() -> dict[str, str]:
@@ -64,8 +66,11 @@ def test_the_world_modules_share_one_tokenizer_builder():
     """Neither world module trains a tokenizer itself: both import worlds.tokenizer.train_bpe."""
     for path in WORLD_MODULES:
         tree = parse(path)
-        names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(tree)
-                 if isinstance(n, (ast.Attribute, ast.Name))}
+        names = {
+            n.attr if isinstance(n, ast.Attribute) else n.id
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Attribute, ast.Name))
+        }
         assert not names & {"BpeTrainer", "train_from_iterator"}, f"{path} builds its own BPE tokenizer"
         imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         assert ("worlds.tokenizer", "train_bpe") in imports, path
@@ -76,8 +81,14 @@ def test_the_shared_builder_makes_a_left_padding_byte_level_tokenizer():
     outside the corpus), and padding goes on the left, where the script's prompts expect it."""
     from worlds.tokenizer import train_bpe
 
-    tok = train_bpe(["a red circle", "two blue squares"], ["<pad>", "<end>"], "{{ messages }}", vocab_size=300,
-                    eos_token="<end>", pad_token="<pad>")
+    tok = train_bpe(
+        ["a red circle", "two blue squares"],
+        ["<pad>", "<end>"],
+        "{{ messages }}",
+        vocab_size=300,
+        eos_token="<end>",
+        pad_token="<pad>",
+    )
     assert [tok.convert_tokens_to_ids(t) for t in ("<pad>", "<end>")] == [0, 1]
     for text in ("a red circle", "Grüße, 3 triangles!"):
         assert tok.decode(tok(text)["input_ids"]) == text
@@ -88,22 +99,31 @@ def test_the_shared_builder_makes_a_left_padding_byte_level_tokenizer():
 def test_the_project_imports_from_any_directory(tmp_path):
     """From a directory outside the repository, with no PYTHONPATH, the modules import (requirements.txt installs
     the project in editable mode) and resolve to this checkout, so the script's default paths find assets/."""
-    code = ("import os, gndpo_minimal, estimate_memory, worlds.tiny_world, tutorials.notebook_setup\n"
-            "print(gndpo_minimal.HERE, worlds.tiny_world.ROOT, tutorials.notebook_setup.ROOT, "
-            "os.path.isdir(gndpo_minimal.Args().student_model), sep='\\n')")
+    code = (
+        "import os, gndpo_minimal, estimate_memory, worlds.tiny_world, tutorials.notebook_setup\n"
+        "print(gndpo_minimal.HERE, worlds.tiny_world.ROOT, tutorials.notebook_setup.ROOT, "
+        "os.path.isdir(gndpo_minimal.Args().student_model), sep='\\n')"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, f"not importable from {tmp_path} (run `pip install -r requirements.txt`):\n" \
-                                   f"{result.stderr[-2000:]}"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (
+        f"not importable from {tmp_path} (run `pip install -r requirements.txt`):\n{result.stderr[-2000:]}"
+    )
     *roots, found = result.stdout.strip().splitlines()[-4:]
     assert all(os.path.samefile(r, ROOT) for r in roots), roots
     assert found == "True"
 
 
 def test_worlds_tutorials_and_studies_pass_ruff():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "worlds", "tutorials", "studies"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "worlds", "tutorials", "studies"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 

@@ -1,5 +1,6 @@
-"""The script's shape as a minimal reference, by budgets rather than line numbers: at most 1,800 lines, GNDPO (Args,
-the math, the step, main()) before a PART II line at 550 or earlier, no function over 100 lines in the project, the
+"""The script's shape as a minimal reference, by budgets rather than line numbers, counted on the file as `ruff format`
+leaves it (CI checks that every file is formatted): at most 2,400 lines, GNDPO (Args, the math, the step, main())
+before a PART II line at 670 or earlier, no function over 145 lines in the project, the
 optional modules importing nothing from the script, nothing outside tests/ leaning on tests/.
 Reads source text and the module's signatures; runs nothing."""
 
@@ -8,6 +9,7 @@ import inspect
 import os
 import re
 import subprocess
+import sys
 
 import gndpo_minimal as gm
 
@@ -28,16 +30,34 @@ def line_of(name: str) -> int:
 
 def project_files() -> list[str]:
     """The project's .py files that git tracks (or would), outside tests/ and tutorials/."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [p for p in out if not p.startswith(("tests/", "tutorials/")) and os.path.exists(os.path.join(ROOT, p))]
 
 
-def test_the_script_is_at_most_1800_lines_with_part_two_by_line_550():
-    lines = source_lines()
+def formatted_lines(path: str = SCRIPT) -> list[str]:
+    """The file as `ruff format` (the project's ruff.toml) leaves it: a budget is met by cutting, never by packing."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", path, "-"],
+        cwd=ROOT,
+        input=open(path).read(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.splitlines()
+
+
+def test_the_formatted_script_is_at_most_2400_lines_with_part_two_by_line_670():
+    lines = formatted_lines()
     part_two = next(i for i, line in enumerate(lines, 1) if line.startswith("# PART II"))
-    assert len(lines) <= 1800, f"gndpo_minimal.py is {len(lines)} lines"
-    assert part_two <= 550, f"PART II starts at line {part_two}"
+    assert len(lines) <= 2400, f"gndpo_minimal.py is {len(lines)} lines once formatted"
+    assert part_two <= 670, f"PART II starts at line {part_two} once formatted"
 
 
 def test_part_one_holds_the_math_then_the_step_then_main():
@@ -50,16 +70,16 @@ def test_part_one_holds_the_math_then_the_step_then_main():
         assert math_at < line_of(name) < line_of("main") < part_two, f"{name} at line {line_of(name)}"
 
 
-def test_no_function_in_the_project_is_over_100_lines():
+def test_no_function_in_the_project_is_over_145_lines():
     long = []
     for path in project_files():
         tree = ast.parse(open(os.path.join(ROOT, path)).read(), path)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([d.lineno for d in node.decorator_list] + [node.lineno])
-                if node.end_lineno - start + 1 > 100:
+                if node.end_lineno - start + 1 > 145:
                     long.append((path, node.name, node.end_lineno - start + 1))
-    assert long == [], f"functions over 100 lines (file, name, lines): {long}"
+    assert long == [], f"functions over 145 lines (file, name, lines): {long}"
 
 
 def test_the_optional_modules_import_nothing_from_the_script():
@@ -99,8 +119,13 @@ def test_nothing_outside_tests_imports_or_reads_tests():
         text = open(os.path.join(ROOT, path)).read()
         tree = ast.parse(text, path)
         for node in ast.walk(tree):
-            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(m == "tests" or m.startswith("tests.") for m in modules):
                 offenders.append(path)
         if re.search(r"sys\.path\.\w+\([^)]*['\"]tests['\"]", text) or re.search(r"['\"]tests/", text):
@@ -120,10 +145,19 @@ def test_update_student_shows_the_update_and_copies_no_parameter():
 
 def test_args_list_the_papers_flags_first_then_what_goes_beyond_it():
     names = list(gm.Args.__dataclass_fields__)
-    paper = ("advantage_mode", "score_clip", "prompts_per_step", "num_generations", "temperature", "loss_type",
-             "clip_low", "clip_high", "learning_rate")
+    paper = (
+        "advantage_mode",
+        "score_clip",
+        "prompts_per_step",
+        "num_generations",
+        "temperature",
+        "loss_type",
+        "clip_low",
+        "clip_high",
+        "learning_rate",
+    )
     beyond = ("score_type", "power_alpha", "score_std_floor", "reward_weight", "optimizer")
-    assert names[:len(paper)] == list(paper)
+    assert names[: len(paper)] == list(paper)
     assert max(names.index(n) for n in paper) < min(names.index(n) for n in beyond) < names.index("student_model")
     text = "\n".join(source_lines())
     assert "# --- beyond the paper" in text and "# --- Beyond the paper:" in text and "# BEYOND THE PAPER" in text

@@ -17,8 +17,9 @@ def reverse_kl_on_fixed_batch(student, teacher, processor, args, prompts) -> flo
     config, _ = g.generation_configs(processor.tokenizer, teacher, args)
     ignore = torch.tensor(config.suppress_tokens)
     torch.manual_seed(1234)
-    rollout = g.rollout(student, processor, prompts, [id(p) for p in prompts], g.Sampling(config, fast.draw_tokens),
-                        args)
+    rollout = g.rollout(
+        student, processor, prompts, [id(p) for p in prompts], g.Sampling(config, fast.draw_tokens), args
+    )
     teacher_lp = g.response_logps(teacher, rollout, ignore)
     mask = rollout.response_mask.bool()
     return (rollout.sampled_logps - teacher_lp)[mask].mean().item()
@@ -28,12 +29,17 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    args = g.Args(student_model=os.path.join(trained_models, "student"),
-                  teacher_model=os.path.join(trained_models, "teacher"),
-                  # 40 of the default 90 steps: the default run's KL falls from ~0.9 to ~0.1 by step 40, while
-                  # over its first 25 steps it swings between 0.3 and 1.0 with the prompts each step draws
-                  max_steps=40, num_eval_samples=0, save_steps=0, seed=0,
-                  output_dir=str(tmp_path / "run"))
+    args = g.Args(
+        student_model=os.path.join(trained_models, "student"),
+        teacher_model=os.path.join(trained_models, "teacher"),
+        # 40 of the default 90 steps: the default run's KL falls from ~0.9 to ~0.1 by step 40, while
+        # over its first 25 steps it swings between 0.3 and 1.0 with the prompts each step draws
+        max_steps=40,
+        num_eval_samples=0,
+        save_steps=0,
+        seed=0,
+        output_dir=str(tmp_path / "run"),
+    )
     processor = AutoProcessor.from_pretrained(args.student_model)
     eval_ds = g.load_split(args, args.eval_split).select(range(24))  # held-out rows, never trained on
     prompts = [(r["question"], g.row_images(r, "image")) for r in eval_ds] * 2  # (24 prompts x G=2)

@@ -16,6 +16,7 @@ def random_mask(B, T, gen, min_len=1):
 
 # --- token_logps -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_token_logps_equals_naive_gather(dtype):
     gen = torch.Generator().manual_seed(0)
@@ -60,8 +61,9 @@ def test_token_logps_gradient_in_bfloat16_keeps_the_dtype():
 def test_token_logps_temperature_equals_dividing_the_logits():
     gen = torch.Generator().manual_seed(4)
     logits, ids = torch.randn(2, 6, 40, generator=gen), torch.randint(0, 40, (2, 6), generator=gen)
-    torch.testing.assert_close(token_logps(logits, ids, temperature=0.6, chunk_elements=40 * 4),
-                               token_logps(logits / 0.6, ids))
+    torch.testing.assert_close(
+        token_logps(logits, ids, temperature=0.6, chunk_elements=40 * 4), token_logps(logits / 0.6, ids)
+    )
 
 
 def test_token_logps_ignore_ids_renormalizes_without_them():
@@ -94,6 +96,7 @@ def test_token_logps_never_copies_whole_tensor_to_float32(monkeypatch):
 
 # --- distill_scores ----------------------------------------------------------------------------
 
+
 def test_identical_teacher_and_student_give_zero_scores_and_zero_gradient():
     gen = torch.Generator().manual_seed(2)
     student_logits = torch.randn(4, 6, 20, generator=gen, requires_grad=True)
@@ -121,6 +124,7 @@ def test_distill_scores_clamp_and_mask():
 
 # --- normalize_scores --------------------------------------------------------------------------
 
+
 def spec_global(scores, mask, eps=1e-8):
     """A direct transcription of spec step 4 (two-pass, float64)."""
     s, m = scores.double(), mask.double()
@@ -147,8 +151,10 @@ def test_global_from_two_halves_through_summed_statistics():
     scores, mask = torch.randn(6, 10, generator=gen), random_mask(6, 10, gen)
     whole = normalize_scores(scores, mask, "global")
     halves = [(scores[:2], mask[:2]), (scores[2:], mask[2:])]  # uneven token counts
-    n, s1, s2 = (sum(x) for x in zip(*[(m.sum().double(), (s * m).sum().double(), (s * s * m).sum().double())
-                                          for s, m in halves]))
+    n, s1, s2 = (
+        sum(x)
+        for x in zip(*[(m.sum().double(), (s * m).sum().double(), (s * s * m).sum().double()) for s, m in halves])
+    )
     mu = s1 / n
     var = (s2 - n * mu**2) / (n - 1)
     combined = torch.cat([((s.double() - mu) / torch.sqrt(var + 1e-8) * m).float() for s, m in halves])
@@ -195,14 +201,18 @@ def test_center_and_scale_from_two_halves_through_summed_statistics():
     gen = torch.Generator().manual_seed(14)
     scores, mask = torch.randn(6, 10, generator=gen) + 2, random_mask(6, 10, gen)
     halves = [(scores[:2], mask[:2]), (scores[2:], mask[2:])]
-    n, s1, s2 = (sum(x) for x in zip(*[(m.sum().double(), (s * m).sum().double(), (s * s * m).sum().double())
-                                          for s, m in halves]))
+    n, s1, s2 = (
+        sum(x)
+        for x in zip(*[(m.sum().double(), (s * m).sum().double(), (s * s * m).sum().double()) for s, m in halves])
+    )
     mu = s1 / n
     std = torch.sqrt((s2 - n * mu**2) / (n - 1) + 1e-8)
-    torch.testing.assert_close(normalize_scores(scores, mask, "center"),
-                               torch.cat([((s.double() - mu) * m).float() for s, m in halves]))
-    torch.testing.assert_close(normalize_scores(scores, mask, "scale"),
-                               torch.cat([(s.double() / std * m).float() for s, m in halves]))
+    torch.testing.assert_close(
+        normalize_scores(scores, mask, "center"), torch.cat([((s.double() - mu) * m).float() for s, m in halves])
+    )
+    torch.testing.assert_close(
+        normalize_scores(scores, mask, "scale"), torch.cat([(s.double() / std * m).float() for s, m in halves])
+    )
 
 
 def test_padding_never_changes_results():
@@ -227,7 +237,7 @@ def test_sequence_and_group_modes():
     scores, mask = torch.randn(4, 6, generator=gen) * 2, random_mask(4, 6, gen, min_len=2)
     seq = normalize_scores(scores, mask, "sequence")
     for i in range(4):
-        torch.testing.assert_close(seq[i:i + 1], spec_global(scores[i:i + 1], mask[i:i + 1]))
+        torch.testing.assert_close(seq[i : i + 1], spec_global(scores[i : i + 1], mask[i : i + 1]))
     groups = torch.tensor([7, 3, 7, 3])  # any ids; rows 0 and 2 form one group
     grp = normalize_scores(scores, mask, "group", groups)
     for rows in ([0, 2], [1, 3]):
@@ -249,6 +259,7 @@ def test_too_few_tokens_is_a_clear_error():
 
 
 # --- policy_loss -------------------------------------------------------------------------------
+
 
 def spec_gspo(logp_new, logp_old, A, m, cl=0.2, ch=0.2):
     """Spec step 5, transcribed line by line with plain loops over sequences."""
@@ -275,8 +286,8 @@ def test_gspo_equals_spec_transcription_with_clipping_active():
     loss, metrics = policy_loss(new, old, A, mask, "gspo", 0.2, 0.2)
     ref = spec_gspo(new, old, A, mask)
     torch.testing.assert_close(loss, ref)
-    g1, = torch.autograd.grad(loss, new)
-    g2, = torch.autograd.grad(ref, new)
+    (g1,) = torch.autograd.grad(loss, new)
+    (g2,) = torch.autograd.grad(ref, new)
     torch.testing.assert_close(g1, g2)
     assert 0 < metrics["clip_frac"] < 1 and metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
 
@@ -335,12 +346,23 @@ def test_head_logps_equals_the_naive_head_and_log_softmax_in_value_and_both_grad
     else:
         assert fused_weight is None and naive_weight is None
     with torch.no_grad():  # the no-autograd path gives the same values
-        torch.testing.assert_close(head_logps(torch.randn(B, T, H, generator=torch.Generator().manual_seed(1)),
-                                              weight.detach(), ids, ignore, temperature, chunk_elements=3), naive,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            head_logps(
+                torch.randn(B, T, H, generator=torch.Generator().manual_seed(1)),
+                weight.detach(),
+                ids,
+                ignore,
+                temperature,
+                chunk_elements=3,
+            ),
+            naive,
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 # --- power_scores, score_std, group_reward_advantages -------------------------------------------
+
 
 def test_power_scores_are_the_difference_of_powered_probabilities_and_bounded():
     """s = p_T^alpha - p_S^alpha of the sampled token, computed here from the probabilities themselves."""
@@ -353,7 +375,7 @@ def test_power_scores_are_the_difference_of_powered_probabilities_and_bounded():
     s_lp = torch.log_softmax(s_logits, -1).gather(-1, ids[..., None]).squeeze(-1)
     for alpha in (1.0, 5.0):
         got = power_scores(t_lp, s_lp, mask, alpha)
-        torch.testing.assert_close(got, ((p_t ** alpha - p_s ** alpha) * mask).float(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got, ((p_t**alpha - p_s**alpha) * mask).float(), atol=1e-6, rtol=1e-5)
         assert got.abs().max() <= 1.0 and torch.all(got[~mask.bool()] == 0)
     # a confident teacher and an unsure student: bounded where the log-ratio is not
     extreme = power_scores(torch.tensor([[0.0, -80.0]]), torch.tensor([[-80.0, 0.0]]), torch.ones(1, 2))

@@ -44,7 +44,6 @@ def test_update_size_holds_a_few_chunks_not_float64_copies_of_the_largest_weight
     taken before the step measures."""
     import types
 
-
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(1024, 4096))
     opt = optimizer([weight], lr=1e-2, weight_decay=0.1)
@@ -124,8 +123,9 @@ def test_a_sharded_workload_holds_no_more_than_its_one_process_twin_and_its_esti
         w, twin = workloads[name], workloads[memory.twin_of(name)]
         assert w["twin"] == memory.twin_of(name)
         assert (w["num_processes"], w["sharding"], twin["num_processes"]) == (memory.PROCESSES, "fsdp", 1)
-        assert w["resident_plus_update_bytes"] == max(p["resident_bytes"] + p["measured"]["update"]
-                                                      for p in w["processes"])
+        assert w["resident_plus_update_bytes"] == max(
+            p["resident_bytes"] + p["measured"]["update"] for p in w["processes"]
+        )
         assert twin["resident_plus_update_bytes"] == twin["resident_bytes"] + twin["phases"]["update"]["measured_bytes"]
         excess = w["resident_plus_update_bytes"] - twin["resident_plus_update_bytes"]
         if "_full_" in name:
@@ -136,7 +136,10 @@ def test_a_sharded_workload_holds_no_more_than_its_one_process_twin_and_its_esti
         for phase, v in w["phases"].items():
             assert v["measured_bytes"] == max(p["measured"][phase] for p in w["processes"]), (name, phase)
             assert memory.WHY_BAND[0] <= v["ratio"] <= memory.WHY_BAND[1] or len(v.get("why", "")) > 40, (
-                name, phase, v["ratio"])
+                name,
+                phase,
+                v["ratio"],
+            )
     for name, w in workloads.items():
         if name.startswith("stand_in"):
             assert memory.WHY_BAND[0] <= w["estimated_resident_bytes"] / w["resident_bytes"] <= memory.WHY_BAND[1]
@@ -165,8 +168,20 @@ def test_estimate_memory_names_the_way_out_for_a_hub_id_it_cannot_reach():
     """Offline, with a Hub id that is neither a folder nor a shipped config: one line naming the model and the two
     ways out (a local folder, assets/configs/), exit status 1, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "estimate_memory.py", "--student_model", "nobody/no-such-model",
-                        "--teacher_model", "assets/tiny/teacher"], cwd=ROOT, env=env, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "estimate_memory.py",
+            "--student_model",
+            "nobody/no-such-model",
+            "--teacher_model",
+            "assets/tiny/teacher",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     line = p.stderr.strip().splitlines()[-1]  # the script's own output ends stderr (libraries may warn before it)
     assert line.startswith("estimate_memory.py: ") and "'nobody/no-such-model'" in line

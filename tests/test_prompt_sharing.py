@@ -21,9 +21,16 @@ import gndpo_minimal as g
 @pytest.fixture(scope="module")
 def pair(untrained_models):
     """Student (LoRA, training mode), fp32 teacher and one rollout of 4 prompts x G = 3 in one micro-batch."""
-    args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), teacher_4bit=False, max_new_tokens=6,
-                  prompts_per_step=4, num_generations=3, max_train_samples=16, num_eval_samples=0)
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        teacher_4bit=False,
+        max_new_tokens=6,
+        prompts_per_step=4,
+        num_generations=3,
+        max_train_samples=16,
+        num_eval_samples=0,
+    )
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
@@ -35,11 +42,20 @@ def pair(untrained_models):
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=16, log=None)
     step = g.step_prompts(ds, keep, args, step=0)
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, step.prompts, step.group_ids, g.Sampling(sample_config, fast.draw_tokens),
-                        args)
-    return {"args": args, "processor": processor, "student": student, "teacher": teacher, "rollout": rollout,
-            "prompts": step.prompts, "step": step, "ignore_ids": torch.tensor(sample_config.suppress_tokens),
-            "config": sample_config}
+    rollout = g.rollout(
+        student, processor, step.prompts, step.group_ids, g.Sampling(sample_config, fast.draw_tokens), args
+    )
+    return {
+        "args": args,
+        "processor": processor,
+        "student": student,
+        "teacher": teacher,
+        "rollout": rollout,
+        "prompts": step.prompts,
+        "step": step,
+        "ignore_ids": torch.tensor(sample_config.suppress_tokens),
+        "config": sample_config,
+    }
 
 
 def measured(log: str, what: str) -> float:
@@ -144,13 +160,21 @@ def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
     args = dataclasses.replace(pair["args"], share_prompt_prefix=False)
     torch.manual_seed(0)
     step = pair["step"]
-    rollout = g.rollout(pair["student"], pair["processor"], step.prompts, step.group_ids,
-                        g.Sampling(pair["config"], fast.draw_tokens), args)
+    rollout = g.rollout(
+        pair["student"],
+        pair["processor"],
+        step.prompts,
+        step.group_ids,
+        g.Sampling(pair["config"], fast.draw_tokens),
+        args,
+    )
     assert "prompt_inputs" not in rollout.extra and "prompt_index" not in rollout.extra
     assert torch.equal(rollout.response_ids, pair["rollout"].response_ids)  # sampling does not depend on the flag
     plain = dataclasses.replace(args, lean_logps=False, fast_sampler=False)
-    for flags, forward, draw in ((args, "lean_response_logps", fast.draw_tokens),
-                                 (plain, "response_logps", g.multinomial)):
+    for flags, forward, draw in (
+        (args, "lean_response_logps", fast.draw_tokens),
+        (plain, "response_logps", g.multinomial),
+    ):
         models = g.make_models(flags, Accelerator(cpu=True), pair["processor"], pair["student"], pair["teacher"])
         assert models.sampling.sharing is None and models.sampling.draw is draw
         assert models.teacher_forward is models.student_forward and models.student_forward.__name__ == forward
@@ -219,11 +243,23 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
     runs = {}
     for share in (True, False):
         out = str(tmp_path / str(share))
-        summary = g.main(g.Args(student_model=os.path.join(untrained_models, "student"),
-                                teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
-                                num_generations=3, micro_batch_size=6, max_new_tokens=6, max_train_samples=16,
-                                num_eval_samples=0, max_steps=2, save_steps=0, output_dir=out,
-                                share_prompt_prefix=share, lean_logps=share))
+        summary = g.main(
+            g.Args(
+                student_model=os.path.join(untrained_models, "student"),
+                teacher_model=os.path.join(untrained_models, "teacher"),
+                prompts_per_step=4,
+                num_generations=3,
+                micro_batch_size=6,
+                max_new_tokens=6,
+                max_train_samples=16,
+                num_eval_samples=0,
+                max_steps=2,
+                save_steps=0,
+                output_dir=out,
+                share_prompt_prefix=share,
+                lean_logps=share,
+            )
+        )
         with open(os.path.join(out, "metrics.jsonl")) as f:
             runs[share] = ([json.loads(line) for line in f], summary)
     assert runs[True][1]["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}
@@ -290,7 +326,7 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
     check = fast.check_rollout(cut, pair["step"], [pair["rollout"]], args.num_generations)
     assert check.extra["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
     assert check.extra["prompt_inputs"]["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
-    torch.testing.assert_close(check.sampled_logps, pair["rollout"].sampled_logps[:6, :check.sampled_logps.shape[1]])
+    torch.testing.assert_close(check.sampled_logps, pair["rollout"].sampled_logps[:6, : check.sampled_logps.shape[1]])
     short = fast.check_rollout(cut, pair["step"], [pair["rollout"]], args.num_generations, max_tokens=2)
     assert short.response_ids.shape == (6, 2)
 
@@ -298,8 +334,13 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
 def sampling_models(pair, sharing, student=None) -> g.Models:
     """Models for sample_rollouts on the pair: the fp32 teacher, the student (or another), the given checks."""
     student = student if student is not None else pair["student"]
-    return g.Models(student, pair["teacher"], pair["processor"], pair["ignore_ids"],
-                    sampling=g.Sampling(pair["config"], fast.draw_tokens, sharing=sharing))
+    return g.Models(
+        student,
+        pair["teacher"],
+        pair["processor"],
+        pair["ignore_ids"],
+        sampling=g.Sampling(pair["config"], fast.draw_tokens, sharing=sharing),
+    )
 
 
 def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
@@ -386,8 +427,9 @@ def test_rollouts_sample_from_the_policy_without_dropout(pair):
         p.data = torch.randn(p.shape, generator=gen) * 0.3  # an adapter large enough for dropout to show
     student.train()
     torch.manual_seed(0)
-    rollout = g.rollout(student, pair["processor"], pair["prompts"], pair["step"].group_ids, g.Sampling(pair["config"]),
-                        args)
+    rollout = g.rollout(
+        student, pair["processor"], pair["prompts"], pair["step"].group_ids, g.Sampling(pair["config"]), args
+    )
     assert student.training  # put back as it was
     valid = rollout.response_mask.bool()
     with torch.no_grad():
@@ -412,11 +454,23 @@ def test_main_under_gradient_checkpointing_reads_each_prompt_once_and_matches_pl
     runs = {}
     for share in (True, False):
         out = str(tmp_path / str(share))
-        summary = g.main(g.Args(student_model=os.path.join(untrained_models, "student"),
-                                teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4,
-                                num_generations=3, micro_batch_size=6, max_new_tokens=6, max_train_samples=16,
-                                num_eval_samples=0, max_steps=4, save_steps=0, output_dir=out,
-                                gradient_checkpointing=True, share_prompt_prefix=share))
+        summary = g.main(
+            g.Args(
+                student_model=os.path.join(untrained_models, "student"),
+                teacher_model=os.path.join(untrained_models, "teacher"),
+                prompts_per_step=4,
+                num_generations=3,
+                micro_batch_size=6,
+                max_new_tokens=6,
+                max_train_samples=16,
+                num_eval_samples=0,
+                max_steps=4,
+                save_steps=0,
+                output_dir=out,
+                gradient_checkpointing=True,
+                share_prompt_prefix=share,
+            )
+        )
         with open(os.path.join(out, "metrics.jsonl")) as f:
             runs[share] = ([json.loads(line) for line in f], summary)
     assert runs[True][1]["share_prompt_prefix"] == {"teacher": True, "student": True, "rollout": True}

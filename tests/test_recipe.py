@@ -71,8 +71,11 @@ GB = 1e9
 
 def with_fixture_configs(args: g.Args) -> g.Args:
     """The recipe with its Hub ids replaced by the shipped config.json folders of the same names."""
-    return dataclasses.replace(args, student_model=os.path.join(CONFIGS, os.path.basename(args.student_model)),
-                               teacher_model=os.path.join(CONFIGS, os.path.basename(args.teacher_model)))
+    return dataclasses.replace(
+        args,
+        student_model=os.path.join(CONFIGS, os.path.basename(args.student_model)),
+        teacher_model=os.path.join(CONFIGS, os.path.basename(args.teacher_model)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,15 +83,33 @@ def with_fixture_configs(args: g.Args) -> g.Args:
 # ---------------------------------------------------------------------------------------------
 
 EQUIVALENT = [  # (what the model boxed, the dataset's answer)
-    (r"\dfrac{40}{3}", r"\frac{40}{3}"), (r"8\sqrt{3}+24", r"24+8\sqrt{3}"), (r"60^\circ", "60"),
-    ("60", r"60^{\circ}"), ("60°", "60"), (r"2 \sqrt 3", r"2\sqrt{3}"), ("12.5", r"\frac{25}{2}"),
-    (r"\frac{25}{2}", "12.5"), (r"\sqrt{18}", r"3\sqrt{2}"), ("0.5", r"\frac12"), ("x = 5", "5"),
-    (r"5 \text{ cm}", "5"), (r"14 \sqrt { 3 }", r"14\sqrt{3}"), (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt 3}{2}"),
-    (r"4\pi", r"4 \pi"), ("25.0", "25"),
+    (r"\dfrac{40}{3}", r"\frac{40}{3}"),
+    (r"8\sqrt{3}+24", r"24+8\sqrt{3}"),
+    (r"60^\circ", "60"),
+    ("60", r"60^{\circ}"),
+    ("60°", "60"),
+    (r"2 \sqrt 3", r"2\sqrt{3}"),
+    ("12.5", r"\frac{25}{2}"),
+    (r"\frac{25}{2}", "12.5"),
+    (r"\sqrt{18}", r"3\sqrt{2}"),
+    ("0.5", r"\frac12"),
+    ("x = 5", "5"),
+    (r"5 \text{ cm}", "5"),
+    (r"14 \sqrt { 3 }", r"14\sqrt{3}"),
+    (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt 3}{2}"),
+    (r"4\pi", r"4 \pi"),
+    ("25.0", "25"),
 ]
 DIFFERENT = [
-    ("13", r"\frac{40}{3}"), (r"24-8\sqrt{3}", r"24+8\sqrt{3}"), ("61", "60"), ("-3", "3"), ("77", "7"),
-    ("8.49", "8.5"), (r"\sqrt{3}", "1.732"), ("37.7", r"12\pi"), ("", "5"),
+    ("13", r"\frac{40}{3}"),
+    (r"24-8\sqrt{3}", r"24+8\sqrt{3}"),
+    ("61", "60"),
+    ("-3", "3"),
+    ("77", "7"),
+    ("8.49", "8.5"),
+    (r"\sqrt{3}", "1.732"),
+    ("37.7", r"12\pi"),
+    ("", "5"),
 ]
 
 
@@ -118,8 +139,12 @@ def test_grader_reads_the_last_box_and_needs_one():
 
 def test_there_is_a_recipe_per_setup():
     names = {os.path.basename(r) for r in RECIPES}
-    assert names >= {"geometry3k_qwen2.5vl_3b.yaml", "geometry3k_internvl3.5_1b.yaml", "geometry3k_internvl3.5_2b.yaml",
-                     "geometry3k_gemma3_4b.yaml"}
+    assert names >= {
+        "geometry3k_qwen2.5vl_3b.yaml",
+        "geometry3k_internvl3.5_1b.yaml",
+        "geometry3k_internvl3.5_2b.yaml",
+        "geometry3k_gemma3_4b.yaml",
+    }
 
 
 def test_the_tiny_full_fine_tuning_recipe_is_the_default_world_with_lora_r_0():
@@ -145,8 +170,12 @@ def test_flags_after_a_recipe_override_its_values_and_an_unknown_setting_is_name
     base = g.parse_args([recipe])
     over = g.parse_args([recipe, "--max_steps", "3", "--learning_rate", "0.5", "--output_dir", str(tmp_path)])
     assert (over.max_steps, over.learning_rate, over.output_dir) == (3, 0.5, str(tmp_path))
-    assert dataclasses.replace(over, max_steps=base.max_steps, learning_rate=base.learning_rate,
-                          output_dir=base.output_dir) == base
+    assert (
+        dataclasses.replace(
+            over, max_steps=base.max_steps, learning_rate=base.learning_rate, output_dir=base.output_dir
+        )
+        == base
+    )
     assert base.max_steps != 3 and base.learning_rate != 0.5
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_steps: 2\nlearnin_rate: 1.0e-3\n")
@@ -165,8 +194,9 @@ def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
     for name in raw:  # YAML reads 1e-5 as a string and 1 as an int: each value must have its field's type
         value, default = getattr(args, name), getattr(defaults, name)
         if default is not None:
-            assert type(value) is type(default), (f"{name}: {value!r} is {type(value).__name__}, "
-                                                  f"not {type(default).__name__}")
+            assert type(value) is type(default), (
+                f"{name}: {value!r} is {type(value).__name__}, not {type(default).__name__}"
+            )
     # one update holds the whole rollout batch of one process (at the process count its launch comment gives)
     processes, sharding = recipe_launch(recipe)
     rows = args.prompts_per_step * args.num_generations // processes
@@ -245,8 +275,10 @@ def test_estimate_memory_reads_the_scripts_own_defaults():
 
     default = lambda fn, name: inspect.signature(fn).parameters[name].default  # noqa: E731
     assert CHUNK_ELEMENTS == default(fast.head_logps, "chunk_elements") == default(fast.token_logps, "chunk_elements")
-    assert (CHECK_PROMPTS, CHECK_TOKENS) == (default(fast.check_rollout, "n_prompts"),
-                                             default(fast.check_rollout, "max_tokens"))
+    assert (CHECK_PROMPTS, CHECK_TOKENS) == (
+        default(fast.check_rollout, "n_prompts"),
+        default(fast.check_rollout, "max_tokens"),
+    )
     assert estimate_memory.UPDATE_SIZE_CHUNK is gndpo_extras.UPDATE_SIZE_CHUNK
 
 
@@ -287,12 +319,14 @@ def test_step_time_of_the_qwen_recipe_by_hand(monkeypatch):
     assert t["gpu"] == RTX_4090 and t["generate_calls"] == 32 * 16 // 16 == 32
     model = meta_model(args.student_model)
     f, shape = flop_shape(model), text_shape(model)
-    assert f["head"] == 151936 * 2048 and f["body"] + f["head"] == sum(p.numel() for p in model.get_decoder()
-                                                                      .parameters())  # the head is tied
+    assert f["head"] == 151936 * 2048 and f["body"] + f["head"] == sum(
+        p.numel() for p in model.get_decoder().parameters()
+    )  # the head is tied
     cache = gen * (P + R / 2) * 36 * 2 * 2 * 128 * 2  # 36 layers of 2 KV heads of 128, bf16
     adapter = trainable_params(model, args) * 4
-    assert t["decode_bytes"] == pytest.approx((f["body"] + f["head"]) * 2 + adapter + cache
-                                              + gen * 151936 * 4 * SAMPLER_COPIES)
+    assert t["decode_bytes"] == pytest.approx(
+        (f["body"] + f["head"]) * 2 + adapter + cache + gen * 151936 * 4 * SAMPLER_COPIES
+    )
     bandwidth = RTX_4090.bandwidth * estimate_memory.BANDWIDTH_FRACTION
     assert t["decode_bounds"]["memory"] == pytest.approx(t["decode_bytes"] / bandwidth)
     assert t["decode_latency"] == max(t["decode_bounds"].values())
@@ -304,8 +338,9 @@ def test_step_time_of_the_qwen_recipe_by_hand(monkeypatch):
     rows, T = 512, P + R
     vision = 2 * f["vision"] * vision_shape(model)["patches_per_token"] * P * rows
     attention = rows * 2 * shape["heads"] * shape["head_dim"] * 36 * T**2  # causal, forward
-    assert full["update_flops"] == pytest.approx(6 * f["body"] * rows * T + 8 * f["head"] * rows * (R + 1)
-                                                 + vision + 3 * attention)
+    assert full["update_flops"] == pytest.approx(
+        6 * f["body"] * rows * T + 8 * f["head"] * rows * (R + 1) + vision + 3 * attention
+    )
 
 
 def test_step_time_scales_with_the_settings_that_shorten_a_step(monkeypatch):
@@ -339,6 +374,7 @@ def test_sharded_teacher_holds_a_share_of_its_blocks():
     whole = estimate(args, 8, "fsdp")
     sharded = estimate(dataclasses.replace(args, shard_teacher=True), 8, "fsdp")
     from estimate_memory import fsdp_units, meta_model
+
     root, unit = fsdp_units(meta_model(args.teacher_model))
     assert whole["teacher_weights"] == whole["teacher_params"] * 2 and whole["teacher_gathered"] == 0
     assert sharded["teacher_weights"] == (root + (whole["teacher_params"] - root) // 8) * 2
@@ -409,8 +445,13 @@ def test_estimate_memory_script_takes_the_runs_flags_and_local_config_folders(tm
     recipe = dataclasses.replace(recipe, output_dir=str(tmp_path / "never-written"))
     config = tmp_path / "recipe.yaml"
     config.write_text(yaml.safe_dump(dataclasses.asdict(recipe)))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "estimate_memory.py"), str(config)], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "estimate_memory.py"), str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     expected = estimate(recipe)
     assert f"{expected['peak'] / GiB:7.2f} GiB" in out.stdout and "teacher weights" in out.stdout
@@ -428,9 +469,12 @@ def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
 
     from worlds import tiny_world
 
-    args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), max_new_tokens=max_new_tokens,
-                  min_new_tokens=max_new_tokens)  # full-length responses: every position counts
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+    )  # full-length responses: every position counts
     processor = AutoProcessor.from_pretrained(args.student_model)
     student = g.load_student(args, torch.float32)
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
@@ -494,6 +538,7 @@ def family_models(tmp_path_factory):
         if family not in built:
             built[family] = tiny_families.build(family, str(tmp_path_factory.mktemp(family)))
         return built[family]
+
     return get
 
 
@@ -613,8 +658,11 @@ def diagram(mode: str, size: tuple[int, int]):
     from PIL import Image, ImageDraw
 
     img = Image.new("RGBA", size, (0, 0, 0, 0))
-    ImageDraw.Draw(img).polygon([(5, size[1] - 5), (size[0] - 5, size[1] - 5), (size[0] // 2, 5)],
-                                outline=(20, 20, 20, 255), fill=(200, 220, 255, 255))
+    ImageDraw.Draw(img).polygon(
+        [(5, size[1] - 5), (size[0] - 5, size[1] - 5), (size[0] // 2, 5)],
+        outline=(20, 20, 20, 255),
+        fill=(200, 220, 255, 255),
+    )
     if mode == "RGBA":
         return img
     img = img.convert("RGB")
@@ -628,15 +676,32 @@ def geometry3k_dir(tmp_path_factory):
     train row's problem is too long for max_prompt_length 120."""
     import datasets
 
-    features = datasets.Features({"images": datasets.List(datasets.Image()), "problem": datasets.Value("string"),
-                                  "answer": datasets.Value("string")})
-    problems = ["<image>Find x.", "<image>Find the area of the figure. Round to the nearest tenth.",
-                "<image>Find the measure of angle 1.", "<image>Find y.", "<image>Find x. Round to the nearest tenth."]
+    features = datasets.Features(
+        {
+            "images": datasets.List(datasets.Image()),
+            "problem": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+        }
+    )
+    problems = [
+        "<image>Find x.",
+        "<image>Find the area of the figure. Round to the nearest tenth.",
+        "<image>Find the measure of angle 1.",
+        "<image>Find y.",
+        "<image>Find x. Round to the nearest tenth.",
+    ]
     answers = [r"\frac{40}{3}", "12.5", "60", r"24+8\sqrt{3}", r"2\sqrt{3}"]
-    train = [{"images": [diagram(m, (90 + 20 * k, 70 + 10 * k))], "problem": p, "answer": a}
-             for k, (m, p, a) in enumerate(zip(MODES, problems, answers))]
-    train.append({"images": [diagram("RGB", (100, 80))], "problem": "<image>" + "Find the measure of angle 1. " * 20,
-                  "answer": "30"})
+    train = [
+        {"images": [diagram(m, (90 + 20 * k, 70 + 10 * k))], "problem": p, "answer": a}
+        for k, (m, p, a) in enumerate(zip(MODES, problems, answers))
+    ]
+    train.append(
+        {
+            "images": [diagram("RGB", (100, 80))],
+            "problem": "<image>" + "Find the measure of angle 1. " * 20,
+            "answer": "30",
+        }
+    )
     test = [dict(row, images=[diagram(m, (80, 60))]) for row, m in zip(train[:4], MODES[1:])]
     root = tmp_path_factory.mktemp("geometry3k")
     os.makedirs(root / "data")
@@ -649,14 +714,25 @@ def geometry3k_dir(tmp_path_factory):
 def recipe_on(dataset_dir: str, untrained_models: str, output_dir: str) -> g.Args:
     """The Qwen recipe with tiny models and sizes, on the local Geometry3K-shaped folder."""
     return dataclasses.replace(
-        g.parse_args([QWEN_RECIPE]), dataset_name=dataset_dir, student_model=os.path.join(untrained_models, "student"),
-        teacher_model=os.path.join(untrained_models, "teacher"), max_prompt_length=120, max_new_tokens=8,
-        prompts_per_step=4, num_generations=2, micro_batch_size=4, num_eval_samples=2, max_steps=1, save_steps=0,
-        output_dir=output_dir)
+        g.parse_args([QWEN_RECIPE]),
+        dataset_name=dataset_dir,
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        max_prompt_length=120,
+        max_new_tokens=8,
+        prompts_per_step=4,
+        num_generations=2,
+        micro_batch_size=4,
+        num_eval_samples=2,
+        max_steps=1,
+        save_steps=0,
+        output_dir=output_dir,
+    )
 
 
-def test_geometry3k_layout_loads_with_every_image_mode_and_long_prompts_are_counted(geometry3k_dir, untrained_models,
-                                                                                   tmp_path):
+def test_geometry3k_layout_loads_with_every_image_mode_and_long_prompts_are_counted(
+    geometry3k_dir, untrained_models, tmp_path
+):
     import datasets
     from PIL import Image
     from transformers import AutoProcessor
@@ -714,10 +790,19 @@ def test_every_recipe_runs_one_step_on_its_familys_stand_in(recipe, geometry3k_d
     models = tiny_families.build(family, str(tmp_path / "models"))
     recipe_args = g.parse_args([recipe])
     args = dataclasses.replace(  # 2 x 2 rows: the recipe's micro-batch, at most those 4
-        recipe_args, micro_batch_size=min(recipe_args.micro_batch_size, 4), dataset_name=geometry3k_dir,
+        recipe_args,
+        micro_batch_size=min(recipe_args.micro_batch_size, 4),
+        dataset_name=geometry3k_dir,
         student_model=os.path.join(models, "student"),
-        teacher_model=os.path.join(models, "teacher"), max_new_tokens=8, prompts_per_step=2, num_generations=2,
-        num_eval_samples=2, max_steps=1, save_steps=0, output_dir=str(tmp_path / "run"))
+        teacher_model=os.path.join(models, "teacher"),
+        max_new_tokens=8,
+        prompts_per_step=2,
+        num_generations=2,
+        num_eval_samples=2,
+        max_steps=1,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+    )
     assert args.gradient_checkpointing and args.require_think and args.teacher_4bit == bool(args.lora_r)
     summary = g.main(args)
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:

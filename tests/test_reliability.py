@@ -47,10 +47,13 @@ def dataset_dir(tmp_path_factory) -> str:
         shape_image(i).save(buf, format="PNG")
         data = buf.getvalue()
         cells.append({"bytes": data[: len(data) // 2] if i == BAD_ROW else data, "path": None})
-    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
-                                  "answer": datasets.Value("string")})
-    ds = datasets.Dataset.from_dict({"image": cells, "question": ["How many shapes are in the image?"] * 12,
-                                     "answer": ["one"] * 12}, features=features)
+    features = datasets.Features(
+        {"image": datasets.Image(), "question": datasets.Value("string"), "answer": datasets.Value("string")}
+    )
+    ds = datasets.Dataset.from_dict(
+        {"image": cells, "question": ["How many shapes are in the image?"] * 12, "answer": ["one"] * 12},
+        features=features,
+    )
     path = str(tmp_path_factory.mktemp("data") / "shapes")
     ds.save_to_disk(path)
     return path
@@ -90,18 +93,54 @@ MAX_STEPS = 8
 
 def command(models: str, data: str, out: str, *extra: str) -> list[str]:
     # warmup over 6 steps: the learning rate changes at every step, so a scheduler that is not restored shows
-    return [sys.executable, SCRIPT, "--student_model", os.path.join(models, "student"),
-            "--teacher_model", os.path.join(models, "teacher"), "--dataset_name", data,
-            "--max_steps", str(MAX_STEPS), "--prompts_per_step", "4", "--num_generations", "2",
-            "--micro_batch_size", "8", "--num_eval_samples", "4", "--eval_split", "train", "--eval_steps", "2",
-            "--warmup_steps", "6",
-            "--save_steps", "2", "--save_total_limit", "2", "--seed", "3", "--logging_steps", "1",
-            "--output_dir", out, *extra]
+    return [
+        sys.executable,
+        SCRIPT,
+        "--student_model",
+        os.path.join(models, "student"),
+        "--teacher_model",
+        os.path.join(models, "teacher"),
+        "--dataset_name",
+        data,
+        "--max_steps",
+        str(MAX_STEPS),
+        "--prompts_per_step",
+        "4",
+        "--num_generations",
+        "2",
+        "--micro_batch_size",
+        "8",
+        "--num_eval_samples",
+        "4",
+        "--eval_split",
+        "train",
+        "--eval_steps",
+        "2",
+        "--warmup_steps",
+        "6",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "2",
+        "--seed",
+        "3",
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        out,
+        *extra,
+    ]
 
 
 def subprocess_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +152,19 @@ def runs(untrained_models, dataset_dir, tmp_path_factory) -> dict:
     children = []
     try:
         # the two first runs side by side: the uninterrupted one is the reference
-        full = subprocess.Popen(command(untrained_models, dataset_dir, full_out), env=subprocess_env(),
-                                stdout=logs["full"], stderr=subprocess.STDOUT)
+        full = subprocess.Popen(
+            command(untrained_models, dataset_dir, full_out),
+            env=subprocess_env(),
+            stdout=logs["full"],
+            stderr=subprocess.STDOUT,
+        )
         children.append(full)
-        killed = subprocess.Popen(command(untrained_models, dataset_dir, killed_out), env=subprocess_env(),
-                                  stdout=logs["killed"], stderr=subprocess.STDOUT)
+        killed = subprocess.Popen(
+            command(untrained_models, dataset_dir, killed_out),
+            env=subprocess_env(),
+            stdout=logs["killed"],
+            stderr=subprocess.STDOUT,
+        )
         children.append(killed)
         metrics_path = os.path.join(killed_out, "metrics.jsonl")
         killed_at, deadline = None, time.time() + 1200  # generous: a loaded CI machine starts python slowly
@@ -131,18 +178,25 @@ def runs(untrained_models, dataset_dir, tmp_path_factory) -> dict:
             time.sleep(0.02)
         killed.wait(timeout=60)
         full.wait(timeout=1200)
-        state = {"killed_returncode": killed.returncode, "killed_at": killed_at,
-                 "checkpoints_at_kill": [s for s, _ in g.list_checkpoints(killed_out)],
-                 "metrics_at_kill": len(read_metrics(killed_out)), "full_returncode": full.returncode,
-                 "summary_at_kill": read_json(os.path.join(killed_out, "summary.json"))}
+        state = {
+            "killed_returncode": killed.returncode,
+            "killed_at": killed_at,
+            "checkpoints_at_kill": [s for s, _ in g.list_checkpoints(killed_out)],
+            "metrics_at_kill": len(read_metrics(killed_out)),
+            "full_returncode": full.returncode,
+            "summary_at_kill": read_json(os.path.join(killed_out, "summary.json")),
+        }
         # leftovers that "latest" must ignore: an unfinished save and a folder without trainer_state.json
         os.makedirs(os.path.join(killed_out, "checkpoint-99.tmp"))
         with open(os.path.join(killed_out, "checkpoint-99.tmp", "trainer_state.json"), "w") as f:
             json.dump({"step": 99, "counters": {}}, f)
         os.makedirs(os.path.join(killed_out, "checkpoint-98"))
-        resumed = subprocess.Popen(command(untrained_models, dataset_dir, killed_out,
-                                           "--resume_from_checkpoint", "latest"),
-                                   env=subprocess_env(), stdout=logs["resumed"], stderr=subprocess.STDOUT)
+        resumed = subprocess.Popen(
+            command(untrained_models, dataset_dir, killed_out, "--resume_from_checkpoint", "latest"),
+            env=subprocess_env(),
+            stdout=logs["resumed"],
+            stderr=subprocess.STDOUT,
+        )
         children.append(resumed)
         state["resumed_returncode"] = resumed.wait(timeout=1200)
     finally:
@@ -170,8 +224,10 @@ def test_kill_9_then_resume_latest_equals_an_uninterrupted_run(runs):
     resumed_step = max(runs["checkpoints_at_kill"])
     assert 2 <= resumed_step < MAX_STEPS
     # 'latest' took the newest complete checkpoint, not checkpoint-99.tmp nor the empty checkpoint-98
-    assert f"resumed from {os.path.join(runs['killed_out'], f'checkpoint-{resumed_step}')} at step {resumed_step}" \
+    assert (
+        f"resumed from {os.path.join(runs['killed_out'], f'checkpoint-{resumed_step}')} at step {resumed_step}"
         in runs["resumed_log"]
+    )
     assert f"step={resumed_step + 1} " in runs["resumed_log"] and f"step={resumed_step} " not in runs["resumed_log"]
 
     full, resumed = read_metrics(runs["full_out"]), read_metrics(runs["killed_out"])
@@ -190,8 +246,9 @@ def test_kill_9_then_resume_latest_equals_an_uninterrupted_run(runs):
     full_rows, resumed_rows = read_eval_rows(runs["full_out"]), read_eval_rows(runs["killed_out"])
     assert resumed_rows == full_rows
     steps = [0, *range(2, MAX_STEPS + 1, 2)]
-    assert sorted({(r["step"], r["model"]) for r in full_rows}) == sorted([(0, "teacher")] + [(s, "student")
-                                                                          for s in steps])
+    assert sorted({(r["step"], r["model"]) for r in full_rows}) == sorted(
+        [(0, "teacher")] + [(s, "student") for s in steps]
+    )
     assert len(full_rows) == 4 * (len(steps) + 1)
 
 
@@ -200,8 +257,15 @@ def test_checkpoints_hold_everything_and_only_the_last_k_are_kept(runs):
     assert [s for s, _ in g.list_checkpoints(out)] == [MAX_STEPS - 2, MAX_STEPS]  # save_total_limit 2
     assert not os.path.exists(os.path.join(out, f"checkpoint-{MAX_STEPS}.tmp"))
     last = os.path.join(out, f"checkpoint-{MAX_STEPS}")
-    for name in ("model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl",
-                 "adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json"):
+    for name in (
+        "model.safetensors",
+        "optimizer.bin",
+        "custom_checkpoint_0.pkl",
+        "random_states_0.pkl",
+        "adapter/adapter_model.safetensors",
+        "adapter/adapter_config.json",
+        "adapter/tokenizer.json",
+    ):
         assert os.path.isfile(os.path.join(last, name)), name
     with open(os.path.join(last, "trainer_state.json")) as f:
         state = json.load(f)
@@ -227,9 +291,17 @@ def test_a_corrupted_image_in_the_middle_is_skipped_counted_and_the_run_finishes
 
 
 def small_args(models: str, data: str, out: str, **kwargs) -> g.Args:
-    return g.Args(student_model=os.path.join(models, "student"), teacher_model=os.path.join(models, "teacher"),
-                  dataset_name=data, prompts_per_step=4, num_generations=2, micro_batch_size=8, num_eval_samples=0,
-                  output_dir=out, **kwargs)
+    return g.Args(
+        student_model=os.path.join(models, "student"),
+        teacher_model=os.path.join(models, "teacher"),
+        dataset_name=data,
+        prompts_per_step=4,
+        num_generations=2,
+        micro_batch_size=8,
+        num_eval_samples=0,
+        output_dir=out,
+        **kwargs,
+    )
 
 
 class CurrentStep:
@@ -243,7 +315,8 @@ class CurrentStep:
 
 
 def test_nan_loss_skips_the_step_and_k_in_a_row_stop_with_the_last_good_checkpoint(
-        untrained_models, dataset_dir, tmp_path, capsys):
+    untrained_models, dataset_dir, tmp_path, capsys
+):
     bad_steps = {2, 4, 5, 6}
     now = CurrentStep()
 
@@ -252,8 +325,9 @@ def test_nan_loss_skips_the_step_and_k_in_a_row_stop_with_the_last_good_checkpoi
         return (loss * float("nan") if now.step in bad_steps else loss), metrics
 
     out = str(tmp_path / "run")
-    args = small_args(untrained_models, dataset_dir, out, max_steps=8, save_steps=1, save_total_limit=20,
-                      max_consecutive_skips=3)
+    args = small_args(
+        untrained_models, dataset_dir, out, max_steps=8, save_steps=1, save_total_limit=20, max_consecutive_skips=3
+    )
     with pytest.raises(RuntimeError) as err:
         g.main(args, on_step=now, loss_fn=nan_loss)
     message = str(err.value)
@@ -277,8 +351,7 @@ def test_nan_loss_skips_the_step_and_k_in_a_row_stop_with_the_last_good_checkpoi
         assert json.load(f)["counters"]["skipped_steps"] == 3
 
 
-def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
-        untrained_models, dataset_dir, tmp_path, capsys):
+def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(untrained_models, dataset_dir, tmp_path, capsys):
     # a teacher whose embedding table is padded to more rows than the tokenizer has (as Qwen checkpoints are):
     # it scores the same token ids, so it must just work
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -305,8 +378,9 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
         return logps
 
     out = str(tmp_path / "run")
-    summary = g.main(small_args(models, dataset_dir, out, max_steps=3, save_steps=0), on_step=now,
-                     teacher_forward=nan_teacher)
+    summary = g.main(
+        small_args(models, dataset_dir, out, max_steps=3, save_steps=0), on_step=now, teacher_forward=nan_teacher
+    )
     assert set(seen_vocab) == {vocab + 64}
     m1, m2, m3 = read_metrics(out)
     # step 1: the NaN tokens are left out of the scores and counted; the step trains on the rest
@@ -322,7 +396,8 @@ def test_nan_teacher_logps_are_dropped_and_counted_or_skip_the_step(
 
 
 def test_resume_latest_without_a_checkpoint_starts_over_with_clean_metrics(
-        untrained_models, dataset_dir, tmp_path, capsys):
+    untrained_models, dataset_dir, tmp_path, capsys
+):
     """A run that crashed before its first save leaves metrics.jsonl but no checkpoint: 'latest' must not append."""
     now = CurrentStep()
 
@@ -333,8 +408,11 @@ def test_resume_latest_without_a_checkpoint_starts_over_with_clean_metrics(
 
     out = str(tmp_path / "run")
     with pytest.raises(KeyboardInterrupt):
-        g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10), on_step=now,
-               loss_fn=crash_at_step_3)
+        g.main(
+            small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10),
+            on_step=now,
+            loss_fn=crash_at_step_3,
+        )
     assert [m["step"] for m in read_metrics(out)] == [1, 2] and not g.list_checkpoints(out)
     g.main(small_args(untrained_models, dataset_dir, out, max_steps=4, save_steps=10, resume_from_checkpoint="latest"))
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]

@@ -23,11 +23,12 @@ STUDY_FILES = sorted(glob.glob(os.path.join(ROOT, "docs", "studies", "*.json")))
 
 
 def test_every_result_the_script_makes_is_there():
-    assert sorted(os.path.basename(p)[:-len(".json")] for p in RESULT_FILES) == sorted(reproduce.RESULTS)
+    assert sorted(os.path.basename(p)[: -len(".json")] for p in RESULT_FILES) == sorted(reproduce.RESULTS)
 
 
-@pytest.mark.parametrize("path", RESULT_FILES + STUDY_FILES,
-                         ids=[os.path.basename(p) for p in RESULT_FILES + STUDY_FILES])
+@pytest.mark.parametrize(
+    "path", RESULT_FILES + STUDY_FILES, ids=[os.path.basename(p) for p in RESULT_FILES + STUDY_FILES]
+)
 def test_every_result_says_where_and_how_it_was_measured(path):
     with open(path) as f:
         record = json.load(f)
@@ -60,12 +61,20 @@ def printed_as(figure: str, value: float) -> bool:
     return abs(float(figure) - value) <= 0.5 * 10**-digits + 1e-12
 
 
-@pytest.mark.parametrize("path", [("result", "summary", "teacher_accuracy"),
-                                  ("result", "summary", "student_accuracy_before"),
-                                  ("result", "summary", "student_accuracy_after"),
-                                  ("result", "summary", "eval_rows"), ("result", "summary", "steps"),
-                                  ("result", "summary", "wall_seconds"), ("result", "metrics", 0, "reverse_kl"),
-                                  ("seconds",)], ids=lambda path: ".".join(map(str, path)))
+@pytest.mark.parametrize(
+    "path",
+    [
+        ("result", "summary", "teacher_accuracy"),
+        ("result", "summary", "student_accuracy_before"),
+        ("result", "summary", "student_accuracy_after"),
+        ("result", "summary", "eval_rows"),
+        ("result", "summary", "steps"),
+        ("result", "summary", "wall_seconds"),
+        ("result", "metrics", 0, "reverse_kl"),
+        ("seconds",),
+    ],
+    ids=lambda path: ".".join(map(str, path)),
+)
 def test_each_figure_of_the_readme_run_is_read_from_its_record(path):
     """Change one value of default_run.json and the README's block changes in that value's figures only, each
     printed as the new value where it printed the old: no figure of the run is typed in a template or the code."""
@@ -87,12 +96,11 @@ def test_the_readme_run_ends_on_the_mean_of_its_last_steps():
     record = reproduce.load("default_run")
     metrics = record["result"]["metrics"]
     constant = copy.deepcopy(record)
-    for m in constant["result"]["metrics"][-reproduce.LAST_STEPS:]:
+    for m in constant["result"]["metrics"][-reproduce.LAST_STEPS :]:
         m["reverse_kl"] = 0.4321
-    ((before, after),) = changed_figures(reproduce.render_default_run(record),
-                                         reproduce.render_default_run(constant))
+    ((before, after),) = changed_figures(reproduce.render_default_run(record), reproduce.render_default_run(constant))
     assert printed_as(after, 0.4321)
-    assert printed_as(before, sum(m["reverse_kl"] for m in metrics[-reproduce.LAST_STEPS:]) / reproduce.LAST_STEPS)
+    assert printed_as(before, sum(m["reverse_kl"] for m in metrics[-reproduce.LAST_STEPS :]) / reproduce.LAST_STEPS)
     earlier = copy.deepcopy(record)
     earlier["result"]["metrics"][-reproduce.LAST_STEPS - 1]["reverse_kl"] += 1.0
     assert reproduce.render_default_run(earlier) == reproduce.render_default_run(record)
@@ -112,8 +120,9 @@ def test_the_templates_type_no_figure():
     """Every number in the pages' generated blocks comes from a record: a template holds none outside its
     placeholders."""
     paths = glob.glob(os.path.join(reproduce.TEMPLATES_DIR, "*.md"))
-    assert {os.path.basename(p)[:-len(".md")] for p in paths} >= {name for renders in reproduce.RENDERS.values()
-                                                                  for name in renders}
+    assert {os.path.basename(p)[: -len(".md")] for p in paths} >= {
+        name for renders in reproduce.RENDERS.values() for name in renders
+    }
     for path in paths:
         with open(path) as f:
             words = re.sub(r"\{[^{}]*\}", "", f.read())
@@ -126,9 +135,13 @@ def test_each_record_of_a_block_names_its_own_commit_machine_and_load():
     says so."""
     base = reproduce.load("step_breakdown")
     new = dict(copy.deepcopy(base), name="new", commit="a" * 40, clean=True, date="2031-01-02T00:00:00+00:00")
-    new["machine"].update(load_average_before=[0.3, 0.0, 0.0], cores=16, cpu_model="CPU A",
-                          threads={"OMP_NUM_THREADS": None, "torch_num_threads": 16},
-                          isa={**dict.fromkeys(reproduce.ISA_FLAGS, False), "avx2": True, "avx512f": True})
+    new["machine"].update(
+        load_average_before=[0.3, 0.0, 0.0],
+        cores=16,
+        cpu_model="CPU A",
+        threads={"OMP_NUM_THREADS": None, "torch_num_threads": 16},
+        isa={**dict.fromkeys(reproduce.ISA_FLAGS, False), "avx2": True, "avx512f": True},
+    )
     old = dict(copy.deepcopy(base), name="old", commit="b" * 40, clean=False, date="2030-05-06T00:00:00+00:00")
     old["machine"] = {k: v for k, v in old["machine"].items() if k not in ("isa", "threads")}
     old["machine"].update(load_average_before=[7.7, 0.0, 0.0], cores=2, cpu_model="CPU B")

@@ -11,8 +11,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT_MODULES = ("gndpo_fast", "gndpo_teachers", "gndpo_extras", "estimate_memory", "worlds", "tutorials", "bench")
-FLAGS = ["--max_steps", "2", "--prompts_per_step", "8", "--num_eval_samples", "8", "--save_steps", "0",
-         "--output_dir", "out"]
+FLAGS = [
+    "--max_steps",
+    "2",
+    "--prompts_per_step",
+    "8",
+    "--num_eval_samples",
+    "8",
+    "--save_steps",
+    "0",
+    "--output_dir",
+    "out",
+]
 PLAIN = ["--lean_logps", "false", "--share_prompt_prefix", "false", "--fast_sampler", "false"]
 # Runs the copied script as __main__ with every project module blocked (an editable install would otherwise find
 # them), then lists any module that was loaded from the repository all the same.
@@ -31,11 +41,22 @@ finally:
 
 
 def run(folder, script_dir, flags):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
-           "PYTHONPATH": ""}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TQDM_DISABLE": "1",
+        "PYTHONPATH": "",
+    }
     code = RUNNER.format(modules=PROJECT_MODULES, flags=flags, root=ROOT)
-    return subprocess.run([sys.executable, "-c", code], cwd=script_dir if script_dir else folder, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=script_dir if script_dir else folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def metrics(folder):
@@ -67,9 +88,14 @@ def test_the_script_alone_trains_on_the_plain_paths_as_the_project_does(tmp_path
     # the project with its modules, speed-ups off: the same numbers (update_norm is gndpo_extras' diagnostic)
     project = tmp_path / "project"
     project.mkdir()
-    with_modules = subprocess.run([sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), *FLAGS, *PLAIN],
-                                  cwd=project, env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"},
-                                  capture_output=True, text=True, timeout=600)
+    with_modules = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "gndpo_minimal.py"), *FLAGS, *PLAIN],
+        cwd=project,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert with_modules.returncode == 0, with_modules.stderr[-3000:]
     for a, b in zip(alone_metrics, metrics(project), strict=True):
         keys = {k for k in a if not k.startswith("time") and k not in ("tokens_per_second", "update_norm")}

@@ -70,8 +70,10 @@ def test_ratios_and_the_decision_are_those_of_the_medians(quick):
     decision = out["decision"]
     assert decision["race_replaces_draw_tokens"] == all(r <= 1.10 for r in cells.values())
     assert ("draw_tokens stays" in decision["text"]) != decision["race_replaces_draw_tokens"]
-    assert record["rounds"]["paper_shape"]["peaked"]["race"] == out["shapes"]["paper_shape"]["distributions"][
-        "peaked"]["runs_seconds"]["race"]
+    assert (
+        record["rounds"]["paper_shape"]["peaked"]["race"]
+        == out["shapes"]["paper_shape"]["distributions"]["peaked"]["runs_seconds"]["race"]
+    )
     assert record["machine"]["threads"]["torch_num_threads"] == out["threads"] == 2
 
 

@@ -29,9 +29,16 @@ SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 @pytest.fixture(scope="module")
 def setup(untrained_models):
     """Accelerator, models and one scored batch of 4 prompts x G = 2 (micro-batches of 2: 4 per step)."""
-    args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=4, num_generations=2,
-                  micro_batch_size=2, max_new_tokens=6, max_train_samples=16, num_eval_samples=0)
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        prompts_per_step=4,
+        num_generations=2,
+        micro_batch_size=2,
+        max_new_tokens=6,
+        max_train_samples=16,
+        num_eval_samples=0,
+    )
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)  # the LoRA's random init: the same starting student whatever ran before in this process
     processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
@@ -42,9 +49,15 @@ def setup(untrained_models):
     batch = g.generate_and_score(models, prompts, args)
     # the same micro-batches with every row's prompt, which the tests' plain forwards read
     batch = dataclasses.replace(batch, rollouts=g.cut_rollouts(processor, prompts, batch.rollouts, 2, args))
-    return {"args": args, "accelerator": accelerator, "models": models, "batch": batch, "processor": processor,
-            "train": (train_ds, keep), "lora": {n: p.detach().clone() for n, p in student.named_parameters()
-                                                if p.requires_grad}}
+    return {
+        "args": args,
+        "accelerator": accelerator,
+        "models": models,
+        "batch": batch,
+        "processor": processor,
+        "train": (train_ds, keep),
+        "lora": {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad},
+    }
 
 
 def fresh_models(setup, student=None) -> g.Models:
@@ -62,8 +75,15 @@ def run_update(setup, batch: g.ScoredBatch | None = None, **changes) -> tuple[di
     accum = g.check_args(args, 1)
     accelerator.gradient_accumulation_steps = accum
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, copy.deepcopy(setup["models"].student), accum)
-    update = g.update_student(fresh_models(setup, student), optimizer, scheduler, accelerator, batch or setup["batch"],
-                              args, log=lambda msg: None)
+    update = g.update_student(
+        fresh_models(setup, student),
+        optimizer,
+        scheduler,
+        accelerator,
+        batch or setup["batch"],
+        args,
+        log=lambda msg: None,
+    )
     return update, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
 
@@ -82,7 +102,7 @@ def test_generate_and_score_returns_whitened_advantages_over_the_batch(setup):
     for rollout, advantages, mask in b.micro_batches():
         rows, width = rollout.response_ids.shape
         assert torch.equal(mask, rollout.response_mask) and advantages.shape == (rows, width)
-        assert not b.response_mask[start:start + rows, width:].any()
+        assert not b.response_mask[start : start + rows, width:].any()
         start += rows
     assert start == n
 
@@ -98,10 +118,17 @@ def test_one_generate_call_recut_into_micro_batches_scores_like_the_whole_batch(
     processor = AutoProcessor.from_pretrained(args.student_model)
     prompts = g.step_prompts(*setup["train"], args, step=0).prompts
     R = b.response_mask.shape[1]
-    ids = torch.cat([torch.nn.functional.pad(r.response_ids, (0, R - r.response_ids.shape[1]),
-                                             value=processor.tokenizer.pad_token_id) for r in b.rollouts])
-    whole = g.Rollout(ids, b.response_mask, b.student_logps,
-                      row_inputs=dict(g.encode_prompts(processor, prompts, args.instruction)))
+    ids = torch.cat(
+        [
+            torch.nn.functional.pad(
+                r.response_ids, (0, R - r.response_ids.shape[1]), value=processor.tokenizer.pad_token_id
+            )
+            for r in b.rollouts
+        ]
+    )
+    whole = g.Rollout(
+        ids, b.response_mask, b.student_logps, row_inputs=dict(g.encode_prompts(processor, prompts, args.instruction))
+    )
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         together = g.response_logps(teacher, whole, setup["models"].ignore_ids)
@@ -149,8 +176,9 @@ def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     for r in b.rollouts:
         rows, R = r.response_ids.shape
         logps = g.response_logps(student, r, setup["models"].ignore_ids)
-        loss, _ = g.policy_loss(logps, logps.detach(), b.advantages[row:row + rows, :R],
-                                b.response_mask[row:row + rows, :R])
+        loss, _ = g.policy_loss(
+            logps, logps.detach(), b.advantages[row : row + rows, :R], b.response_mask[row : row + rows, :R]
+        )
         (loss / len(b.rollouts)).backward()
         row += rows
     torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -196,10 +224,17 @@ def test_off_policy_updates_move_the_ratio_and_clip(setup):
 @pytest.fixture(scope="module")
 def setup32(untrained_models):
     """One scored batch of 8 prompts x G = 4 = 32 rows in one micro-batch, and what re-cuts it."""
-    args = g.Args(student_model=os.path.join(untrained_models, "student"),
-                  teacher_model=os.path.join(untrained_models, "teacher"), prompts_per_step=8, num_generations=4,
-                  micro_batch_size=32, max_new_tokens=6, max_train_samples=16, num_eval_samples=0,
-                  max_grad_norm=1e9)  # no clipping: the gradient itself is compared
+    args = g.Args(
+        student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
+        prompts_per_step=8,
+        num_generations=4,
+        micro_batch_size=32,
+        max_new_tokens=6,
+        max_train_samples=16,
+        num_eval_samples=0,
+        max_grad_norm=1e9,
+    )  # no clipping: the gradient itself is compared
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)
     processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
@@ -208,8 +243,14 @@ def setup32(untrained_models):
     student.train()
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     batch = g.generate_and_score(models, prompts, args)
-    return {"args": args, "accelerator": accelerator, "models": models, "batch": batch, "processor": processor,
-            "prompts": prompts}
+    return {
+        "args": args,
+        "accelerator": accelerator,
+        "models": models,
+        "batch": batch,
+        "processor": processor,
+        "prompts": prompts,
+    }
 
 
 def update_gradient(setup, batch: g.ScoredBatch, **changes) -> torch.Tensor:
@@ -247,8 +288,7 @@ def test_the_gradient_does_not_depend_on_the_micro_batch_size(setup32, empty_row
     gradients = {}
     for size in (1, 4, 32):
         rollouts = g.cut_rollouts(setup32["processor"], setup32["prompts"], batch.rollouts, size, setup32["args"])
-        gradients[size] = update_gradient(setup32, dataclasses.replace(batch, rollouts=rollouts),
-                                          micro_batch_size=size)
+        gradients[size] = update_gradient(setup32, dataclasses.replace(batch, rollouts=rollouts), micro_batch_size=size)
     assert gradients[32].norm() > 0
     for size in (1, 4):
         relative = ((gradients[size] - gradients[32]).norm() / gradients[32].norm()).item()
@@ -275,7 +315,7 @@ def math_section() -> str:
     with open(SCRIPT) as f:
         text = f.read()
     start = text.index("# --- GNDPO math:")
-    return text[start:text.index("\n# --- ", start) + 1]
+    return text[start : text.index("\n# --- ", start) + 1]
 
 
 def test_math_section_runs_pasted_alone():
@@ -297,7 +337,7 @@ def test_math_section_runs_pasted_alone():
     seq = ns["normalize_scores"](scores, mask, "sequence")
     grp = ns["normalize_scores"](scores, mask, "group", torch.tensor([0, 1, 0, 1]))
     for i in range(4):
-        torch.testing.assert_close(seq[i:i + 1], spec_global(scores[i:i + 1], mask[i:i + 1]))
+        torch.testing.assert_close(seq[i : i + 1], spec_global(scores[i : i + 1], mask[i : i + 1]))
     torch.testing.assert_close(grp[[1, 3]], spec_global(scores[[1, 3]], mask[[1, 3]]))
     advantages = ns["normalize_scores"](scores, mask, "global", all_reduce=False)
     new = (student + torch.randn(4, 6, generator=gen) * 1.5).requires_grad_()  # ratios away from 1: the clip acts

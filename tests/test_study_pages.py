@@ -31,7 +31,7 @@ def read(path: str) -> str:
 
 def preamble(text: str) -> str:
     """A page's lines before its first table row: where it says what made it."""
-    return text[:text.index("\n|")]
+    return text[: text.index("\n|")]
 
 
 @pytest.mark.parametrize("path", TABLE_PAGES, ids=[os.path.basename(p) for p in TABLE_PAGES])
@@ -79,8 +79,10 @@ def test_the_teacher_precision_table_prints_the_record():
         assert float(cells[3]) == round(w["score_corr"], 4)
         assert float(cells[5].rstrip("%")) == round(100 * w["sign_change_share"], 2)
         ref, nf4 = (float(x.strip().rstrip("%")) for x in cells[6].split(","))
-        assert (ref, nf4) == (round(100 * w["teachers"]["reference"]["clamp_share"], 2),
-                              round(100 * w["teachers"]["nf4"]["clamp_share"], 2))
+        assert (ref, nf4) == (
+            round(100 * w["teachers"]["reference"]["clamp_share"], 2),
+            round(100 * w["teachers"]["nf4"]["clamp_share"], 2),
+        )
 
 
 def test_the_compare_driver_names_the_machine_or_says_it_was_not_recorded(tmp_path):

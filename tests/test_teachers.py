@@ -20,8 +20,13 @@ import gndpo_minimal as g
 import gndpo_teachers as gt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-       "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 QUIET = lambda msg: None  # noqa: E731
 
 
@@ -34,8 +39,12 @@ def oracle_per_teacher(scores, mask, teacher_ids, eps=1e-8):
     """Token by token: each teacher's valid tokens, their mean and unbiased variance, then (s - mean) / std."""
     out = torch.zeros_like(scores, dtype=torch.float64)
     for k in teacher_ids.unique().tolist():
-        values = [float(scores[i, t]) for i in range(scores.shape[0]) for t in range(scores.shape[1])
-                  if teacher_ids[i] == k and mask[i, t]]
+        values = [
+            float(scores[i, t])
+            for i in range(scores.shape[0])
+            for t in range(scores.shape[1])
+            if teacher_ids[i] == k and mask[i, t]
+        ]
         mean = sum(values) / len(values)
         var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
         for i in range(scores.shape[0]):
@@ -128,16 +137,23 @@ def test_each_row_is_scored_by_its_own_teacher_and_by_no_other(two_teacher_args,
     calls, step = [], [0]
 
     def hook(teacher, rollout, ignore_ids, temperature=1.0):
-        calls.append((step[0], size[teacher.config.text_config.hidden_size], list(rollout.extra["teachers"]),
-                      rollout.response_ids.shape[0]))
+        calls.append(
+            (
+                step[0],
+                size[teacher.config.text_config.hidden_size],
+                list(rollout.extra["teachers"]),
+                rollout.response_ids.shape[0],
+            )
+        )
         return g.response_logps(teacher, rollout, ignore_ids, temperature)
 
     summary = g.main(args, on_step=lambda s: step.__setitem__(0, s), teacher_forward=hook)
     calls = [c for c in calls if c[0] > 0]  # the scoring calls of the two steps
     for _, name, rows, _ in calls:
         assert set(rows) == {name}  # no forward of a teacher holds another teacher's row
-    teachers = datasets.load_dataset("parquet", data_files=os.path.join(two_teacher_data, "train.parquet"),
-                                     split="train")["teacher"]
+    teachers = datasets.load_dataset(
+        "parquet", data_files=os.path.join(two_teacher_data, "train.parquet"), split="train"
+    )["teacher"]
     for s in (1, 2):
         want = {}
         for _, position in g.process_prompts(s - 1, len(teachers), args.prompts_per_step, args.seed, 1, 0):
@@ -153,12 +169,16 @@ def test_each_row_is_scored_by_its_own_teacher_and_by_no_other(two_teacher_args,
         for name in ("a", "b"):  # per_teacher: each teacher's advantages have unit spread (population std here)
             assert m[f"teacher/{name}/adv_std"] == pytest.approx(1.0, abs=0.1)
         assert m["teacher/a/tokens"] + m["teacher/b/tokens"] == pytest.approx(m["response_length"] * 16, abs=0.5)
-    for key in ("student_accuracy_before_per_teacher", "student_accuracy_after_per_teacher",
-                "teacher_accuracy_per_teacher"):
+    for key in (
+        "student_accuracy_before_per_teacher",
+        "student_accuracy_after_per_teacher",
+        "teacher_accuracy_per_teacher",
+    ):
         assert set(summary[key]) == {"a", "b"}
     # the overall figure is the rows' mean: the per-teacher figures weighted by each teacher's eval rows
-    test_teachers = datasets.load_dataset("parquet", data_files=os.path.join(two_teacher_data, "test.parquet"),
-                                          split="train")["teacher"][:16]
+    test_teachers = datasets.load_dataset(
+        "parquet", data_files=os.path.join(two_teacher_data, "test.parquet"), split="train"
+    )["teacher"][:16]
     counts = {k: test_teachers.count(k) for k in ("a", "b")}
     for key in ("student_accuracy_after", "teacher_accuracy"):
         weighted = sum(summary[f"{key}_per_teacher"][k] * counts[k] for k in counts) / 16
@@ -203,14 +223,39 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
 # the runs' flags: 5 eval rows, 2 per generate(): 3 rows and 2 generate() calls on one process, 2 rows on the other
 # (evaluate() tops it up to 2 calls); a stuck collective (a forward one process runs and the other does not) stops the
 # run after 2 minutes instead of hanging it
-SHARD_FLAGS = ["--max_steps", "2", "--num_eval_samples", "5", "--generation_batch_size", "2", "--teacher_4bit",
-               "false", "--logging_steps", "0", "--process_timeout_minutes", "2"]
+SHARD_FLAGS = [
+    "--max_steps",
+    "2",
+    "--num_eval_samples",
+    "5",
+    "--generation_batch_size",
+    "2",
+    "--teacher_4bit",
+    "false",
+    "--logging_steps",
+    "0",
+    "--process_timeout_minutes",
+    "2",
+]
 
 
 def two_processes() -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -219,15 +264,31 @@ def shard_worker(tmp_path_factory) -> dict:
     SHARD_FLAGS), and the same 2-step run with the whole teacher: {"rank0", "rank1": the workers' results, "log": their
     output, "out": the folder, "whole": the whole teacher's run's folder}."""
     out = tmp_path_factory.mktemp("shard_teacher")
-    run = subprocess.run(two_processes() + [os.path.join("tests", "shard_teacher_worker.py"), str(out), *SHARD_FLAGS,
-                                            "--shard_teacher", "true"],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        two_processes()
+        + [os.path.join("tests", "shard_teacher_worker.py"), str(out), *SHARD_FLAGS, "--shard_teacher", "true"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    whole = subprocess.run(two_processes() + ["gndpo_minimal.py", *SHARD_FLAGS, "--output_dir", str(out / "whole")],
-                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    whole = subprocess.run(
+        two_processes() + ["gndpo_minimal.py", *SHARD_FLAGS, "--output_dir", str(out / "whole")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-6000:]
-    return {**{f"rank{r}": json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}, "log": run.stdout,
-            "out": out, "whole": out / "whole"}
+    return {
+        **{f"rank{r}": json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)},
+        "log": run.stdout,
+        "out": out,
+        "whole": out / "whole",
+    }
 
 
 @pytest.mark.slow
@@ -253,8 +314,15 @@ def test_a_sharded_teacher_scores_as_the_whole_one(shard_worker, tmp_path):
     for x, y in zip(a, b):
         assert x["reverse_kl"] == pytest.approx(y["reverse_kl"], rel=1e-5)
 
-    log = fsdp_launch(write_config(tmp_path), "gndpo_minimal.py", *SHARD_FLAGS, "--shard_teacher", "true",
-                      "--output_dir", str(tmp_path / "fsdp"))
+    log = fsdp_launch(
+        write_config(tmp_path),
+        "gndpo_minimal.py",
+        *SHARD_FLAGS,
+        "--shard_teacher",
+        "true",
+        "--output_dir",
+        str(tmp_path / "fsdp"),
+    )
     assert "layers sharded over 2 processes" in log and "the weights are sharded: each forward gathers them" in log
     assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["teacher_accuracy"] == whole["teacher_accuracy"]
     c = [json.loads(line) for line in open(tmp_path / "fsdp" / "metrics.jsonl")]
@@ -305,5 +373,7 @@ def test_every_process_runs_as_many_sharded_teacher_forwards(shard_worker):
         assert r0[name]["summary"]["share_prompt_prefix"]["teacher"] is False
     one_token = json.loads((shard_worker["out"] / "one_token" / "summary.json").read_text())
     assert one_token["share_prompt_prefix"]["teacher"] is False and one_token["eval_rows"] == 5
-    assert ("teacher: each sample reads its prompt itself (the teacher is sharded: each forward gathers its layers)"
-            in r0["one_token"]["log"])
+    assert (
+        "teacher: each sample reads its prompt itself (the teacher is sharded: each forward gathers its layers)"
+        in r0["one_token"]["log"]
+    )

@@ -33,8 +33,12 @@ def code_cells(nb):
 
 def png_outputs(nb) -> list[bytes]:
     """Decoded image/png outputs of a notebook."""
-    return [base64.b64decode(o["data"]["image/png"]) for c in code_cells(nb) for o in c.outputs
-            if "image/png" in o.get("data", {})]
+    return [
+        base64.b64decode(o["data"]["image/png"])
+        for c in code_cells(nb)
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
 
 
 def script_functions() -> set[str]:
@@ -45,9 +49,15 @@ def script_functions() -> set[str]:
 
 
 def test_the_seven_tutorials_exist():
-    expected = ["01_data_and_prompts.ipynb", "02_rollout.ipynb", "03_teacher_scoring.ipynb",
-                "04_global_normalization.ipynb", "05_training.ipynb", "06_trace_outliers.ipynb",
-                "07_several_teachers.ipynb"]
+    expected = [
+        "01_data_and_prompts.ipynb",
+        "02_rollout.ipynb",
+        "03_teacher_scoring.ipynb",
+        "04_global_normalization.ipynb",
+        "05_training.ipynb",
+        "06_trace_outliers.ipynb",
+        "07_several_teachers.ipynb",
+    ]
     assert names(NOTEBOOKS) == expected
 
 
@@ -69,7 +79,7 @@ def test_stored_notebook_has_outputs_and_no_errors(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=names(NOTEBOOKS))
 def test_notebook_matches_its_jupytext_source(path):
-    source = path[:-len(".ipynb")] + ".py"
+    source = path[: -len(".ipynb")] + ".py"
     assert os.path.isfile(source), f"{os.path.basename(source)} (the percent-format source) is missing"
     ours = [(c.cell_type, c.source.strip()) for c in read(path).cells]
     theirs = [(c.cell_type, c.source.strip()) for c in jupytext.read(source).cells]
@@ -101,7 +111,8 @@ def test_notebook_runs_top_to_bottom(path, trained_models, monkeypatch):
     nb = read(path)
     for cell in code_cells(nb):
         cell.outputs, cell.execution_count = [], None
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": TUTORIALS}}).execute()
+    NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": TUTORIALS}}
+    ).execute()
     assert png_outputs(nb), "the notebook drew no plot"
     assert all(c.execution_count for c in code_cells(nb))

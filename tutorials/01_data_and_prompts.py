@@ -38,10 +38,24 @@ from gndpo_minimal import Args, build_messages, encode_prompts, load_split, prep
 
 args = Args()  # the script's defaults: the shapes task's dataset and the tiny models, all in assets/tiny
 processor = AutoProcessor.from_pretrained(args.student_model)
-print("dataset:", os.path.relpath(args.dataset_name, ROOT), "| student:", os.path.relpath(args.student_model, ROOT),
-      "| teacher:", os.path.relpath(args.teacher_model, ROOT))
-print("columns: image =", repr(args.image_column), " question =", repr(args.question_column),
-      " answer =", repr(args.answer_column), " instruction =", repr(args.instruction))
+print(
+    "dataset:",
+    os.path.relpath(args.dataset_name, ROOT),
+    "| student:",
+    os.path.relpath(args.student_model, ROOT),
+    "| teacher:",
+    os.path.relpath(args.teacher_model, ROOT),
+)
+print(
+    "columns: image =",
+    repr(args.image_column),
+    " question =",
+    repr(args.question_column),
+    " answer =",
+    repr(args.answer_column),
+    " instruction =",
+    repr(args.instruction),
+)
 
 # %% [markdown]
 # ## The training split
@@ -158,14 +172,17 @@ question_prompts = [(r[args.question_column], row_images(r, args.image_column)) 
 prompt_batch = encode_prompts(processor, question_prompts, args.instruction)
 kind = prompt_batch["attention_mask"] * (1 + prompt_batch["mm_token_type_ids"])  # 0 = padding, 1 = text, 2 = image
 fig, ax = plt.subplots(figsize=(11, 2.2))
-ax.imshow(kind.numpy(), cmap=ListedColormap(["#dddddd", "#4c72b0", "#dd8452"]),
-          vmin=0, vmax=2, aspect="auto")
+ax.imshow(kind.numpy(), cmap=ListedColormap(["#dddddd", "#4c72b0", "#dd8452"]), vmin=0, vmax=2, aspect="auto")
 ax.set_yticks(range(len(question_rows)), [f"'{r[args.question_column]}'" for r in question_rows])
 ax.set_xlabel("token position")
 ax.set_title("Left-padded prompt batch: grey = padding, blue = text, orange = image placeholders")
 plt.show()
-print("prompt lengths without padding:", prompt_batch["attention_mask"].sum(1).tolist(),
-      "| padded to", prompt_batch["input_ids"].shape[1])
+print(
+    "prompt lengths without padding:",
+    prompt_batch["attention_mask"].sum(1).tolist(),
+    "| padded to",
+    prompt_batch["input_ids"].shape[1],
+)
 
 # %% [markdown]
 # **What just happened and why it matters.** A row became a chat, the chat became ids with 16 image tokens per

@@ -78,8 +78,11 @@ student.print_trainable_parameters()
 sample_config, greedy_config = generation_configs(tokenizer, student, args)  # greedy is for evaluation
 eos_ids = sample_config.eos_token_id  # a sorted list: the tokenizer's and the model's end tokens
 ignore_ids = torch.tensor(sample_config.suppress_tokens, device=device)  # scoring gives these -inf
-print({k: getattr(sample_config, k) for k in ("do_sample", "top_k", "top_p", "repetition_penalty", "max_new_tokens")},
-      "| temperature (applied by SampledTokenLogps):", args.temperature)
+print(
+    {k: getattr(sample_config, k) for k in ("do_sample", "top_k", "top_p", "repetition_penalty", "max_new_tokens")},
+    "| temperature (applied by SampledTokenLogps):",
+    args.temperature,
+)
 print("end tokens:", tokenizer.convert_ids_to_tokens(eos_ids), "| pad:", tokenizer.pad_token)
 print("suppressed:", tokenizer.convert_ids_to_tokens(sample_config.suppress_tokens))
 
@@ -107,14 +110,21 @@ group_ids = [i // G for i in range(len(prompts))]  # each row's prompt: the G co
 references = [r[args.answer_column] for r in rows for _ in range(G)]
 sampling = Sampling(sample_config, draw_tokens)  # how rollouts are drawn: the config and gndpo_fast's sampler
 
-sampled = rollout(student, processor, prompts, group_ids, sampling, args,
-                  torch.Generator().manual_seed(step_seed(args.seed, 0, 0)))  # a Rollout
+sampled = rollout(
+    student, processor, prompts, group_ids, sampling, args, torch.Generator().manual_seed(step_seed(args.seed, 0, 0))
+)  # a Rollout
 for name, value in [("row_inputs['input_ids']", sampled.row_inputs["input_ids"])] + [
-        (field, getattr(sampled, field)) for field in ("response_ids", "response_mask", "sampled_logps")]:
+    (field, getattr(sampled, field)) for field in ("response_ids", "response_mask", "sampled_logps")
+]:
     print(f"{name:23s} {str(tuple(value.shape)):9s} {value.dtype}")
-print("row_inputs:", list(sampled.row_inputs), "| extra['prompt_inputs']['input_ids']:",
-      tuple(sampled.extra["prompt_inputs"]["input_ids"].shape), "| extra['prompt_index']:",
-      sampled.extra["prompt_index"].tolist())
+print(
+    "row_inputs:",
+    list(sampled.row_inputs),
+    "| extra['prompt_inputs']['input_ids']:",
+    tuple(sampled.extra["prompt_inputs"]["input_ids"].shape),
+    "| extra['prompt_index']:",
+    sampled.extra["prompt_index"].tolist(),
+)
 
 # %% [markdown]
 # `row_inputs` is the processor's batch of every row's prompt (notebook 1): the left-padded `input_ids`
@@ -129,14 +139,16 @@ print("row_inputs:", list(sampled.row_inputs), "| extra['prompt_inputs']['input_
 
 # %%
 texts = tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
-table = pd.DataFrame({
-    "question": [q for q, _ in prompts],
-    "reference": references,
-    "sampled response": texts,
-    "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
-    "tokens (mask sum)": sampled.response_mask.sum(1).tolist(),
-    "log p(response)": (sampled.sampled_logps * sampled.response_mask).sum(1).round(decimals=2).tolist(),
-})
+table = pd.DataFrame(
+    {
+        "question": [q for q, _ in prompts],
+        "reference": references,
+        "sampled response": texts,
+        "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
+        "tokens (mask sum)": sampled.response_mask.sum(1).tolist(),
+        "log p(response)": (sampled.sampled_logps * sampled.response_mask).sum(1).round(decimals=2).tolist(),
+    }
+)
 table
 
 # %% [markdown]
@@ -145,8 +157,19 @@ table
 
 # %%
 fig, ax = plt.subplots(figsize=(11, 5))
-token_grid(ax, tokenizer, eos_ids, sampled.response_ids, sampled.response_mask, sampled.sampled_logps,
-           "Student log-prob of each sampled token (grey = masked out)", "viridis", -6, 0, "log p_student(token)")
+token_grid(
+    ax,
+    tokenizer,
+    eos_ids,
+    sampled.response_ids,
+    sampled.response_mask,
+    sampled.sampled_logps,
+    "Student log-prob of each sampled token (grey = masked out)",
+    "viridis",
+    -6,
+    0,
+    "log p_student(token)",
+)
 for g in range(1, len(rows)):
     ax.axhline(g * G - 0.5, color="white", lw=2)  # separates the prompts' groups of G samples
 plt.show()
@@ -174,8 +197,9 @@ gap = (recomputed - sampled.sampled_logps).abs()[valid]
 print(f"max |recomputed - sampled| over {int(valid.sum())} response tokens: {gap.max():.2e}")
 
 # The same forward without mm_token_type_ids: Qwen2.5-VL then uses 1-D positions for the image tokens.
-without_types = dataclasses.replace(sampled, row_inputs={k: v for k, v in sampled.row_inputs.items()
-                                                         if k != "mm_token_type_ids"})
+without_types = dataclasses.replace(
+    sampled, row_inputs={k: v for k, v in sampled.row_inputs.items() if k != "mm_token_type_ids"}
+)
 with torch.no_grad():
     drifted = response_logps(student, without_types, ignore_ids, args.temperature)
 print(f"...and without mm_token_type_ids: {(drifted - sampled.sampled_logps).abs()[valid].max():.2e}")
@@ -186,13 +210,27 @@ with torch.no_grad():
 print(f"...and SharedPrefix.logps, each prompt read once: {(shared - sampled.sampled_logps).abs()[valid].max():.2e}")
 
 # Sampling itself on the shared prompts (SharedPrefix.sample instead of generate()), from the same seed.
-on_shared = rollout(student, processor, prompts, group_ids, sampling, args,
-                    torch.Generator().manual_seed(step_seed(args.seed, 0, 0)), shared_prefix=True)
-print("rollout(..., shared_prefix=True) from the same seed: same tokens",
-      torch.equal(on_shared.response_ids, sampled.response_ids), "| row_inputs:", on_shared.row_inputs)
+on_shared = rollout(
+    student,
+    processor,
+    prompts,
+    group_ids,
+    sampling,
+    args,
+    torch.Generator().manual_seed(step_seed(args.seed, 0, 0)),
+    shared_prefix=True,
+)
+print(
+    "rollout(..., shared_prefix=True) from the same seed: same tokens",
+    torch.equal(on_shared.response_ids, sampled.response_ids),
+    "| row_inputs:",
+    on_shared.row_inputs,
+)
 if on_shared.sampled_logps.shape == sampled.sampled_logps.shape:
-    print(f"max |difference| of the recorded log-probs: "
-          f"{(on_shared.sampled_logps - sampled.sampled_logps).abs()[valid].max():.2e}")
+    print(
+        f"max |difference| of the recorded log-probs: "
+        f"{(on_shared.sampled_logps - sampled.sampled_logps).abs()[valid].max():.2e}"
+    )
 
 # %% [markdown]
 # **What just happened and why it matters.** The student produced G = 4 samples per prompt from its full

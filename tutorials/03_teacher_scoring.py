@@ -89,8 +89,15 @@ distinct = [(r[args.question_column], row_images(r, args.image_column)) for r in
 prompts = [p for p in distinct for _ in range(G)]  # each prompt repeated G times, its copies next to each other
 group_ids = [i // G for i in range(len(prompts))]  # which prompt each response answers
 references = [r[args.answer_column] for r in rows for _ in range(G)]
-sampled = rollout(student, processor, prompts, group_ids, Sampling(sample_config, draw_tokens), args,
-                  torch.Generator().manual_seed(step_seed(args.seed, 0, 0)))  # a Rollout (notebook 2)
+sampled = rollout(
+    student,
+    processor,
+    prompts,
+    group_ids,
+    Sampling(sample_config, draw_tokens),
+    args,
+    torch.Generator().manual_seed(step_seed(args.seed, 0, 0)),
+)  # a Rollout (notebook 2)
 mask = sampled.response_mask
 print(f"{len(prompts)} responses of up to {mask.shape[1]} tokens, {int(mask.sum())} valid tokens")
 
@@ -109,15 +116,17 @@ scores = distill_scores(teacher_logps, student_logps, mask, args.score_clip)  # 
 
 texts = tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
 valid = mask.bool()
-per_response = pd.DataFrame({
-    "question": [q for q, _ in prompts],
-    "reference": references,
-    "response": texts,
-    "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
-    "log p student": (student_logps * mask).sum(1).round(decimals=2).tolist(),
-    "log p teacher": (teacher_logps * mask).sum(1).round(decimals=2).tolist(),
-    "mean score": ((scores * mask).sum(1) / mask.sum(1)).round(decimals=2).tolist(),
-})
+per_response = pd.DataFrame(
+    {
+        "question": [q for q, _ in prompts],
+        "reference": references,
+        "response": texts,
+        "correct": [grade_answer(t, a) for t, a in zip(texts, references)],
+        "log p student": (student_logps * mask).sum(1).round(decimals=2).tolist(),
+        "log p teacher": (teacher_logps * mask).sum(1).round(decimals=2).tolist(),
+        "mean score": ((scores * mask).sum(1) / mask.sum(1)).round(decimals=2).tolist(),
+    }
+)
 per_response
 
 # %% [markdown]
@@ -131,20 +140,55 @@ per_response
 show = slice(0, 2 * G)  # the first two prompts' samples
 ids, m = sampled.response_ids[show], mask[show]
 fig, axes = plt.subplots(3, 1, figsize=(11, 13))
-token_grid(axes[0], tokenizer, eos_ids, ids, m, student_logps[show], "Student: log p of each sampled token",
-           "viridis", -6, 0, "log p")
-token_grid(axes[1], tokenizer, eos_ids, ids, m, teacher_logps[show], "Teacher (4-bit): log p of the same tokens",
-           "viridis", -6, 0, "log p")
+token_grid(
+    axes[0],
+    tokenizer,
+    eos_ids,
+    ids,
+    m,
+    student_logps[show],
+    "Student: log p of each sampled token",
+    "viridis",
+    -6,
+    0,
+    "log p",
+)
+token_grid(
+    axes[1],
+    tokenizer,
+    eos_ids,
+    ids,
+    m,
+    teacher_logps[show],
+    "Teacher (4-bit): log p of the same tokens",
+    "viridis",
+    -6,
+    0,
+    "log p",
+)
 clip = args.score_clip
-token_grid(axes[2], tokenizer, eos_ids, ids, m, scores[show], f"Score = clamp(teacher - student, -{clip:g}, {clip:g})",
-           "RdBu", -clip, clip, "score")
+token_grid(
+    axes[2],
+    tokenizer,
+    eos_ids,
+    ids,
+    m,
+    scores[show],
+    f"Score = clamp(teacher - student, -{clip:g}, {clip:g})",
+    "RdBu",
+    -clip,
+    clip,
+    "score",
+)
 fig.tight_layout()
 plt.show()
 
 # %%
 flat = scores[valid]
-print(f"valid tokens: {flat.numel()}  mean score {flat.mean():.3f} (= minus the sampled reverse KL)  "
-      f"std {flat.std():.3f}  min {flat.min():.2f}  max {flat.max():.2f}")
+print(
+    f"valid tokens: {flat.numel()}  mean score {flat.mean():.3f} (= minus the sampled reverse KL)  "
+    f"std {flat.std():.3f}  min {flat.min():.2f}  max {flat.max():.2f}"
+)
 raw = (teacher_logps - student_logps)[valid]
 print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((raw.abs() >= args.score_clip).sum())}")
 
@@ -177,15 +221,24 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 # %%
 accelerator, _ = make_accelerator(args)  # as setup() does for main(): one process, on the CPU here
 models = make_models(args, accelerator, processor, student, teacher)  # from the models loaded above
-step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids,
-                      answers=references)
+step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids, answers=references)
 step_batch = generate_and_score(models, step_in, args)
-print(f"{len(step_batch.rollouts)} micro-batch(es) of {[len(r.response_ids) for r in step_batch.rollouts]} rows; "
-      "(n, R) tensors:", [f.name for f in dataclasses.fields(step_batch)
-                          if torch.is_tensor(getattr(step_batch, f.name)) and getattr(step_batch, f.name).dim() == 2])
+print(
+    f"{len(step_batch.rollouts)} micro-batch(es) of {[len(r.response_ids) for r in step_batch.rollouts]} rows; "
+    "(n, R) tensors:",
+    [
+        f.name
+        for f in dataclasses.fields(step_batch)
+        if torch.is_tensor(getattr(step_batch, f.name)) and getattr(step_batch, f.name).dim() == 2
+    ],
+)
 print("forwards that read each prompt once:", models.sampling.sharing.decided)
-for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("teacher_logps", teacher_logps),
-                   ("scores", scores)):
+for name, ours in (
+    ("response_mask", mask),
+    ("student_logps", student_logps),
+    ("teacher_logps", teacher_logps),
+    ("scores", scores),
+):
     theirs = getattr(step_batch, name)
     gap = (theirs - ours).abs().max().item()
     print(f"{name:14s} identical to the step-by-step calls: {torch.equal(theirs, ours)} (max |difference| {gap:.1e})")
@@ -199,17 +252,23 @@ for name, ours in (("response_mask", mask), ("student_logps", student_logps), ("
 
 # %%
 teacher_full = load_teacher(dataclasses.replace(args, teacher_4bit=False), dtype, device)
-print(f"full-precision teacher weights: {teacher_full.get_memory_footprint() / 1e6:.2f} MB "
-      f"(4-bit: {teacher.get_memory_footprint() / 1e6:.2f} MB; the embeddings and lm_head stay full precision)")
+print(
+    f"full-precision teacher weights: {teacher_full.get_memory_footprint() / 1e6:.2f} MB "
+    f"(4-bit: {teacher.get_memory_footprint() / 1e6:.2f} MB; the embeddings and lm_head stay full precision)"
+)
 with torch.no_grad():
     teacher_full_logps = response_logps(teacher_full, sampled, ignore_ids)
 scores_full = distill_scores(teacher_full_logps, student_logps, mask, args.score_clip)
 
 diff = (teacher_logps - teacher_full_logps)[valid].abs()
-print(f"|log p 4-bit - log p full| over {diff.numel()} tokens: mean {diff.mean():.4f}, "
-      f"median {diff.median():.4f}, max {diff.max():.4f} nats")
-print(f"score std: 4-bit {scores[valid].std():.4f}, full {scores_full[valid].std():.4f}; "
-      f"same sign of score on {(scores[valid].sign() == scores_full[valid].sign()).float().mean():.1%} of tokens")
+print(
+    f"|log p 4-bit - log p full| over {diff.numel()} tokens: mean {diff.mean():.4f}, "
+    f"median {diff.median():.4f}, max {diff.max():.4f} nats"
+)
+print(
+    f"score std: 4-bit {scores[valid].std():.4f}, full {scores_full[valid].std():.4f}; "
+    f"same sign of score on {(scores[valid].sign() == scores_full[valid].sign()).float().mean():.1%} of tokens"
+)
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))

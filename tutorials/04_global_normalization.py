@@ -54,16 +54,23 @@ from gndpo_minimal import (
 )
 
 scratch = tempfile.TemporaryDirectory()  # setup() wants an output folder; nothing is written to it here
-args = Args(prompts_per_step=8, max_train_samples=64,  # B = 8 prompts (the default run: 32) from the first 64 rows
-            learning_rate=0.0,  # AdamW at lr 0: the updates below measure the gradient, they do not train
-            num_eval_samples=0, output_dir=scratch.name, overwrite_output_dir=True)
+args = Args(
+    prompts_per_step=8,
+    max_train_samples=64,  # B = 8 prompts (the default run: 32) from the first 64 rows
+    learning_rate=0.0,  # AdamW at lr 0: the updates below measure the gradient, they do not train
+    num_eval_samples=0,
+    output_dir=scratch.name,
+    overwrite_output_dir=True,
+)
 with paths_from_root():
     run = setup(args)  # main()'s set-up: the LoRA student, the 4-bit teacher, the rows, AdamW and the step's Models
 accelerator, models, optimizer, scheduler = run.accelerator, run.models, run.optimizer, run.scheduler
 student, tokenizer = models.student, models.processor.tokenizer  # LoRA: only the adapter gets gradients
-print(f"B = {args.prompts_per_step} prompts x G = {args.num_generations} samples, micro_batch_size "
-      f"{args.micro_batch_size}: {accelerator.gradient_accumulation_steps} micro-batch(es) per update, "
-      f"{accelerator.num_processes} process")
+print(
+    f"B = {args.prompts_per_step} prompts x G = {args.num_generations} samples, micro_batch_size "
+    f"{args.micro_batch_size}: {accelerator.gradient_accumulation_steps} micro-batch(es) per update, "
+    f"{accelerator.num_processes} process"
+)
 
 # %% [markdown]
 # ## One batch: B prompts x G samples, scored by the teacher
@@ -83,8 +90,10 @@ mask, scores = batch.response_mask, batch.scores  # (n, R): real response tokens
 valid = mask.bool()
 raw = batch.teacher_logps - batch.student_logps  # (n, R) before the clamp
 outlier = valid & (raw.abs() >= args.score_clip)  # tokens the clamp cut
-print(f"{args.prompts_per_step} prompts x {args.num_generations} samples, {int(valid.sum())} valid tokens, "
-      f"{int(outlier.sum())} of them at the clamp (|teacher - student| >= {args.score_clip:g})")
+print(
+    f"{args.prompts_per_step} prompts x {args.num_generations} samples, {int(valid.sum())} valid tokens, "
+    f"{int(outlier.sum())} of them at the clamp (|teacher - student| >= {args.score_clip:g})"
+)
 
 # %% [markdown]
 # ## The same scores under each advantage mode
@@ -93,18 +102,25 @@ print(f"{args.prompts_per_step} prompts x {args.num_generations} samples, {int(v
 MODES = ("none", "global", "sequence", "group")  # OPD, GNDPO and the two local variants (center/scale are ablations)
 advantages = {mode: normalize_scores(scores, mask, mode, group_ids) for mode in MODES}
 names = {"none": "OPD (none)", "global": "GNDPO (global)", "sequence": "sequence", "group": "group"}
-print(f"generate_and_score's advantages (advantage_mode={args.advantage_mode!r}) equal these: "
-      f"{torch.equal(batch.advantages, advantages[args.advantage_mode])}")
+print(
+    f"generate_and_score's advantages (advantage_mode={args.advantage_mode!r}) equal these: "
+    f"{torch.equal(batch.advantages, advantages[args.advantage_mode])}"
+)
 
-stats = pd.DataFrame({
-    names[mode]: {
-        "mean": a[valid].mean().item(), "std": a[valid].std().item(), "min": a[valid].min().item(),
-        "max": a[valid].max().item(),
-        "mean |A| at the clamp": a[outlier].abs().mean().item() if outlier.any() else float("nan"),
-        "mean |A| elsewhere": a[valid & ~outlier].abs().mean().item(),
-        "share of sum |A| at the clamp": (a[outlier].abs().sum() / a[valid].abs().sum()).item(),
-    } for mode, a in advantages.items()
-}).T.round(3)
+stats = pd.DataFrame(
+    {
+        names[mode]: {
+            "mean": a[valid].mean().item(),
+            "std": a[valid].std().item(),
+            "min": a[valid].min().item(),
+            "max": a[valid].max().item(),
+            "mean |A| at the clamp": a[outlier].abs().mean().item() if outlier.any() else float("nan"),
+            "mean |A| elsewhere": a[valid & ~outlier].abs().mean().item(),
+            "share of sum |A| at the clamp": (a[outlier].abs().sum() / a[valid].abs().sum()).item(),
+        }
+        for mode, a in advantages.items()
+    }
+).T.round(3)
 stats
 
 # %%
@@ -114,8 +130,9 @@ for ax, (title, values) in zip(axes, panels):
     normal, out = values[valid & ~outlier].numpy(), values[outlier].numpy()
     lo, hi = values[valid].min().item(), values[valid].max().item()
     bins = np.linspace(lo, hi + 1e-6, 31)
-    ax.hist([normal, out], bins=bins, stacked=True, color=["#4c72b0", "#c44e52"],
-            label=["other tokens", "clamped tokens"])
+    ax.hist(
+        [normal, out], bins=bins, stacked=True, color=["#4c72b0", "#c44e52"], label=["other tokens", "clamped tokens"]
+    )
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.7)
     ax.set_title(title, fontsize=10)
@@ -138,14 +155,16 @@ response_ids = pad_cat([r.response_ids for r in batch.rollouts])  # (n, R): the 
 texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
 worst = raw.masked_fill(~valid, float("inf")).argmin(1)  # (n,): each response's lowest-scoring position
 firsts = range(0, len(prompts.prompts), G)
-pd.DataFrame({
-    "question": [prompts.prompts[i][0] for i in firsts],
-    "response": [texts[i] for i in firsts],
-    "distinct of G": [len(set(texts[i:i + G])) for i in firsts],
-    "lowest token": [tokenizer.decode(response_ids[i, worst[i]]) for i in firsts],
-    "teacher - student": [raw[i, worst[i]].item() for i in firsts],
-    **{f"A {names[mode]}": [advantages[mode][i, worst[i]].item() for i in firsts] for mode in MODES},
-}).round(3)
+pd.DataFrame(
+    {
+        "question": [prompts.prompts[i][0] for i in firsts],
+        "response": [texts[i] for i in firsts],
+        "distinct of G": [len(set(texts[i : i + G])) for i in firsts],
+        "lowest token": [tokenizer.decode(response_ids[i, worst[i]]) for i in firsts],
+        "teacher - student": [raw[i, worst[i]].item() for i in firsts],
+        **{f"A {names[mode]}": [advantages[mode][i, worst[i]].item() for i in firsts] for mode in MODES},
+    }
+).round(3)
 
 # %% [markdown]
 # Reading the histograms and the tables:
@@ -192,11 +211,17 @@ pd.DataFrame({
 # %%
 weights_before = {name: p.detach().clone() for name, p in student.named_parameters()}
 student.train()
-updates = {mode: update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv),
-                                args) for mode, adv in advantages.items()}
+updates = {
+    mode: update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv), args)
+    for mode, adv in advantages.items()
+}
 grad_norms = {mode: u["grad_norm"] for mode, u in updates.items()}
-pd.DataFrame({names[mode]: {key: u[key] for key in ("grad_norm", "loss", "ratio_mean", "clip_frac", "lr", "updates")}
-              for mode, u in updates.items()}).T.round(4)
+pd.DataFrame(
+    {
+        names[mode]: {key: u[key] for key in ("grad_norm", "loss", "ratio_mean", "clip_frac", "lr", "updates")}
+        for mode, u in updates.items()
+    }
+).T.round(4)
 
 # %% [markdown]
 # The gradient is linear in the advantages (at ratio 1 the clip never binds), so its size follows their scale.
@@ -210,13 +235,13 @@ factors = [0.25, 1.0, 4.0]
 def grad_norm_of_scaled(k, mode):
     """The pre-clip gradient norm of one update on the batch, its advantages those of the scores times k."""
     adv = normalize_scores(scores * k, mask, mode, group_ids)
-    update = update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv),
-                            args)
+    update = update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv), args)
     return update["grad_norm"]
 
 
-scaled = {mode: [grad_norms[mode] if k == 1 else grad_norm_of_scaled(k, mode) for k in factors]
-          for mode in ("none", "global")}
+scaled = {
+    mode: [grad_norms[mode] if k == 1 else grad_norm_of_scaled(k, mode) for k in factors] for mode in ("none", "global")
+}
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 labels = [names[m] for m in MODES]
@@ -248,8 +273,10 @@ print("GNDPO:", "  ".join(f"x{k:g}: {n:.4f}" for k, n in zip(factors, scaled["gl
 
 # %%
 moved = [name for name, p in student.named_parameters() if not torch.equal(p.detach(), weights_before[name])]
-print(f"{scheduler.last_epoch} AdamW steps at lr {scheduler.get_last_lr()[0]:g}: {len(moved)} of "
-      f"{len(weights_before)} parameter tensors changed")
+print(
+    f"{scheduler.last_epoch} AdamW steps at lr {scheduler.get_last_lr()[0]:g}: {len(moved)} of "
+    f"{len(weights_before)} parameter tensors changed"
+)
 assert not moved, moved
 
 # %% [markdown]
@@ -287,8 +314,15 @@ def base_of_the_student(teacher, rollout, ignore_ids):
         return response_logps(policy, rollout, ignore_ids)
 
 
-models = make_models(args, accelerator, models.processor, student, models.teacher, log=lambda m: None,
-                     teacher_forward=base_of_the_student)
+models = make_models(
+    args,
+    accelerator,
+    models.processor,
+    student,
+    models.teacher,
+    log=lambda m: None,
+    teacher_forward=base_of_the_student,
+)
 floors = (0.0, 0.1)
 self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args, score_std_floor=f)) for f in floors}
 
@@ -298,24 +332,34 @@ self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args,
 # pre-clip gradient norm, next to GNDPO's on the teacher's batch measured again at these (moved) weights:
 
 # %%
-self_norms = {f: update_student(models, optimizer, scheduler, accelerator, b, args)["grad_norm"]
-              for f, b in self_batches.items()}
+self_norms = {
+    f: update_student(models, optimizer, scheduler, accelerator, b, args)["grad_norm"] for f, b in self_batches.items()
+}
 distill_norm = update_student(models, optimizer, scheduler, accelerator, batch, args)["grad_norm"]  # same weights
 
 
 def stats_of(b, adv, norm):
     """The score and advantage statistics of a batch over its valid tokens, and its update's gradient norm."""
     v = b.response_mask.bool()
-    return {"score std": score_std(b.scores, b.response_mask), "score mean": b.scores[v].mean().item(),
-            "advantage mean": adv[v].double().mean().item(), "advantage std": adv[v].double().std().item(),
-            "std_floored": repr(b.std_floored), "grad_norm": norm}
+    return {
+        "score std": score_std(b.scores, b.response_mask),
+        "score mean": b.scores[v].mean().item(),
+        "advantage mean": adv[v].double().mean().item(),
+        "advantage std": adv[v].double().std().item(),
+        "std_floored": repr(b.std_floored),
+        "grad_norm": norm,
+    }
 
 
-summary = pd.DataFrame({
-    "distillation (the teacher batch above), GNDPO": stats_of(batch, batch.advantages, distill_norm),
-    **{f"self-distillation, score_std_floor={f:g}": stats_of(b, b.advantages, self_norms[f])
-       for f, b in self_batches.items()},
-})
+summary = pd.DataFrame(
+    {
+        "distillation (the teacher batch above), GNDPO": stats_of(batch, batch.advantages, distill_norm),
+        **{
+            f"self-distillation, score_std_floor={f:g}": stats_of(b, b.advantages, self_norms[f])
+            for f, b in self_batches.items()
+        },
+    }
+)
 summary.T.map(lambda x: f"{x:.3g}" if isinstance(x, float) else x)
 
 # %%
@@ -323,15 +367,23 @@ fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
 adv_of = {f: b.advantages[b.response_mask.bool()].numpy() for f, b in self_batches.items()}
 bins = np.linspace(min(a.min() for a in adv_of.values()), max(a.max() for a in adv_of.values()) + 1e-6, 41)
 for (f, a), color in zip(adv_of.items(), ("#c44e52", "#4c72b0")):
-    axes[0].hist(a, bins=bins, color=color, alpha=0.7,
-                 label=f"score_std_floor={f:g}: std {a.std(ddof=1):.3g}" + (" (floored)" if f else ""))
+    axes[0].hist(
+        a,
+        bins=bins,
+        color=color,
+        alpha=0.7,
+        label=f"score_std_floor={f:g}: std {a.std(ddof=1):.3g}" + (" (floored)" if f else ""),
+    )
 axes[0].set_yscale("log")
 axes[0].set_xlabel("advantage")
 axes[0].set_ylabel("tokens (log scale)")
 axes[0].set_title("Self-distillation advantages, same scores")
 axes[0].legend(fontsize=8)
-bars = {"distillation,\nGNDPO": distill_norm, "self-distillation,\nGNDPO": self_norms[0.0],
-        "self-distillation,\nfloor 0.1": self_norms[0.1]}
+bars = {
+    "distillation,\nGNDPO": distill_norm,
+    "self-distillation,\nGNDPO": self_norms[0.0],
+    "self-distillation,\nfloor 0.1": self_norms[0.1],
+}
 axes[1].bar(list(bars), list(bars.values()), color=["#8c8c8c", "#c44e52", "#4c72b0"])
 for i, norm in enumerate(bars.values()):
     axes[1].annotate(f"{norm:.3g}", (i, norm), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)

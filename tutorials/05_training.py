@@ -45,20 +45,22 @@ from matplotlib.ticker import MaxNLocator
 from gndpo_minimal import Args, main
 
 settings = dict(
-    max_steps=20,            # optimizer steps
-    prompts_per_step=8,      # B (the default is 32)
-    num_generations=4,       # G
-    micro_batch_size=32,     # all B x G sequences in one forward pass
-    max_train_samples=256,   # the first 256 rows of the train split on disk: the rows prompts are drawn from
-    num_eval_samples=64,     # the first 64 rows of the test split, for greedy accuracy ...
-    eval_steps=5,            # ... measured every 5 steps
-    save_steps=0,            # only the final checkpoint
+    max_steps=20,  # optimizer steps
+    prompts_per_step=8,  # B (the default is 32)
+    num_generations=4,  # G
+    micro_batch_size=32,  # all B x G sequences in one forward pass
+    max_train_samples=256,  # the first 256 rows of the train split on disk: the rows prompts are drawn from
+    num_eval_samples=64,  # the first 64 rows of the test split, for greedy accuracy ...
+    eval_steps=5,  # ... measured every 5 steps
+    save_steps=0,  # only the final checkpoint
 )
 defaults = Args()  # everything not in `settings` keeps the script's default
-print(f"student {os.path.relpath(defaults.student_model, ROOT)}, "
-      f"teacher {os.path.relpath(defaults.teacher_model, ROOT)} (4-bit: {defaults.teacher_4bit}), "
-      f"LoRA r={defaults.lora_r}, learning rate {defaults.learning_rate:g}, "
-      f"max_grad_norm {defaults.max_grad_norm:g}, loss {defaults.loss_type}")
+print(
+    f"student {os.path.relpath(defaults.student_model, ROOT)}, "
+    f"teacher {os.path.relpath(defaults.teacher_model, ROOT)} (4-bit: {defaults.teacher_4bit}), "
+    f"LoRA r={defaults.lora_r}, learning rate {defaults.learning_rate:g}, "
+    f"max_grad_norm {defaults.max_grad_norm:g}, loss {defaults.loss_type}"
+)
 
 
 def train(mode):
@@ -75,6 +77,7 @@ def train(mode):
     print("\n".join(lines))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return summary, pd.DataFrame([json.loads(line) for line in f])
+
 
 # %% [markdown]
 # ## Plain OPD: advantages = clamped scores
@@ -104,8 +107,21 @@ gndpo_summary, gndpo = train("global")
 #   it is in `summary.json`).
 
 # %%
-gndpo[["step", "reverse_kl", "score_mean", "score_std", "score_clamped_frac", "adv_std", "grad_norm",
-       "clip_frac", "logp_mismatch", "response_length"]].head(8).round(4)
+gndpo[
+    [
+        "step",
+        "reverse_kl",
+        "score_mean",
+        "score_std",
+        "score_clamped_frac",
+        "adv_std",
+        "grad_norm",
+        "clip_frac",
+        "logp_mismatch",
+        "response_length",
+    ]
+].head(8).round(4)
+
 
 # %%
 def accuracy_curve(summary, metrics):
@@ -139,18 +155,21 @@ fig.tight_layout()
 plt.show()
 
 # %%
-pd.DataFrame({
-    label: {
-        "teacher accuracy": summary["teacher_accuracy"],
-        "student accuracy before": summary["student_accuracy_before"],
-        "student accuracy after": summary["student_accuracy_after"],
-        "reverse KL, first 5 steps": metrics["reverse_kl"].head(5).mean(),
-        "reverse KL, last 5 steps": metrics["reverse_kl"].tail(5).mean(),
-        "grad norm median": metrics["grad_norm"].median(),
-        "grad norm max / median": metrics["grad_norm"].max() / metrics["grad_norm"].median(),
-        "steps clipped (grad norm > max_grad_norm)": int((metrics["grad_norm"] > defaults.max_grad_norm).sum()),
-    } for label, (summary, metrics, _) in runs.items()
-}).round(3)
+pd.DataFrame(
+    {
+        label: {
+            "teacher accuracy": summary["teacher_accuracy"],
+            "student accuracy before": summary["student_accuracy_before"],
+            "student accuracy after": summary["student_accuracy_after"],
+            "reverse KL, first 5 steps": metrics["reverse_kl"].head(5).mean(),
+            "reverse KL, last 5 steps": metrics["reverse_kl"].tail(5).mean(),
+            "grad norm median": metrics["grad_norm"].median(),
+            "grad norm max / median": metrics["grad_norm"].max() / metrics["grad_norm"].median(),
+            "steps clipped (grad norm > max_grad_norm)": int((metrics["grad_norm"] > defaults.max_grad_norm).sum()),
+        }
+        for label, (summary, metrics, _) in runs.items()
+    }
+).round(3)
 
 # %% [markdown]
 # **What just happened and why it matters.** Both runs drew the same prompts with the same seed and differ only

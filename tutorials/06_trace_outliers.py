@@ -62,23 +62,25 @@ settings = dict(
     student_model=os.path.join(TRACE, "student"),
     teacher_model=os.path.join(TRACE, "teacher"),
     dataset_name=os.path.join(TRACE, "data"),
-    max_new_tokens=38,       # the traces' longest (assets/trace/world.json)
-    require_think=True,      # well-formed = <think>...</think> then \boxed{}
-    max_steps=STEPS,         # optimizer steps
-    prompts_per_step=16,     # B (the default is 32)
-    num_generations=4,       # G
-    micro_batch_size=64,     # all B x G sequences in one forward pass
-    num_eval_samples=64,     # the first 64 rows of the test split, for greedy accuracy ...
-    eval_steps=STEPS // 3,   # ... measured three times
-    save_steps=0,            # only the final checkpoint
+    max_new_tokens=38,  # the traces' longest (assets/trace/world.json)
+    require_think=True,  # well-formed = <think>...</think> then \boxed{}
+    max_steps=STEPS,  # optimizer steps
+    prompts_per_step=16,  # B (the default is 32)
+    num_generations=4,  # G
+    micro_batch_size=64,  # all B x G sequences in one forward pass
+    num_eval_samples=64,  # the first 64 rows of the test split, for greedy accuracy ...
+    eval_steps=STEPS // 3,  # ... measured three times
+    save_steps=0,  # only the final checkpoint
 )
 CAPTURED = (1, settings["max_steps"] // 2, settings["max_steps"])  # start, middle, end
 tokenizer = AutoTokenizer.from_pretrained(settings["student_model"])
 eos_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
 defaults = Args()
-print(f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings['num_generations']} samples per step, "
-      f"{settings['max_steps']} steps, learning rate {defaults.learning_rate:g}, "
-      f"score clamp +-{defaults.score_clip:g}, max_grad_norm {defaults.max_grad_norm:g}; capturing steps {CAPTURED}")
+print(
+    f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings['num_generations']} samples per step, "
+    f"{settings['max_steps']} steps, learning rate {defaults.learning_rate:g}, "
+    f"score clamp +-{defaults.score_clip:g}, max_grad_norm {defaults.max_grad_norm:g}; capturing steps {CAPTURED}"
+)
 
 # %% [markdown]
 # ## Recording what each step used
@@ -93,6 +95,7 @@ print(f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings[
 # check on the first step found it equal) and `policy_loss` changes nothing in the run and lets us keep, at the captured
 # steps, the tokens, their scores (recomputed from the same log-probs with the script's `distill_scores`) and the
 # advantages exactly as the update saw them.
+
 
 # %%
 def train(mode):
@@ -109,7 +112,8 @@ def train(mode):
         if now["step"] in CAPTURED:
             kept = {k: getattr(rollout, k).cpu() for k in ("response_ids", "response_mask", "sampled_logps")}
             raw.setdefault(now["step"], {"micro_batches": [], "advantages": []})["micro_batches"].append(
-                kept | {"teacher": teacher_lp.cpu()})
+                kept | {"teacher": teacher_lp.cpu()}
+            )
         return teacher_lp
 
     def recording_loss(logps, old_logps, advantages, mask, *rest):
@@ -121,23 +125,34 @@ def train(mode):
     log, progress = io.StringIO(), io.StringIO()  # main()'s metrics lines and warnings: kept out of the page
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
-            summary = main(Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings),
-                           on_step=on_step, teacher_forward=recording_teacher_forward, loss_fn=recording_loss)
+            summary = main(
+                Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings),
+                on_step=on_step,
+                teacher_forward=recording_teacher_forward,
+                loss_fn=recording_loss,
+            )
     except Exception:
         print(log.getvalue()[-4000:], progress.getvalue()[-4000:], sep="\n")
         raise
-    print(f"{mode}: teacher accuracy {summary['teacher_accuracy']:.3f}; "
-          f"student {summary['student_accuracy_before']:.3f} "
-          f"-> {summary['student_accuracy_after']:.3f} (format {summary['student_format_rate_after']:.3f}) on "
-          f"{settings['num_eval_samples']} held-out rows, {summary['wall_seconds']:.0f} s")
+    print(
+        f"{mode}: teacher accuracy {summary['teacher_accuracy']:.3f}; "
+        f"student {summary['student_accuracy_before']:.3f} "
+        f"-> {summary['student_accuracy_after']:.3f} (format {summary['student_format_rate_after']:.3f}) on "
+        f"{settings['num_eval_samples']} held-out rows, {summary['wall_seconds']:.0f} s"
+    )
     captures = {}
     for step, r in raw.items():
         cat = lambda key, r=r: pad_cat([c[key] for c in r["micro_batches"]])  # micro-batches -> (n, R)
         mask = cat("response_mask")
-        captures[step] = {"ids": cat("response_ids"), "mask": mask.bool(), "advantages": pad_cat(r["advantages"]),
-                          "scores": distill_scores(cat("teacher"), cat("sampled_logps"), mask, defaults.score_clip)}
+        captures[step] = {
+            "ids": cat("response_ids"),
+            "mask": mask.bool(),
+            "advantages": pad_cat(r["advantages"]),
+            "scores": distill_scores(cat("teacher"), cat("sampled_logps"), mask, defaults.score_clip),
+        }
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return summary, pd.DataFrame([json.loads(line) for line in f]), captures
+
 
 # %% [markdown]
 # ## Plain OPD: advantages = clamped scores
@@ -152,8 +167,10 @@ opd_summary, opd, opd_cap = train("none")
 gndpo_summary, gndpo, gndpo_cap = train("global")
 same = torch.equal(opd_cap[1]["ids"], gndpo_cap[1]["ids"])
 print(f"step 1 sampled the same tokens in both runs (same seed, same starting student): {same}")
-print("OPD's advantages are its clamped scores:",
-      all(torch.equal(c["advantages"] * c["mask"], c["scores"]) for c in opd_cap.values()))
+print(
+    "OPD's advantages are its clamped scores:",
+    all(torch.equal(c["advantages"] * c["mask"], c["scores"]) for c in opd_cap.values()),
+)
 
 # %% [markdown]
 # ## Training curves
@@ -161,12 +178,16 @@ print("OPD's advantages are its clamped scores:",
 # `score_clamped_frac` is the share of sampled tokens whose score sits at the clamp (|teacher - student| >= 5):
 # the outlier states. The dashed line in the grad-norm panel is `max_grad_norm`: a step above it is cut back.
 
+
 # %%
 def accuracy_curve(summary, metrics):
     """(steps, accuracies): before training, every eval_steps, and after training."""
     evals = metrics.dropna(subset=["eval_accuracy"]) if "eval_accuracy" in metrics else metrics.iloc[:0]
-    return [0, *evals["step"], summary["steps"]], [summary["student_accuracy_before"], *evals["eval_accuracy"],
-                                                   summary["student_accuracy_after"]]
+    return [0, *evals["step"], summary["steps"]], [
+        summary["student_accuracy_before"],
+        *evals["eval_accuracy"],
+        summary["student_accuracy_after"],
+    ]
 
 
 runs = {"OPD (none)": (opd_summary, opd, "#c44e52"), "GNDPO (global)": (gndpo_summary, gndpo, "#4c72b0")}
@@ -183,8 +204,9 @@ axes[1].set(title="Gradient norm before clipping", ylabel="pre-clip grad norm", 
 axes[2].set(title="Tokens at the score clamp", ylabel="share of sampled tokens")
 axes[3].set(title="Mean response length", ylabel="tokens")
 axes[4].axhline(opd_summary["teacher_accuracy"], color="grey", ls=":", label="teacher")
-axes[4].set(title=f"Greedy accuracy ({settings['num_eval_samples']} held-out rows)", ylabel="accuracy",
-            ylim=(-0.02, 1.02))
+axes[4].set(
+    title=f"Greedy accuracy ({settings['num_eval_samples']} held-out rows)", ylabel="accuracy", ylim=(-0.02, 1.02)
+)
 for ax in axes:
     ax.set_xlabel("optimizer step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -193,22 +215,25 @@ fig.tight_layout()
 plt.show()
 
 # %%
-pd.DataFrame({
-    label: {
-        "student accuracy before": summary["student_accuracy_before"],
-        "student accuracy after": summary["student_accuracy_after"],
-        "format rate after": summary["student_format_rate_after"],
-        "reverse KL, first 5 steps": metrics["reverse_kl"].head(5).mean(),
-        "reverse KL, last 5 steps": metrics["reverse_kl"].tail(5).mean(),
-        "grad norm median": metrics["grad_norm"].median(),
-        "grad norm max": metrics["grad_norm"].max(),
-        "steps clipped (grad norm > max_grad_norm)": int((metrics["grad_norm"] > defaults.max_grad_norm).sum()),
-        "tokens at the clamp, first 5 -> last 5": f"{metrics['score_clamped_frac'].head(5).mean():.3f} -> "
-                                                  f"{metrics['score_clamped_frac'].tail(5).mean():.3f}",
-        "response length, first 5 -> last 5": f"{metrics['response_length'].head(5).mean():.1f} -> "
-                                              f"{metrics['response_length'].tail(5).mean():.1f}",
-    } for label, (summary, metrics, _) in runs.items()
-}).round(3)
+pd.DataFrame(
+    {
+        label: {
+            "student accuracy before": summary["student_accuracy_before"],
+            "student accuracy after": summary["student_accuracy_after"],
+            "format rate after": summary["student_format_rate_after"],
+            "reverse KL, first 5 steps": metrics["reverse_kl"].head(5).mean(),
+            "reverse KL, last 5 steps": metrics["reverse_kl"].tail(5).mean(),
+            "grad norm median": metrics["grad_norm"].median(),
+            "grad norm max": metrics["grad_norm"].max(),
+            "steps clipped (grad norm > max_grad_norm)": int((metrics["grad_norm"] > defaults.max_grad_norm).sum()),
+            "tokens at the clamp, first 5 -> last 5": f"{metrics['score_clamped_frac'].head(5).mean():.3f} -> "
+            f"{metrics['score_clamped_frac'].tail(5).mean():.3f}",
+            "response length, first 5 -> last 5": f"{metrics['response_length'].head(5).mean():.1f} -> "
+            f"{metrics['response_length'].tail(5).mean():.1f}",
+        }
+        for label, (summary, metrics, _) in runs.items()
+    }
+).round(3)
 
 # %% [markdown]
 # ## Advantage distributions at the start, middle and end of training
@@ -223,12 +248,20 @@ for row, (name, caps) in enumerate([("OPD (none)", opd_cap), ("GNDPO (global)", 
         c = caps[step]
         outlier = c["mask"] & (c["scores"].abs() >= defaults.score_clip)
         a = c["advantages"]
-        ax.hist([a[c["mask"] & ~outlier].numpy(), a[outlier].numpy()], bins=40, stacked=True,
-                color=["#4c72b0", "#c44e52"], label=["other tokens", "tokens at the clamp"])
+        ax.hist(
+            [a[c["mask"] & ~outlier].numpy(), a[outlier].numpy()],
+            bins=40,
+            stacked=True,
+            color=["#4c72b0", "#c44e52"],
+            label=["other tokens", "tokens at the clamp"],
+        )
         ax.set_yscale("log")
         ax.set_ylim(bottom=0.7)
-        ax.set_title(f"{name}, step {step}: std {a[c['mask']].std():.2f}, {int(outlier.sum())} of "
-                     f"{int(c['mask'].sum())} tokens at the clamp", fontsize=9)
+        ax.set_title(
+            f"{name}, step {step}: std {a[c['mask']].std():.2f}, {int(outlier.sum())} of "
+            f"{int(c['mask'].sum())} tokens at the clamp",
+            fontsize=9,
+        )
         ax.set_xlabel("advantage")
     axes[row][0].set_ylabel("tokens (log scale)")
 axes[0][-1].legend(fontsize=8)
@@ -243,9 +276,12 @@ def advantage_stats(caps):
         a, m = c["advantages"], c["mask"]
         outlier = m & (c["scores"].abs() >= defaults.score_clip)
         rows[f"step {step}"] = {
-            "score mean": c["scores"][m].mean().item(), "score std": c["scores"][m].std().item(),
-            "advantage mean": a[m].mean().item(), "advantage std": a[m].std().item(),
-            "advantage min": a[m].min().item(), "advantage max": a[m].max().item(),
+            "score mean": c["scores"][m].mean().item(),
+            "score std": c["scores"][m].std().item(),
+            "advantage mean": a[m].mean().item(),
+            "advantage std": a[m].std().item(),
+            "advantage min": a[m].min().item(),
+            "advantage max": a[m].max().item(),
             "share of tokens at the clamp": outlier.sum().item() / m.sum().item(),
             "share of sum |A| at the clamp": (a[outlier].abs().sum() / a[m].abs().sum()).item(),
         }
@@ -261,6 +297,7 @@ pd.concat({"OPD (none)": advantage_stats(opd_cap), "GNDPO (global)": advantage_s
 # `clamp(teacher_lp - student_lp, -5, 5)`, which is OPD's advantage, and the dots are GNDPO's advantage for the same
 # token. Below it, a response of the last step of each run.
 
+
 # %%
 def draw_trace(ax, cap, i, title, other=None):
     """Bars: the scores of response i of a capture, labelled by token; dots: another mode's advantages."""
@@ -269,8 +306,11 @@ def draw_trace(ax, cap, i, title, other=None):
     x = np.arange(len(ids))
     colors = ["#c44e52" if abs(s) >= defaults.score_clip else "#4c72b0" if s < 0 else "#55a868" for s in scores]
     ax.bar(x, scores, color=colors)
-    handles = [Patch(color="#c44e52", label="score at the clamp"), Patch(color="#4c72b0", label="negative score"),
-               Patch(color="#55a868", label="positive score")]
+    handles = [
+        Patch(color="#c44e52", label="score at the clamp"),
+        Patch(color="#4c72b0", label="negative score"),
+        Patch(color="#55a868", label="positive score"),
+    ]
     low = scores.min()
     if other is not None:
         adv = other["advantages"][i][m].numpy()
@@ -296,14 +336,24 @@ first = worst_response(opd_cap[1])
 last = CAPTURED[-1]
 fig, axes = plt.subplots(3, 1, figsize=(15, 10.5))
 draw_trace(axes[0], opd_cap[1], first, "step 1: a response with outlier states (red bars: at the clamp)", gndpo_cap[1])
-draw_trace(axes[1], opd_cap[last], worst_response(opd_cap[last]), f"OPD run, step {last}: its response with the most "
-           "tokens at the clamp (bars: scores = advantages)")
-draw_trace(axes[2], gndpo_cap[last], worst_response(gndpo_cap[last]), f"GNDPO run, step {last}: its response with "
-           "the most tokens at the clamp (bars: scores; dots: advantages)", gndpo_cap[last])
+draw_trace(
+    axes[1],
+    opd_cap[last],
+    worst_response(opd_cap[last]),
+    f"OPD run, step {last}: its response with the most tokens at the clamp (bars: scores = advantages)",
+)
+draw_trace(
+    axes[2],
+    gndpo_cap[last],
+    worst_response(gndpo_cap[last]),
+    f"GNDPO run, step {last}: its response with the most tokens at the clamp (bars: scores; dots: advantages)",
+    gndpo_cap[last],
+)
 fig.tight_layout()
 plt.show()
-print("step-1 response:",
-      tokenizer.decode(opd_cap[1]["ids"][first][opd_cap[1]["mask"][first]], skip_special_tokens=True))
+print(
+    "step-1 response:", tokenizer.decode(opd_cap[1]["ids"][first][opd_cap[1]["mask"][first]], skip_special_tokens=True)
+)
 
 # %% [markdown]
 # **What to look for.**

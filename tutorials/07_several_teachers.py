@@ -53,9 +53,16 @@ from gndpo_minimal import generate_and_score, normalize_scores, parse_args, setu
 recipe = parse_args([os.path.join(ROOT, "recipes", "tiny_two_teachers.yaml")])  # the recipe's paths: from ROOT
 teachers = ",".join(f"{name}={os.path.join(ROOT, path)}" for name, path in teacher_paths(recipe).items())
 scratch = tempfile.TemporaryDirectory()  # setup() wants an output folder; nothing is written to it here
-args = dataclasses.replace(recipe, student_model=os.path.join(ROOT, recipe.student_model), teacher_model=teachers,
-                           dataset_name=os.path.join(ROOT, recipe.dataset_name), max_train_samples=256,
-                           num_eval_samples=0, output_dir=scratch.name, overwrite_output_dir=True)
+args = dataclasses.replace(
+    recipe,
+    student_model=os.path.join(ROOT, recipe.student_model),
+    teacher_model=teachers,
+    dataset_name=os.path.join(ROOT, recipe.dataset_name),
+    max_train_samples=256,
+    num_eval_samples=0,
+    output_dir=scratch.name,
+    overwrite_output_dir=True,
+)
 with paths_from_root():
     run = setup(args)  # main()'s set-up: the student, {name: 4-bit teacher}, the rows, the optimizer, the Models
 print({name: type(model).__name__ for name, model in run.models.teacher.items()})
@@ -75,8 +82,10 @@ names, ids = batch.extra["teacher_names"], batch.extra["teacher_ids"]  # K names
 mask, scores = batch.response_mask, batch.scores  # (n, R)
 valid = mask.bool()
 of = {name: valid & (ids == k)[:, None] for k, name in enumerate(names)}  # (n, R) each teacher's valid tokens
-print(f"{len(prompts.prompts)} rows: " + ", ".join(f"{name} {int((ids == k).sum())} rows, {int(of[name].sum())} "
-                                                   f"tokens" for k, name in enumerate(names)))
+print(
+    f"{len(prompts.prompts)} rows: "
+    + ", ".join(f"{name} {int((ids == k).sum())} rows, {int(of[name].sum())} tokens" for k, name in enumerate(names))
+)
 
 # %% [markdown]
 # ## The scores per teacher
@@ -86,11 +95,18 @@ print(f"{len(prompts.prompts)} rows: " + ", ".join(f"{name} {int((ids == k).sum(
 
 # %%
 kl = batch.student_logps - batch.teacher_logps
-score_table = pd.DataFrame({
-    name: {"tokens": int(m.sum()), "score mean": scores[m].mean().item(), "score std": scores[m].std().item(),
-           "reverse KL": kl[m].mean().item(), "share at the clamp": (scores[m].abs() >= args.score_clip).float().mean()
-           .item()} for name, m in of.items()
-}).T.round(3)
+score_table = pd.DataFrame(
+    {
+        name: {
+            "tokens": int(m.sum()),
+            "score mean": scores[m].mean().item(),
+            "score std": scores[m].std().item(),
+            "reverse KL": kl[m].mean().item(),
+            "share at the clamp": (scores[m].abs() >= args.score_clip).float().mean().item(),
+        }
+        for name, m in of.items()
+    }
+).T.round(3)
 score_table
 
 # %%
@@ -98,8 +114,12 @@ fig, ax = plt.subplots(figsize=(7, 3.6))
 bins = np.linspace(-args.score_clip, args.score_clip + 1e-6, 41)
 for name, m in of.items():
     ax.hist(scores[m].numpy(), bins=bins, alpha=0.55, label=f"{name} expert (std {scores[m].std():.2f})")
-ax.set(yscale="log", xlabel="clamped score  log p_teacher - log p_student", ylabel="tokens (log scale)",
-       title="One step's scores, by the teacher that scored them")
+ax.set(
+    yscale="log",
+    xlabel="clamped score  log p_teacher - log p_student",
+    ylabel="tokens (log scale)",
+    title="One step's scores, by the teacher that scored them",
+)
 ax.legend()
 fig.tight_layout()
 plt.show()
@@ -116,15 +136,20 @@ advantages = {
     "global": normalize_scores(scores, mask, "global"),
     "per_teacher": normalize_scores(scores, mask, "per_teacher", teacher_ids=ids, num_teachers=len(names)),
 }
-print(f"the step's own advantages ({args.advantage_mode}) equal normalize_scores': "
-      f"{torch.equal(batch.advantages, advantages[args.advantage_mode])}")
+print(
+    f"the step's own advantages ({args.advantage_mode}) equal normalize_scores': "
+    f"{torch.equal(batch.advantages, advantages[args.advantage_mode])}"
+)
 rows = {}
 for mode, a in advantages.items():
     total = a[valid].abs().sum()
     for name, m in of.items():
-        rows[(mode, name)] = {"advantage mean": a[m].mean().item(), "advantage std": a[m].std().item(),
-                              "share of sum |A|": (a[m].abs().sum() / total).item(),
-                              "share of tokens": (m.sum() / valid.sum()).item()}
+        rows[(mode, name)] = {
+            "advantage mean": a[m].mean().item(),
+            "advantage std": a[m].std().item(),
+            "share of sum |A|": (a[m].abs().sum() / total).item(),
+            "share of tokens": (m.sum() / valid.sum()).item(),
+        }
 pd.DataFrame(rows).T.round(3)
 
 # %%

@@ -25,8 +25,15 @@ def token_grid(ax, tokenizer, eos_ids, ids, mask, values, title, cmap, vmin, vma
     for (i, t), token_id in np.ndenumerate(ids.numpy()):
         if mask[i, t]:
             r, g, b, _ = im.cmap(im.norm(shown[i, t]))
-            ax.text(t, i, token_label(tokenizer, int(token_id), eos_ids), ha="center", va="center", fontsize=8,
-                    color="black" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "white")  # dark text on light cells
+            ax.text(
+                t,
+                i,
+                token_label(tokenizer, int(token_id), eos_ids),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="black" if 0.3 * r + 0.6 * g + 0.1 * b > 0.5 else "white",
+            )  # dark text on light cells
     ax.set_xlabel("response position")
     ax.set_ylabel("sample (prompt x G)")
     ax.set_title(title)

@@ -27,11 +27,27 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(special_tokens: list[str], chat_template: str, *, eos_token: str, pad_token: str,
-                    bos_token: str | None = None, vocab_size: int = 400, extra: dict | None = None):
+def train_tokenizer(
+    special_tokens: list[str],
+    chat_template: str,
+    *,
+    eos_token: str,
+    pad_token: str,
+    bos_token: str | None = None,
+    vocab_size: int = 400,
+    extra: dict | None = None,
+):
     """The family's tokenizer: the worlds' byte-level BPE trained on CORPUS with the family's special tokens."""
-    return train_bpe(CORPUS, special_tokens, chat_template, vocab_size=vocab_size, eos_token=eos_token,
-                     pad_token=pad_token, bos_token=bos_token, **(extra or {}))
+    return train_bpe(
+        CORPUS,
+        special_tokens,
+        chat_template,
+        vocab_size=vocab_size,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        bos_token=bos_token,
+        **(extra or {}),
+    )
 
 
 def save_pair(out: str, make_model: Callable[[str], object], processor) -> str:
@@ -73,16 +89,46 @@ def build_qwen2_5_vl(out: str) -> str:
 # then InternVL's <img> </img> <IMG_CONTEXT> (151669..151671; config.image_token_id = 151671) <quad> .. </box>
 # and <video> (151678). Qwen3's tool and think tags (among its ids there) are added but not special, so they
 # stay in decoded text: the stand-in adds them last, as plain tokens.
-INTERNVL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<|fim_prefix|>",
-                    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-                    "<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>",
-                    "<video>"]
+INTERNVL_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+]
 INTERNVL_PLAIN = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 # The processor reads these names from the tokenizer (tokenizer_config.json's extra_special_tokens).
-INTERNVL_NAMED = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
-                  "video_token": "<video>"}
+INTERNVL_NAMED = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
 # The -HF checkpoints' chat template: ChatML, no default system turn, each image as '<IMG_CONTEXT>\n' in place.
 INTERNVL_CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
@@ -109,16 +155,30 @@ INTERNVL_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=
 def internvl_processor():
     from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
 
-    tokenizer = train_tokenizer(INTERNVL_SPECIAL, INTERNVL_CHAT_TEMPLATE, eos_token="<|im_end|>",
-                                pad_token="<|endoftext|>", extra={"extra_special_tokens": INTERNVL_NAMED})
+    tokenizer = train_tokenizer(
+        INTERNVL_SPECIAL,
+        INTERNVL_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra={"extra_special_tokens": INTERNVL_NAMED},
+    )
     tokenizer.add_tokens(INTERNVL_PLAIN, special_tokens=False)
-    image_processor = GotOcr2ImageProcessor(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
-                                            crop_to_patches=True, min_patches=1, max_patches=INTERNVL_MAX_TILES,
-                                            image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    image_processor = GotOcr2ImageProcessor(
+        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=INTERNVL_MAX_TILES,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+    )
     seq = int((INTERNVL_TILE // INTERNVL_PATCH * INTERNVL_DOWNSAMPLE) ** 2)  # <IMG_CONTEXT> tokens per tile
-    return InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                             video_processor=InternVLVideoProcessor(), image_seq_length=seq,
-                             chat_template=INTERNVL_CHAT_TEMPLATE)
+    return InternVLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(),
+        image_seq_length=seq,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
 
 
 def build_internvl(out: str) -> str:
@@ -131,15 +191,28 @@ def build_internvl(out: str) -> str:
     def make_model(size: str):
         hidden, layers, heads, kv_heads, head_dim = INTERNVL_TEXT[size]
         config = InternVLConfig(
-            text_config=dict(model_type="qwen3", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             head_dim=head_dim, max_position_embeddings=1024, tie_word_embeddings=False,
-                             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                             pad_token_id=ids["<|endoftext|>"]),
-            vision_config=dict(**INTERNVL_VISION, image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH,
-                               attention_bias=True),
-            image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=processor.image_seq_length,
-            downsample_ratio=INTERNVL_DOWNSAMPLE, tie_word_embeddings=False,
+            text_config=dict(
+                model_type="qwen3",
+                vocab_size=len(tok),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=1024,
+                tie_word_embeddings=False,
+                bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"],
+            ),
+            vision_config=dict(
+                **INTERNVL_VISION, image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH, attention_bias=True
+            ),
+            image_token_id=ids["<IMG_CONTEXT>"],
+            image_seq_length=processor.image_seq_length,
+            downsample_ratio=INTERNVL_DOWNSAMPLE,
+            tie_word_embeddings=False,
         )
         model = InternVLForConditionalGeneration(config)
         model.generation_config.eos_token_id = ids["<|im_end|>"]
@@ -169,14 +242,36 @@ def build_internvl(out: str) -> str:
 # published tokenizer, config.image_token_id) and <end_of_utterance> (49279, the end token). The published
 # tokenizer also holds 88 <|reserved_special_token_k|> between <image> and <end_of_utterance>; the stand-in
 # leaves those unused tokens out.
-SMOLVLM_SPECIAL = (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>",
-                    "<filename>", "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>",
-                    "<jupyter_start>", "<jupyter_text>", "<jupyter_code>", "<jupyter_output>", "<jupyter_script>",
-                    "<empty_output>", "<global-img>"]
-                   + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-                   + ["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
-SMOLVLM_NAMED = {"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
-                 "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+SMOLVLM_SPECIAL = (
+    [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<repo_name>",
+        "<reponame>",
+        "<file_sep>",
+        "<filename>",
+        "<gh_stars>",
+        "<issue_start>",
+        "<issue_comment>",
+        "<issue_closed>",
+        "<jupyter_start>",
+        "<jupyter_text>",
+        "<jupyter_code>",
+        "<jupyter_output>",
+        "<jupyter_script>",
+        "<empty_output>",
+        "<global-img>",
+    ]
+    + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    + ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+)
+SMOLVLM_NAMED = {
+    "fake_image_token": "<fake_token_around_image>",
+    "image_token": "<image>",
+    "global_image_token": "<global-img>",
+    "end_of_utterance_token": "<end_of_utterance>",
+}
 # The published chat template (chat_template.json): 'User:' directly followed by the image when the turn
 # starts with one, '<end_of_utterance>\n' after each turn, and 'Assistant:' (no space) as generation prompt.
 SMOLVLM_CHAT_TEMPLATE = (
@@ -200,16 +295,29 @@ SMOLVLM_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2
 def smolvlm_processor():
     from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
 
-    tokenizer = train_tokenizer(SMOLVLM_SPECIAL, SMOLVLM_CHAT_TEMPLATE, eos_token="<end_of_utterance>",
-                                pad_token="<|im_end|>", bos_token="<|im_start|>",
-                                extra={"unk_token": "<|endoftext|>", "extra_special_tokens": SMOLVLM_NAMED})
-    image_processor = SmolVLMImageProcessor(size={"longest_edge": SMOLVLM_LONGEST},
-                                            max_image_size={"longest_edge": SMOLVLM_TILE}, do_image_splitting=True,
-                                            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    tokenizer = train_tokenizer(
+        SMOLVLM_SPECIAL,
+        SMOLVLM_CHAT_TEMPLATE,
+        eos_token="<end_of_utterance>",
+        pad_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        extra={"unk_token": "<|endoftext|>", "extra_special_tokens": SMOLVLM_NAMED},
+    )
+    image_processor = SmolVLMImageProcessor(
+        size={"longest_edge": SMOLVLM_LONGEST},
+        max_image_size={"longest_edge": SMOLVLM_TILE},
+        do_image_splitting=True,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
     seq = (SMOLVLM_TILE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE**2  # <image> tokens per tile
-    return SmolVLMProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                            video_processor=SmolVLMVideoProcessor(), image_seq_len=seq,
-                            chat_template=SMOLVLM_CHAT_TEMPLATE)
+    return SmolVLMProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=SmolVLMVideoProcessor(),
+        image_seq_len=seq,
+        chat_template=SMOLVLM_CHAT_TEMPLATE,
+    )
 
 
 def build_smolvlm(out: str) -> str:
@@ -222,13 +330,26 @@ def build_smolvlm(out: str) -> str:
     def make_model(size: str):
         hidden, layers, heads, kv_heads, head_dim = SMOLVLM_TEXT[size]
         config = SmolVLMConfig(
-            text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             head_dim=head_dim, max_position_embeddings=1024, rope_theta=100000.0,
-                             tie_word_embeddings=False, bos_token_id=ids["<|im_start|>"],
-                             eos_token_id=ids["<end_of_utterance>"], pad_token_id=ids["<|im_end|>"]),
+            text_config=dict(
+                model_type="llama",
+                vocab_size=len(tok),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=1024,
+                rope_theta=100000.0,
+                tie_word_embeddings=False,
+                bos_token_id=ids["<|im_start|>"],
+                eos_token_id=ids["<end_of_utterance>"],
+                pad_token_id=ids["<|im_end|>"],
+            ),
             vision_config=dict(**SMOLVLM_VISION, image_size=SMOLVLM_TILE, patch_size=SMOLVLM_PATCH),
-            scale_factor=SMOLVLM_SCALE, image_token_id=ids["<image>"], tie_word_embeddings=False,
+            scale_factor=SMOLVLM_SCALE,
+            image_token_id=ids["<image>"],
+            tie_word_embeddings=False,
         )
         model = SmolVLMForConditionalGeneration(config)
         model.generation_config.eos_token_id = ids["<end_of_utterance>"]
@@ -244,8 +365,16 @@ def build_smolvlm(out: str) -> str:
 
 # The special tokens both families' tokenizers carry (as in the published ones); <think> and </think> are
 # plain added tokens there (not special: decoding keeps them, so a <think>...</think> answer survives).
-QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 QWEN_THINK_TOKENS = ["<think>", "</think>"]
 
 
@@ -271,8 +400,13 @@ def qwen_chat_template(generation_suffix: str = "") -> str:
 
 def qwen_tokenizer(chat_template: str):
     """Byte-level BPE with the Qwen special tokens; eos <|im_end|>, pad <|endoftext|> (as published)."""
-    tokenizer = train_tokenizer(QWEN_SPECIAL_TOKENS, chat_template, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                extra={"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
+    tokenizer = train_tokenizer(
+        QWEN_SPECIAL_TOKENS,
+        chat_template,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra={"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]},
+    )
     tokenizer.add_tokens(QWEN_THINK_TOKENS)  # not special, as in the published tokenizers
     return tokenizer
 
@@ -283,18 +417,32 @@ def qwen3_vl_processor(tokenizer, chat_template: str, image_size: int = 128):
     tokens (one per 2 x 2 merged patches, i.e. per 32 x 32 pixels)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
-                                            min_pixels=32 * 32, max_pixels=image_size * image_size,
-                                            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                            video_processor=Qwen3VLVideoProcessor(), chat_template=chat_template)
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=32 * 32,
+        max_pixels=image_size * image_size,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    return Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(),
+        chat_template=chat_template,
+    )
 
 
 def qwen_token_ids(tokenizer) -> dict:
     """The image/video/vision ids of the config, read from the tokenizer (the published configs name them)."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
 
 
 # Neither family's published text_config names a pad_token_id, and the stand-ins must not either: it would make
@@ -302,8 +450,10 @@ def qwen_token_ids(tokenizer) -> dict:
 # inert in every layer whether or not the model masks it; with a real (non-zero) pad embedding it is not.
 def qwen_generation_config(model, tokenizer) -> None:
     """End at <|im_end|> or <|endoftext|>, pad with <|endoftext|>: the published generation_config.json."""
-    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                            tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config.eos_token_id = [
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    ]
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
 
@@ -329,15 +479,32 @@ def build_qwen3_vl(out: str) -> str:
         # rest to t; the sections (t, h, w) sum to head_dim / 2 = 16 (published: [24, 20, 20] of 64)
         rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
         config = Qwen3VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             head_dim=head_dim, max_position_embeddings=4096, rope_parameters=rope,
-                             bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>")),
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                max_position_embeddings=4096,
+                rope_parameters=rope,
+                bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            ),
             # 8 x 8 learned position grid (published: 48 x 48 = 2304), bilinearly resampled to each image's grid
-            vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
-                               out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                               num_position_embeddings=64, deepstack_visual_indexes=deepstack),
+            vision_config=dict(
+                depth=v_depth,
+                hidden_size=v_hidden,
+                intermediate_size=2 * v_hidden,
+                num_heads=4,
+                out_hidden_size=hidden,
+                patch_size=16,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=deepstack,
+            ),
             tie_word_embeddings=size == "student",  # as published: the 2B ties its embeddings, the 8B does not
             **qwen_token_ids(tokenizer),
         )
@@ -355,8 +522,18 @@ def build_qwen3_vl(out: str) -> str:
 # The special tokens of the real Gemma 3 tokenizer that the pipeline meets, in the order that gives them the
 # real ids of the first five (<pad> 0, <eos> 1, <bos> 2); the others get small ids here (the real ones are
 # 105/106 for the turns, 255999/256000 for the image brackets and 262144 for the soft token).
-GEMMA3_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
-                  "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_SPECIAL = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
 
 # The Gemma 3 instruction format: <bos>, then "<start_of_turn>user\n ... <end_of_turn>\n" and
 # "<start_of_turn>model\n ... <end_of_turn>\n" turns (the assistant role is called "model"); a system message
@@ -413,22 +590,35 @@ def build_gemma3(out: str) -> str:
     #    (<image_soft_token>, the 256 tokens the processor puts in its place). Its eos_token is <eos>; a
     #    response ends with <end_of_turn>, which the generation config lists as a second end token.
     image_names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-    tokenizer = train_tokenizer(GEMMA3_SPECIAL, GEMMA3_CHAT_TEMPLATE, eos_token="<eos>", pad_token="<pad>",
-                                bos_token="<bos>", extra={"unk_token": "<unk>", "mask_token": "<mask>",
-                                                          "extra_special_tokens": image_names})
+    tokenizer = train_tokenizer(
+        GEMMA3_SPECIAL,
+        GEMMA3_CHAT_TEMPLATE,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        extra={"unk_token": "<unk>", "mask_token": "<mask>", "extra_special_tokens": image_names},
+    )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL}
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", ids["<bos>"])])
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", ids["<bos>"])]
+    )
 
     # 2. Processor: resizes every image to a square (no pan-and-scan crops), scales to [-1, 1]; in the text each
     #    <start_of_image> becomes "\n\n<start_of_image>" + 16 x <image_soft_token> + "<end_of_image>\n\n". Its
     #    outputs: input_ids, attention_mask (n, P ~ 40-60), pixel_values (images, 3, 64, 64) and token_type_ids
     #    (n, P: 1 on the soft tokens only), which the model needs to attend bidirectionally within an image.
-    image_processor = Gemma3ImageProcessor(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
-                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-                                           do_pan_and_scan=False)
-    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=GEMMA3_IMAGE_TOKENS)
+    image_processor = Gemma3ImageProcessor(
+        size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        do_pan_and_scan=False,
+    )
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+    )
 
     # 3. Model: SigLIP tower (images, 64 patches, vision hidden) -> projector: 2 x 2 average pool, RMS norm and a
     #    matrix -> (images, 16, text hidden), written over the soft tokens' embeddings -> Gemma 3 text model
@@ -442,18 +632,42 @@ def build_gemma3(out: str) -> str:
         # shorter than a prompt and than the tests' longest responses, and both layer types in each model, so the
         # window's mask and cache are exercised, also for a response read on a cached prompt.
         layer_types = ["sliding_attention"] * (2 if big else 1) + ["full_attention"]
-        text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                    num_hidden_layers=len(layer_types), layer_types=layer_types, num_attention_heads=heads,
-                    num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-                    sliding_window=8, max_position_embeddings=1024, pad_token_id=ids["<pad>"],
-                    eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
-        vision = dict(model_type="siglip_vision_model", hidden_size=2 * 32 if big else 32,
-                      intermediate_size=4 * 32 if big else 2 * 32, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, vision_use_head=False)
+        text = dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=len(layer_types),
+            layer_types=layer_types,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=8,
+            max_position_embeddings=1024,
+            pad_token_id=ids["<pad>"],
+            eos_token_id=ids["<eos>"],
+            bos_token_id=ids["<bos>"],
+        )
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=2 * 32 if big else 32,
+            intermediate_size=4 * 32 if big else 2 * 32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=GEMMA3_IMAGE_SIZE,
+            patch_size=GEMMA3_PATCH,
+            vision_use_head=False,
+        )
         end_ids = [ids["<eos>"], ids["<end_of_turn>"]]
-        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
-                              boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
-                              image_token_index=ids["<image_soft_token>"], eos_token_id=end_ids)
+        config = Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+            boi_token_index=ids["<start_of_image>"],
+            eoi_token_index=ids["<end_of_image>"],
+            image_token_index=ids["<image_soft_token>"],
+            eos_token_id=end_ids,
+        )
         model = Gemma3ForConditionalGeneration(config)
         # The projector's matrix starts at zero (a checkpoint always carries trained values): left so, the image
         # would not reach the language model at all.
@@ -461,8 +675,14 @@ def build_gemma3(out: str) -> str:
             model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
         # As published: both end tokens, and sampling defaults (top_k 64, top_p 0.95) that on-policy sampling
         # must override.
-        model.generation_config = GenerationConfig(bos_token_id=ids["<bos>"], pad_token_id=ids["<pad>"],
-                                                   eos_token_id=end_ids, do_sample=True, top_k=64, top_p=0.95)
+        model.generation_config = GenerationConfig(
+            bos_token_id=ids["<bos>"],
+            pad_token_id=ids["<pad>"],
+            eos_token_id=end_ids,
+            do_sample=True,
+            top_k=64,
+            top_p=0.95,
+        )
         return model
 
     return save_pair(out, make_model, processor)
@@ -489,28 +709,56 @@ def build_qwen3_5(out: str) -> str:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     # the published template opens a thinking block after the generation prompt unless enable_thinking=False
-    template = qwen_chat_template("{%- if enable_thinking is defined and enable_thinking is false %}"
-                                  "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}")
+    template = qwen_chat_template(
+        "{%- if enable_thinking is defined and enable_thinking is false %}"
+        "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    )
     tokenizer = qwen_tokenizer(template)
     processor = qwen3_vl_processor(tokenizer, template)
 
     def make_model(size: str):
-        (hidden, layers, interval, heads, kv_heads, head_dim, lin_k, lin_v, lin_dim, v_hidden,
-         v_depth) = QWEN3_5_SIZES[size]
+        (hidden, layers, interval, heads, kv_heads, head_dim, lin_k, lin_v, lin_dim, v_hidden, v_depth) = QWEN3_5_SIZES[
+            size
+        ]
         # rotary over head_dim * 0.25 = 8 dims = 4 frequencies, split (t, h, w) = (2, 1, 1) and interleaved
         # (published: 64 of 256 dims, sections [11, 11, 10])
-        rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
         config = Qwen3_5Config(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, full_attention_interval=interval,
-                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                             linear_num_key_heads=lin_k, linear_num_value_heads=lin_v, linear_key_head_dim=lin_dim,
-                             linear_value_head_dim=lin_dim, linear_conv_kernel_dim=4, max_position_embeddings=4096,
-                             rope_parameters=rope, eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>")),
-            vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
-                               out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                               num_position_embeddings=64),
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                full_attention_interval=interval,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                linear_num_key_heads=lin_k,
+                linear_num_value_heads=lin_v,
+                linear_key_head_dim=lin_dim,
+                linear_value_head_dim=lin_dim,
+                linear_conv_kernel_dim=4,
+                max_position_embeddings=4096,
+                rope_parameters=rope,
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            ),
+            vision_config=dict(
+                depth=v_depth,
+                hidden_size=v_hidden,
+                intermediate_size=2 * v_hidden,
+                num_heads=4,
+                out_hidden_size=hidden,
+                patch_size=16,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                num_position_embeddings=64,
+            ),
             tie_word_embeddings=size == "student",  # as published: the 2B ties its embeddings, the 9B does not
             **qwen_token_ids(tokenizer),
         )
@@ -534,17 +782,25 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2_5_vl": Family(build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration",
-                         "Qwen/Qwen2.5-VL-3B-Instruct / Qwen/Qwen2.5-VL-7B-Instruct"),
-    "internvl": Family(build_internvl, "InternVLForConditionalGeneration",
-                       "OpenGVLab/InternVL3_5-1B-HF / OpenGVLab/InternVL3_5-8B-HF"),
+    "qwen2_5_vl": Family(
+        build_qwen2_5_vl,
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen/Qwen2.5-VL-3B-Instruct / Qwen/Qwen2.5-VL-7B-Instruct",
+    ),
+    "internvl": Family(
+        build_internvl, "InternVLForConditionalGeneration", "OpenGVLab/InternVL3_5-1B-HF / OpenGVLab/InternVL3_5-8B-HF"
+    ),
     # 256M and 500M share the tokenizer and the image processing (512-pixel tiles, 64 tokens each); the 2.2B
     # shares the tokenizer only (384-pixel tiles, 81 tokens): the student's processor would feed it wrong images.
-    "smolvlm": Family(build_smolvlm, "SmolVLMForConditionalGeneration",
-                      "HuggingFaceTB/SmolVLM2-256M-Video-Instruct / HuggingFaceTB/SmolVLM2-500M-Video-Instruct"),
+    "smolvlm": Family(
+        build_smolvlm,
+        "SmolVLMForConditionalGeneration",
+        "HuggingFaceTB/SmolVLM2-256M-Video-Instruct / HuggingFaceTB/SmolVLM2-500M-Video-Instruct",
+    ),
     "gemma3": Family(build_gemma3, "Gemma3ForConditionalGeneration", "google/gemma-3-4b-it / google/gemma-3-12b-it"),
-    "qwen3_vl": Family(build_qwen3_vl, "Qwen3VLForConditionalGeneration",
-                       "Qwen/Qwen3-VL-2B-Instruct / Qwen/Qwen3-VL-8B-Instruct"),
+    "qwen3_vl": Family(
+        build_qwen3_vl, "Qwen3VLForConditionalGeneration", "Qwen/Qwen3-VL-2B-Instruct / Qwen/Qwen3-VL-8B-Instruct"
+    ),
     "qwen3_5": Family(build_qwen3_5, "Qwen3_5ForConditionalGeneration", "Qwen/Qwen3.5-2B / Qwen/Qwen3.5-9B"),
 }
 

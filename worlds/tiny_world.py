@@ -69,8 +69,15 @@ QUESTIONS = {
     "shape": "What shape are they?",
 }
 # The misconception the student is pre-trained with: a derangement of colors and of shapes.
-STUDENT_SWAP = {"red": "blue", "blue": "green", "green": "yellow", "yellow": "red",
-                "circle": "square", "square": "triangle", "triangle": "circle"}
+STUDENT_SWAP = {
+    "red": "blue",
+    "blue": "green",
+    "green": "yellow",
+    "yellow": "red",
+    "circle": "square",
+    "square": "triangle",
+    "triangle": "circle",
+}
 # Share of pre-training examples that carry the misconception. Below 1 so that the right answer keeps
 # some probability: with none, on-policy sampling would almost never produce it for the teacher to reward.
 STUDENT_SWAP_PROB = 0.85
@@ -96,10 +103,15 @@ def format_trace(count: str, color: str, shape: str, kind: str) -> str:
     """The trace world's response: what the image shows (count, color, shape), what is asked, the answer,
     then the boxed answer. A wrong color or shape word appears in the middle and, when asked, twice more."""
     answer = {"count": count, "color": color, "shape": shape}[kind]
-    seen = (f"I see one shape. It is a {color} {shape}." if count == "one"
-            else f"I see {count} shapes. They are {color} {shape}s.")
-    return (f"<think>I look at the image. {seen} The question asks the {TRACE_TOPIC[kind]}. "
-            f"The {TRACE_TOPIC[kind]} is {answer}.</think>" + format_answer(answer))
+    seen = (
+        f"I see one shape. It is a {color} {shape}."
+        if count == "one"
+        else f"I see {count} shapes. They are {color} {shape}s."
+    )
+    return (
+        f"<think>I look at the image. {seen} The question asks the {TRACE_TOPIC[kind]}. "
+        f"The {TRACE_TOPIC[kind]} is {answer}.</think>" + format_answer(answer)
+    )
 
 
 def all_traces() -> list[str]:
@@ -150,9 +162,15 @@ def make_rows(n: int, seed: int, variant: str = "answer") -> list[dict]:
         shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 4)
         kind = rng.choice(list(QUESTIONS))
         answer = {"count": COUNTS[count - 1], "color": color, "shape": shape}[kind]
-        rows.append({"image": draw_shapes(rng, shape, color, count), "question": QUESTIONS[kind] + suffix,
-                     "answer": answer, "kind": kind,
-                     "attributes": (count - 1, list(COLORS).index(color), SHAPES.index(shape))})
+        rows.append(
+            {
+                "image": draw_shapes(rng, shape, color, count),
+                "question": QUESTIONS[kind] + suffix,
+                "answer": answer,
+                "kind": kind,
+                "attributes": (count - 1, list(COLORS).index(color), SHAPES.index(shape)),
+            }
+        )
     return rows
 
 
@@ -161,8 +179,14 @@ def make_dataset(n: int, seed: int, variant: str = "answer"):
     import datasets
 
     rows = [{k: v for k, v in r.items() if k != "attributes"} for r in make_rows(n, seed, variant)]
-    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
-                                  "answer": datasets.Value("string"), "kind": datasets.Value("string")})
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "question": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+            "kind": datasets.Value("string"),
+        }
+    )
     return datasets.Dataset.from_list(rows, features=features)
 
 
@@ -197,8 +221,16 @@ def text_only_accuracy(rows: list[dict]) -> float:
 # Tokenizer and processor
 # ---------------------------------------------------------------------------------------------
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 # Qwen-style chat template: images become <|vision_start|><|image_pad|><|vision_end|>, which the
 # processor expands to one <|image_pad|> per merged image patch.
@@ -232,8 +264,15 @@ def build_tokenizer(vocab_size: int = 512, variant: str = "answer"):
     corpus += ["system", "user", "assistant", SYSTEM_FREE_INSTRUCTION] + EXTRA_CORPUS
     if variant == "trace":
         corpus += [q + " " + TRACE_INSTRUCTION for q in QUESTIONS.values()] + all_traces()
-    return train_bpe(corpus, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab_size=vocab_size, eos_token="<|im_end|>",
-                     pad_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS[1:])
+    return train_bpe(
+        corpus,
+        SPECIAL_TOKENS,
+        CHAT_TEMPLATE,
+        vocab_size=vocab_size,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
 
 
 def build_processor(tokenizer):
@@ -242,8 +281,12 @@ def build_processor(tokenizer):
 
     pixels = IMAGE_SIZE * IMAGE_SIZE
     image_processor = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                               video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    return Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,18 +306,37 @@ def build_model(tokenizer, size: str, seed: int):
     third = head_dim // 2 // 4  # mrope sections (temporal, height, width) must sum to head_dim / 2
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
-                         max_position_embeddings=1024, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [head_dim // 2 - 2 * (3 * third // 2), 3 * third // 2,
-                                                            3 * third // 2]},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"]),
-        vision_config=dict(depth=v_depth, hidden_size=v_hidden, intermediate_size=2 * v_hidden, num_heads=4,
-                           out_hidden_size=hidden, window_size=IMAGE_SIZE, fullatt_block_indexes=[v_depth - 1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 2 - 2 * (3 * third // 2), 3 * third // 2, 3 * third // 2],
+            },
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=v_depth,
+            hidden_size=v_hidden,
+            intermediate_size=2 * v_hidden,
+            num_heads=4,
+            out_hidden_size=hidden,
+            window_size=IMAGE_SIZE,
+            fullatt_block_indexes=[v_depth - 1],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
@@ -322,16 +384,21 @@ def greedy_responses(model, processor, rows: list[dict], variant: str = "answer"
     model.eval()
     tok, texts = processor.tokenizer, []
     for s in range(0, len(rows), batch_size):
-        chunk = rows[s:s + batch_size]
-        batch = processor(text=[chat_prompt(processor, r["question"]) for r in chunk],
-                          images=[[r["image"]] for r in chunk], return_tensors="pt", padding=True)
+        chunk = rows[s : s + batch_size]
+        batch = processor(
+            text=[chat_prompt(processor, r["question"]) for r in chunk],
+            images=[[r["image"]] for r in chunk],
+            return_tensors="pt",
+            padding=True,
+        )
         out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens(tok, variant))
-        texts += tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts += tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return texts
 
 
-def greedy_accuracy(model, processor, rows: list[dict], answers: list[str] | None = None, batch_size: int = 64,
-                    variant: str = "answer") -> float:
+def greedy_accuracy(
+    model, processor, rows: list[dict], answers: list[str] | None = None, batch_size: int = 64, variant: str = "answer"
+) -> float:
     """Share of rows whose greedy response's last \\boxed{} holds the answer."""
     from gndpo_minimal import extract_boxed
 
@@ -352,17 +419,19 @@ def trace_report(model, processor, rows: list[dict], swap: dict | None = None) -
     for t, r in zip(texts, rows):
         n, c, s = r["attributes"]
         wrong_words += t in forms and f" {list(COLORS)[c]} {SHAPES[s]}" not in t
-    return {"accuracy": sum(extract_boxed(t) == r["answer"] for t, r in zip(texts, rows)) / len(rows),
-            "well_formed": sum(t in forms for t in texts) / len(rows),
-            "exact_trace": sum(t == response_text(r, "trace", swap) for t, r in zip(texts, rows)) / len(rows),
-            "wrong_words_in_trace": wrong_words / len(rows),
-            "mean_response_tokens": sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1
-                                        for t in texts) / len(rows),
-            "examples": texts[:3]}
+    return {
+        "accuracy": sum(extract_boxed(t) == r["answer"] for t, r in zip(texts, rows)) / len(rows),
+        "well_formed": sum(t in forms for t in texts) / len(rows),
+        "exact_trace": sum(t == response_text(r, "trace", swap) for t, r in zip(texts, rows)) / len(rows),
+        "wrong_words_in_trace": wrong_words / len(rows),
+        "mean_response_tokens": sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts) / len(rows),
+        "examples": texts[:3],
+    }
 
 
-def pretrain_vision(model, processor, *, steps: int, lr: float = 2e-3, batch_size: int = 32,
-                    seed: int = 0, log_every: int = 50) -> list[float]:
+def pretrain_vision(
+    model, processor, *, steps: int, lr: float = 2e-3, batch_size: int = 32, seed: int = 0, log_every: int = 50
+) -> list[float]:
     """Trains the vision tower (and merger) alone to predict count, color and shape from mean-pooled image
     features with three linear heads that are thrown away afterwards.
 
@@ -388,14 +457,30 @@ def pretrain_vision(model, processor, *, steps: int, lr: float = 2e-3, batch_siz
         opt.step()
         if (step + 1) % log_every == 0 or step == steps - 1:
             acc = [(lg.argmax(1) == y).float().mean().item() for lg, y in zip(logits, targets)]
-            print(f"  vision step {step + 1:4d}  loss {loss.item():.3f}  acc count/color/shape "
-                  f"{acc[0]:.2f}/{acc[1]:.2f}/{acc[2]:.2f}  ({time.time() - t0:.0f}s)", flush=True)
+            print(
+                f"  vision step {step + 1:4d}  loss {loss.item():.3f}  acc count/color/shape "
+                f"{acc[0]:.2f}/{acc[1]:.2f}/{acc[2]:.2f}  ({time.time() - t0:.0f}s)",
+                flush=True,
+            )
     return acc
 
 
-def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, swap_prob: float = 1.0, steps: int,
-        lr: float, batch_size: int = 32, label_smoothing: float = 0.0, seed: int = 0, target: float = 1.01,
-        log_every: int = 50, variant: str = "answer") -> float:
+def sft(
+    model,
+    processor,
+    eval_rows: list[dict],
+    *,
+    swap: dict | None = None,
+    swap_prob: float = 1.0,
+    steps: int,
+    lr: float,
+    batch_size: int = 32,
+    label_smoothing: float = 0.0,
+    seed: int = 0,
+    target: float = 1.01,
+    log_every: int = 50,
+    variant: str = "answer",
+) -> float:
     """Plain SFT on the response tokens of freshly drawn rows (no example is seen twice).
 
     `swap` renames colors and shapes in a `swap_prob` share of the examples (the student's misconception;
@@ -407,8 +492,10 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
     # one rng draw per row, even at p=1 (the evaluations): the shipped build was made so, and changing it would
     # change every later batch, so `python -m worlds.tiny_world --seed 0` would no longer rebuild assets/tiny
     renamed = lambda rs, p: [rng.random() < p for _ in rs]  # noqa: E731
-    rename = lambda rs, p: [swap.get(r["answer"], r["answer"]) if x else r["answer"]  # noqa: E731
-                            for r, x in zip(rs, renamed(rs, p))]
+    rename = lambda rs, p: [
+        swap.get(r["answer"], r["answer"]) if x else r["answer"]  # noqa: E731
+        for r, x in zip(rs, renamed(rs, p))
+    ]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup_cosine = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
@@ -416,12 +503,19 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
     for step in range(steps):
         model.train()
         chunk = make_rows(batch_size, rng.randrange(2**31), variant)
-        batch = sft_batch(processor, chunk, [response_text(r, variant, swap if x else None)
-                                             for r, x in zip(chunk, renamed(chunk, swap_prob))])
+        batch = sft_batch(
+            processor,
+            chunk,
+            [response_text(r, variant, swap if x else None) for r, x in zip(chunk, renamed(chunk, swap_prob))],
+        )
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1]  # (B, T-1, V)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100, label_smoothing=label_smoothing)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=-100,
+            label_smoothing=label_smoothing,
+        )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -429,8 +523,10 @@ def sft(model, processor, eval_rows: list[dict], *, swap: dict | None = None, sw
         sched.step()
         if (step + 1) % log_every == 0 or step == steps - 1:
             acc = greedy_accuracy(model, processor, eval_rows, rename(eval_rows, 1.0), variant=variant)
-            print(f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)",
-                  flush=True)
+            print(
+                f"  sft step {step + 1:4d}  loss {loss.item():.3f}  acc {acc:.3f}  ({time.time() - t0:.0f}s)",
+                flush=True,
+            )
             if acc >= target:
                 break
     return acc
@@ -458,9 +554,18 @@ def reloaded_accuracy(path: str, processor, eval_rows: list[dict]) -> float:
     return greedy_accuracy(reloaded_model(path), processor, eval_rows)
 
 
-def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_steps: int = 1000, vision_steps: int = 1200,
-                models: tuple[str, ...] = ("teacher", "student"), student_swap_prob: float = STUDENT_SWAP_PROB,
-                student_label_smoothing: float = 0.0, variant: str = "answer", vision_from: str | None = None) -> dict:
+def build_world(
+    out: str,
+    seed: int = 0,
+    teacher_steps: int = 2000,
+    student_steps: int = 1000,
+    vision_steps: int = 1200,
+    models: tuple[str, ...] = ("teacher", "student"),
+    student_swap_prob: float = STUDENT_SWAP_PROB,
+    student_label_smoothing: float = 0.0,
+    variant: str = "answer",
+    vision_from: str | None = None,
+) -> dict:
     """Builds tokenizer, processor and the named models under `out`; returns (and merges into
     out/world.json) a report of accuracies on 400 held-out rows (for the trace variant also the share of
     well-formed traces, of traces naming a wrong color or shape, and the mean response length).
@@ -493,12 +598,32 @@ def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_step
         else:
             pretrain_vision(model, processor, steps=vision_steps, seed=seed)
         if name == "teacher":
-            sft(model, processor, eval_rows, steps=teacher_steps, lr=2e-3, seed=seed, target=0.97, log_every=100,
-                variant=variant)
+            sft(
+                model,
+                processor,
+                eval_rows,
+                steps=teacher_steps,
+                lr=2e-3,
+                seed=seed,
+                target=0.97,
+                log_every=100,
+                variant=variant,
+            )
         else:
-            sft(model, processor, eval_rows, swap=STUDENT_SWAP, swap_prob=student_swap_prob, steps=student_steps,
-                lr=2e-3, label_smoothing=student_label_smoothing, seed=seed, target=0.95, log_every=100,
-                variant=variant)
+            sft(
+                model,
+                processor,
+                eval_rows,
+                swap=STUDENT_SWAP,
+                swap_prob=student_swap_prob,
+                steps=student_steps,
+                lr=2e-3,
+                label_smoothing=student_label_smoothing,
+                seed=seed,
+                target=0.95,
+                log_every=100,
+                variant=variant,
+            )
         path = os.path.join(out, name)
         model.save_pretrained(path)
         processor.save_pretrained(path)
@@ -511,8 +636,10 @@ def build_world(out: str, seed: int = 0, teacher_steps: int = 2000, student_step
             report[f"{name}_accuracy"] = reloaded_accuracy(path, processor, eval_rows)
         report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
         report[f"{name}_build_seconds"] = round(time.time() - t0)
-        print(f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, "
-              f"accuracy {report[f'{name}_accuracy']:.3f} -> {path}")
+        print(
+            f"  {name}: {report[f'{name}_params'] / 1e6:.2f}M params, "
+            f"accuracy {report[f'{name}_accuracy']:.3f} -> {path}"
+        )
     os.makedirs(out, exist_ok=True)
     if os.path.exists(report_path):  # merged again at write time: the models may be built by separate processes
         report = {**json.load(open(report_path)), **report}
@@ -529,17 +656,27 @@ if __name__ == "__main__":
     parser.add_argument("--student_steps", type=int, default=None, help="1000 (answer), 500 (trace)")
     parser.add_argument("--vision_steps", type=int, default=1200)
     parser.add_argument("--models", default="teacher,student", help="which models to (re)build, comma-separated")
-    parser.add_argument("--student_swap_prob", type=float, default=STUDENT_SWAP_PROB,
-                        help="share of the student's SFT examples with renamed colors/shapes")
+    parser.add_argument(
+        "--student_swap_prob",
+        type=float,
+        default=STUDENT_SWAP_PROB,
+        help="share of the student's SFT examples with renamed colors/shapes",
+    )
     parser.add_argument("--student_label_smoothing", type=float, default=0.0)
     parser.add_argument("--data_only", action="store_true", help="only (re)write the dataset in <out>/data")
-    parser.add_argument("--variant", choices=VARIANTS, default="answer",
-                        help="answer: one boxed word (assets/tiny); "
-                             "trace: a reasoning trace, then the boxed word (assets/trace)")
-    parser.add_argument("--vision_from", default="auto",
-                        help="folder with teacher/ and student/ whose vision towers to reuse, frozen "
-                             "('none': pre-train them; 'auto': assets/tiny for the trace variant when it exists, "
-                             "else none)")
+    parser.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="answer",
+        help="answer: one boxed word (assets/tiny); trace: a reasoning trace, then the boxed word (assets/trace)",
+    )
+    parser.add_argument(
+        "--vision_from",
+        default="auto",
+        help="folder with teacher/ and student/ whose vision towers to reuse, frozen "
+        "('none': pre-train them; 'auto': assets/tiny for the trace variant when it exists, "
+        "else none)",
+    )
     a = parser.parse_args()
     # the trace's template carries every attribute in every example, so its SFT needs fewer steps
     a.teacher_steps = a.teacher_steps or (800 if a.variant == "trace" else 2000)
@@ -550,7 +687,20 @@ if __name__ == "__main__":
     print("dataset:", write_dataset(os.path.join(a.out, "data"), a.variant), flush=True)
     if a.data_only:
         raise SystemExit(0)
-    print(json.dumps(build_world(a.out, a.seed, a.teacher_steps, a.student_steps, a.vision_steps,
-                                 tuple(a.models.split(",")), a.student_swap_prob, a.student_label_smoothing, a.variant,
-                                 None if a.vision_from == "none" else a.vision_from),
-                     indent=2))
+    print(
+        json.dumps(
+            build_world(
+                a.out,
+                a.seed,
+                a.teacher_steps,
+                a.student_steps,
+                a.vision_steps,
+                tuple(a.models.split(",")),
+                a.student_swap_prob,
+                a.student_label_smoothing,
+                a.variant,
+                None if a.vision_from == "none" else a.vision_from,
+            ),
+            indent=2,
+        )
+    )

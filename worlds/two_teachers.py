@@ -48,14 +48,28 @@ def write_dataset(out: str) -> dict[str, str]:
     """out/<split>.parquet for the tiny world's splits (DATA_SPLITS) without count rows, with the teacher column."""
     import datasets
 
-    features = datasets.Features({"image": datasets.Image(), "question": datasets.Value("string"),
-                                  "answer": datasets.Value("string"), "kind": datasets.Value("string"),
-                                  "teacher": datasets.Value("string")})
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "question": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+            "kind": datasets.Value("string"),
+            "teacher": datasets.Value("string"),
+        }
+    )
     os.makedirs(out, exist_ok=True)
     paths = {}
     for split, (n, seed) in DATA_SPLITS.items():
-        rows = [{"image": r["image"], "question": r["question"], "answer": r["answer"], "kind": r["kind"],
-                 "teacher": r["kind"]} for r in domain_rows(n, seed)]
+        rows = [
+            {
+                "image": r["image"],
+                "question": r["question"],
+                "answer": r["answer"],
+                "kind": r["kind"],
+                "teacher": r["kind"],
+            }
+            for r in domain_rows(n, seed)
+        ]
         paths[split] = os.path.join(out, f"{split}.parquet")
         datasets.Dataset.from_list(rows, features=features).to_parquet(paths[split])
     return paths
@@ -74,8 +88,7 @@ def build_expert(domain: str, out: str, eval_rows: list[dict], steps: int, lr: f
     model = reloaded_model(os.path.join(TINY, "teacher"))
     swap = {name: EXPERT_SWAP[name] for name in OTHER[domain]}  # only the other domain's names
     torch.manual_seed(seed)
-    sft(model, processor, eval_rows, swap=swap, swap_prob=1.0, steps=steps, lr=lr, seed=seed, target=0.97,
-        log_every=50)
+    sft(model, processor, eval_rows, swap=swap, swap_prob=1.0, steps=steps, lr=lr, seed=seed, target=0.97, log_every=50)
     path = os.path.join(out, f"teacher_{domain}")
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -86,9 +99,13 @@ def build(out: str, seed: int = 0, steps: int = 400, lr: float = 1e-3) -> dict:
     from transformers import AutoProcessor
 
     eval_rows = domain_rows(600, seed + 2)  # held out from the splits' seeds, like the tiny world's evaluation
-    report = {"seed": seed, "eval_rows": {d: sum(r["kind"] == d for r in eval_rows) for d in DOMAINS},
-              "student": os.path.relpath(os.path.join(TINY, "student"), ROOT),
-              "generalist": os.path.relpath(os.path.join(TINY, "teacher"), ROOT), "accuracy": {}}
+    report = {
+        "seed": seed,
+        "eval_rows": {d: sum(r["kind"] == d for r in eval_rows) for d in DOMAINS},
+        "student": os.path.relpath(os.path.join(TINY, "student"), ROOT),
+        "generalist": os.path.relpath(os.path.join(TINY, "teacher"), ROOT),
+        "accuracy": {},
+    }
     processor = AutoProcessor.from_pretrained(os.path.join(TINY, "teacher"))
     for name in ("student", "teacher"):
         label = "generalist" if name == "teacher" else name
