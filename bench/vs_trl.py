@@ -250,49 +250,12 @@ def run_worker(side: str, cfg: dict) -> dict:
     return json.loads(lines[-1][len(RESULT_TAG) :])
 
 
-def run(
-    quick: bool = False,
-    prompts: int | None = None,
-    generations: int | None = None,
-    max_new_tokens: int | None = None,
-    warmup: int | None = None,
-    steps: int | None = None,
-    rounds: int | None = None,
-    teacher_4bit: bool = False,
-    vocab: int = 0,
-    student: str | None = None,
-    teacher: str | None = None,
-    json_path: str | None = None,
-    verbose: bool = True,
-    sides: tuple = SIDES,
-    min_new_tokens: int = 0,
-    image_pixels: int = 0,
-    baseline: str | None = None,
-    gradient_checkpointing: bool = False,
-) -> dict:
-    """Alternates fresh processes of each side (ours, TRL, and ours_plain: ours without prompt sharing) `rounds`
-    times; returns each side's medians and ours / TRL ratios (also written to json_path when given).
-    min_new_tokens forces every sampled answer to at least that length on every side; image_pixels resizes
-    every image to that many pixels (with vocab, on the padded copies). baseline: a checkout of this repository
-    (e.g. `git worktree add /tmp/before <commit>`) whose gndpo_minimal.py the "baseline" side runs.
-    gradient_checkpointing: every side's student recomputes its activations in the backward."""
+def run_rounds(
+    cfg: dict, which: str, rounds: int, sides: tuple, vocab: int, image_pixels: int, baseline: str | None
+) -> tuple[dict, str]:
+    """Each side's worker results over `rounds` alternating rounds, and the models' description (paths into cfg)."""
     from worlds import tiny_world
 
-    student_dir, teacher_dir, which = tiny_models(student, teacher)
-    cfg = {
-        "student": student_dir,
-        "teacher": teacher_dir,
-        "teacher_4bit": teacher_4bit,
-        "prompts": prompts or (2 if quick else 8),
-        "G": generations or (2 if quick else 4),
-        "max_new_tokens": max_new_tokens or (4 if quick else 8),
-        "warmup": warmup or (1 if quick else 2),
-        "steps": steps or (1 if quick else 4),
-        "seed": 0,
-        "min_new_tokens": min_new_tokens,
-        "gradient_checkpointing": gradient_checkpointing,
-    }
-    rounds = rounds or (1 if quick else 2)
     per_side = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="gndpo-vs-trl-") as tmp:
         cfg["dataset"] = os.path.join(tmp, "rows")  # the same image questions for every side
@@ -311,6 +274,11 @@ def run(
                     code_dir=os.path.abspath(baseline) if side == "baseline" else None,
                 )
                 per_side[side].append(run_worker("trl" if side == "trl" else "ours", side_cfg))
+    return per_side, which
+
+
+def side_medians(cfg: dict, rounds: int, which: str, per_side: dict, sides: tuple) -> dict:
+    """The result: the config, every run, each side's medians over its rounds and the ours / other ratios."""
     out = {"config": cfg, "rounds": rounds, "models": which, "runs": per_side}
     for side in sides:
         runs = per_side[side]
@@ -332,6 +300,11 @@ def run(
     if "ours_plain" in sides:
         out["shared_vs_plain_time_ratio"] = out["ours"]["seconds_per_step"] / out["ours_plain"]["seconds_per_step"]
         out["shared_vs_plain_peak_rss_ratio"] = out["ours"]["peak_rss"] / out["ours_plain"]["peak_rss"]
+    return out
+
+
+def table_rows(out: dict, sides: tuple) -> list[list]:
+    """The printed table's rows: one per side, then one per ratio."""
     rows = [
         [
             LABELS[side],
@@ -367,6 +340,53 @@ def run(
                 "",
             ]
         )
+    return rows
+
+
+def run(
+    quick: bool = False,
+    prompts: int | None = None,
+    generations: int | None = None,
+    max_new_tokens: int | None = None,
+    warmup: int | None = None,
+    steps: int | None = None,
+    rounds: int | None = None,
+    teacher_4bit: bool = False,
+    vocab: int = 0,
+    student: str | None = None,
+    teacher: str | None = None,
+    json_path: str | None = None,
+    verbose: bool = True,
+    sides: tuple = SIDES,
+    min_new_tokens: int = 0,
+    image_pixels: int = 0,
+    baseline: str | None = None,
+    gradient_checkpointing: bool = False,
+) -> dict:
+    """Alternates fresh processes of each side (ours, TRL, and ours_plain: ours without prompt sharing) `rounds`
+    times; returns each side's medians and ours / TRL ratios (also written to json_path when given).
+    min_new_tokens forces every sampled answer to at least that length on every side; image_pixels resizes
+    every image to that many pixels (with vocab, on the padded copies). baseline: a checkout of this repository
+    (e.g. `git worktree add /tmp/before <commit>`) whose gndpo_minimal.py the "baseline" side runs.
+    gradient_checkpointing: every side's student recomputes its activations in the backward."""
+    student_dir, teacher_dir, which = tiny_models(student, teacher)
+    cfg = {
+        "student": student_dir,
+        "teacher": teacher_dir,
+        "teacher_4bit": teacher_4bit,
+        "prompts": prompts or (2 if quick else 8),
+        "G": generations or (2 if quick else 4),
+        "max_new_tokens": max_new_tokens or (4 if quick else 8),
+        "warmup": warmup or (1 if quick else 2),
+        "steps": steps or (1 if quick else 4),
+        "seed": 0,
+        "min_new_tokens": min_new_tokens,
+        "gradient_checkpointing": gradient_checkpointing,
+    }
+    rounds = rounds or (1 if quick else 2)
+    per_side, which = run_rounds(cfg, which, rounds, sides, vocab, image_pixels, baseline)
+    out = side_medians(cfg, rounds, which, per_side, sides)
+    rows = table_rows(out, sides)
     return report(
         out,
         [

@@ -302,6 +302,58 @@ def teacher_precision_lines() -> tuple[list[str], dict]:
     return [*lines, ""], rec["result"]
 
 
+def answers_lines(runs: dict, world: str, cells: dict, answers: dict) -> list[str]:
+    """One world's table of what the student answers on the teacher's answers: before training, then per cell."""
+    lines = [
+        "What the student answers, and its distribution on the teacher's answers (mean over seeds; "
+        "`before` is the untrained student): agreement is the share of evaluation rows where the "
+        "student's extracted answer equals the 4-bit teacher's; the teacher answer's log-prob is the "
+        "student's summed log-prob of the teacher's greedy response; entropy is the student's mean "
+        "next-token entropy along that response.",
+        "",
+        "| cell | agreement with the teacher | teacher answer's log-prob | entropy (nats) |",
+        "|---|---|---|---|",
+        f"| before training | {f3(answers['before']['agreement'])} | "
+        f"{answers['before']['teacher_logp']:.3f} | {answers['before']['entropy']:.4f} |",
+    ]
+    for label, cell in cells.items():
+        got = [
+            answers["runs"][n]
+            for n, (job, r) in runs.items()
+            if job["world"] == world and any(r is x for x in cell.values()) and n in answers["runs"]
+        ]
+        if got:
+            lines.append(
+                f"| {label} | {statistics.mean(g['agreement'] for g in got):.3f} | "
+                f"{statistics.mean(g['teacher_logp'] for g in got):.3f} | "
+                f"{statistics.mean(g['entropy'] for g in got):.4f} |"
+            )
+    return [*lines, ""]
+
+
+def critics_blocks(runs: dict, world: str) -> list[tuple]:
+    """One world's paired comparisons for paired_table(): constant, OPD and GNDPO, and the two teachers."""
+    blocks = []
+    key = lambda mode, variant: dict(world=world, mode=mode, variant=variant)  # noqa: E731
+    for label, a, b in (
+        ("constant - GNDPO", key("global", "lora4bit"), key("constant", "lora4bit")),
+        ("constant - OPD", key("none", "lora4bit"), key("constant", "lora4bit")),
+        ("GNDPO - OPD", key("none", "lora4bit"), key("global", "lora4bit")),
+        ("16-bit - 4-bit teacher (GNDPO)", key("global", "lora4bit"), key("global", "lora16bit")),
+    ):
+        if by_seed(runs, **a) and by_seed(runs, **b):
+            blocks.append(
+                (
+                    f"{world}: {label}",
+                    by_seed(runs, **a),
+                    by_seed(runs, **b),
+                    rows_of(runs, **a),
+                    rows_of(runs, **b),
+                )
+            )
+    return blocks
+
+
 def critics(runs: dict, loaded: list[dict]) -> tuple:
     """A constant advantage against none and global; a 16-bit teacher against the 4-bit one; LoRA defaults."""
     import fidelity_answers  # noqa: PLC0415 (loads models: only this page needs it)
@@ -346,48 +398,8 @@ def critics(runs: dict, loaded: list[dict]) -> tuple:
             *(mean_row(label, cell) for label, cell in cells.items() if cell),
             "",
         ]
-        lines += [
-            "What the student answers, and its distribution on the teacher's answers (mean over seeds; "
-            "`before` is the untrained student): agreement is the share of evaluation rows where the "
-            "student's extracted answer equals the 4-bit teacher's; the teacher answer's log-prob is the "
-            "student's summed log-prob of the teacher's greedy response; entropy is the student's mean "
-            "next-token entropy along that response.",
-            "",
-            "| cell | agreement with the teacher | teacher answer's log-prob | entropy (nats) |",
-            "|---|---|---|---|",
-            f"| before training | {f3(answers[world]['before']['agreement'])} | "
-            f"{answers[world]['before']['teacher_logp']:.3f} | {answers[world]['before']['entropy']:.4f} |",
-        ]
-        for label, cell in cells.items():
-            got = [
-                answers[world]["runs"][n]
-                for n, (job, r) in runs.items()
-                if job["world"] == world and any(r is x for x in cell.values()) and n in answers[world]["runs"]
-            ]
-            if got:
-                lines.append(
-                    f"| {label} | {statistics.mean(g['agreement'] for g in got):.3f} | "
-                    f"{statistics.mean(g['teacher_logp'] for g in got):.3f} | "
-                    f"{statistics.mean(g['entropy'] for g in got):.4f} |"
-                )
-        lines.append("")
-        key = lambda mode, variant, world=world: dict(world=world, mode=mode, variant=variant)  # noqa: E731
-        for label, a, b in (
-            ("constant - GNDPO", key("global", "lora4bit"), key("constant", "lora4bit")),
-            ("constant - OPD", key("none", "lora4bit"), key("constant", "lora4bit")),
-            ("GNDPO - OPD", key("none", "lora4bit"), key("global", "lora4bit")),
-            ("16-bit - 4-bit teacher (GNDPO)", key("global", "lora4bit"), key("global", "lora16bit")),
-        ):
-            if by_seed(runs, **a) and by_seed(runs, **b):
-                blocks.append(
-                    (
-                        f"{world}: {label}",
-                        by_seed(runs, **a),
-                        by_seed(runs, **b),
-                        rows_of(runs, **a),
-                        rows_of(runs, **b),
-                    )
-                )
+        lines += answers_lines(runs, world, cells, answers[world])
+        blocks += critics_blocks(runs, world)
     table, paired = paired_table(blocks)
     result["paired"] = paired
     precision, result["teacher_precision"] = teacher_precision_lines()

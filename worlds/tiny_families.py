@@ -573,22 +573,15 @@ GEMMA3_CHAT_TEMPLATE = (
 GEMMA3_IMAGE_SIZE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 64, 8, 16
 
 
-def build_gemma3(out: str) -> str:
-    import torch
+def gemma3_tokenizer():
+    """The Gemma 3 tokenizer: <bos> in front of any text it encodes, the image tokens named as the real one's."""
     from tokenizers import processors
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessor,
-        Gemma3Processor,
-        GenerationConfig,
-    )
 
-    # 1. Tokenizer. The real one adds <bos> in front of any text it encodes (the chat template writes one too,
-    #    which is why a chat-templated prompt must be encoded without special tokens); it names its image
-    #    tokens boi_token (<start_of_image>, the placeholder the template writes), eoi_token and image_token
-    #    (<image_soft_token>, the 256 tokens the processor puts in its place). Its eos_token is <eos>; a
-    #    response ends with <end_of_turn>, which the generation config lists as a second end token.
+    # The real one adds <bos> in front of any text it encodes (the chat template writes one too, which is why a
+    # chat-templated prompt must be encoded without special tokens); it names its image tokens boi_token
+    # (<start_of_image>, the placeholder the template writes), eoi_token and image_token (<image_soft_token>, the
+    # 256 tokens the processor puts in its place). Its eos_token is <eos>; a response ends with <end_of_turn>,
+    # which the generation config lists as a second end token.
     image_names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
     tokenizer = train_tokenizer(
         GEMMA3_SPECIAL,
@@ -598,94 +591,110 @@ def build_gemma3(out: str) -> str:
         bos_token="<bos>",
         extra={"unk_token": "<unk>", "mask_token": "<mask>", "extra_special_tokens": image_names},
     )
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL}
+    bos = tokenizer.convert_tokens_to_ids("<bos>")
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", ids["<bos>"])]
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos)]
     )
+    return tokenizer
 
-    # 2. Processor: resizes every image to a square (no pan-and-scan crops), scales to [-1, 1]; in the text each
-    #    <start_of_image> becomes "\n\n<start_of_image>" + 16 x <image_soft_token> + "<end_of_image>\n\n". Its
-    #    outputs: input_ids, attention_mask (n, P ~ 40-60), pixel_values (images, 3, 64, 64) and token_type_ids
-    #    (n, P: 1 on the soft tokens only), which the model needs to attend bidirectionally within an image.
+
+def gemma3_processor(tokenizer):
+    """Gemma3Processor: square images of GEMMA3_IMAGE_SIZE pixels, GEMMA3_IMAGE_TOKENS soft tokens each."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    # Resizes every image to a square (no pan-and-scan crops), scales to [-1, 1]; in the text each
+    # <start_of_image> becomes "\n\n<start_of_image>" + 16 x <image_soft_token> + "<end_of_image>\n\n". Its
+    # outputs: input_ids, attention_mask (n, P ~ 40-60), pixel_values (images, 3, 64, 64) and token_type_ids
+    # (n, P: 1 on the soft tokens only), which the model needs to attend bidirectionally within an image.
     image_processor = Gemma3ImageProcessor(
         size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
         do_pan_and_scan=False,
     )
-    processor = Gemma3Processor(
+    return Gemma3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         chat_template=GEMMA3_CHAT_TEMPLATE,
         image_seq_length=GEMMA3_IMAGE_TOKENS,
     )
 
-    # 3. Model: SigLIP tower (images, 64 patches, vision hidden) -> projector: 2 x 2 average pool, RMS norm and a
-    #    matrix -> (images, 16, text hidden), written over the soft tokens' embeddings -> Gemma 3 text model
-    #    (model.model.language_model, what get_decoder() returns: the LoRA targets) -> lm_head tied to the embedding.
-    def make_model(size: str):
-        big = size == "teacher"
-        # Every linear layer of the teacher has a multiple of 64 inputs and of 32 outputs: bitsandbytes' CPU
-        # 4-bit kernel needs both.
-        hidden, heads, kv_heads, head_dim = (128, 4, 2, 32) if big else (64, 4, 2, 16)
-        # 5 sliding-window layers per global one in the real models (window 1024); here a window of 8 tokens,
-        # shorter than a prompt and than the tests' longest responses, and both layer types in each model, so the
-        # window's mask and cache are exercised, also for a response read on a cached prompt.
-        layer_types = ["sliding_attention"] * (2 if big else 1) + ["full_attention"]
-        text = dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=len(layer_types),
-            layer_types=layer_types,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            sliding_window=8,
-            max_position_embeddings=1024,
-            pad_token_id=ids["<pad>"],
-            eos_token_id=ids["<eos>"],
-            bos_token_id=ids["<bos>"],
-        )
-        vision = dict(
-            model_type="siglip_vision_model",
-            hidden_size=2 * 32 if big else 32,
-            intermediate_size=4 * 32 if big else 2 * 32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=GEMMA3_IMAGE_SIZE,
-            patch_size=GEMMA3_PATCH,
-            vision_use_head=False,
-        )
-        end_ids = [ids["<eos>"], ids["<end_of_turn>"]]
-        config = Gemma3Config(
-            text_config=text,
-            vision_config=vision,
-            mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
-            boi_token_index=ids["<start_of_image>"],
-            eoi_token_index=ids["<end_of_image>"],
-            image_token_index=ids["<image_soft_token>"],
-            eos_token_id=end_ids,
-        )
-        model = Gemma3ForConditionalGeneration(config)
-        # The projector's matrix starts at zero (a checkpoint always carries trained values): left so, the image
-        # would not reach the language model at all.
-        with torch.no_grad():
-            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
-        # As published: both end tokens, and sampling defaults (top_k 64, top_p 0.95) that on-policy sampling
-        # must override.
-        model.generation_config = GenerationConfig(
-            bos_token_id=ids["<bos>"],
-            pad_token_id=ids["<pad>"],
-            eos_token_id=end_ids,
-            do_sample=True,
-            top_k=64,
-            top_p=0.95,
-        )
-        return model
 
-    return save_pair(out, make_model, processor)
+def gemma3_model(size: str, tokenizer):
+    """A random Gemma3ForConditionalGeneration of the given size ("student" or "teacher") for the tokenizer."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GenerationConfig
+
+    # SigLIP tower (images, 64 patches, vision hidden) -> projector: 2 x 2 average pool, RMS norm and a matrix ->
+    # (images, 16, text hidden), written over the soft tokens' embeddings -> Gemma 3 text model
+    # (model.model.language_model, what get_decoder() returns: the LoRA targets) -> lm_head tied to the embedding.
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL}
+    big = size == "teacher"
+    # Every linear layer of the teacher has a multiple of 64 inputs and of 32 outputs: bitsandbytes' CPU
+    # 4-bit kernel needs both.
+    hidden, heads, kv_heads, head_dim = (128, 4, 2, 32) if big else (64, 4, 2, 16)
+    # 5 sliding-window layers per global one in the real models (window 1024); here a window of 8 tokens,
+    # shorter than a prompt and than the tests' longest responses, and both layer types in each model, so the
+    # window's mask and cache are exercised, also for a response read on a cached prompt.
+    layer_types = ["sliding_attention"] * (2 if big else 1) + ["full_attention"]
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=8,
+        max_position_embeddings=1024,
+        pad_token_id=ids["<pad>"],
+        eos_token_id=ids["<eos>"],
+        bos_token_id=ids["<bos>"],
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=2 * 32 if big else 32,
+        intermediate_size=4 * 32 if big else 2 * 32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=GEMMA3_IMAGE_SIZE,
+        patch_size=GEMMA3_PATCH,
+        vision_use_head=False,
+    )
+    end_ids = [ids["<eos>"], ids["<end_of_turn>"]]
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        eos_token_id=end_ids,
+    )
+    model = Gemma3ForConditionalGeneration(config)
+    # The projector's matrix starts at zero (a checkpoint always carries trained values): left so, the image
+    # would not reach the language model at all.
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    # As published: both end tokens, and sampling defaults (top_k 64, top_p 0.95) that on-policy sampling
+    # must override.
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<bos>"],
+        pad_token_id=ids["<pad>"],
+        eos_token_id=end_ids,
+        do_sample=True,
+        top_k=64,
+        top_p=0.95,
+    )
+    return model
+
+
+def build_gemma3(out: str) -> str:
+    tokenizer = gemma3_tokenizer()
+    processor = gemma3_processor(tokenizer)
+    return save_pair(out, lambda size: gemma3_model(size, tokenizer), processor)
 
 
 # ---------------------------------------------------------------------------------------------
