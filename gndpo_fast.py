@@ -2,6 +2,7 @@
 
 1. Lean log-probs (--lean_logps): the LM head and the log-softmax chunk by chunk (head_logps, token_logps), with
    backwards of their own, instead of float32 (n, R, V) logits. Checked against log_softmax in value and gradient.
+   On CUDA the head runs TRL's Triton kernel (trl.kernels), measured faster there than ours; ours elsewhere.
 2. Each prompt read once (--share_prompt_prefix): the u distinct prompts of a step read once and their KV cache
    indexed to the G samples, in rollouts, teacher scoring and the update (SharedPrefix). Checked on the first step
    against the plain forward, values and gradients, with a fallback (PrefixSharing).
@@ -51,7 +52,8 @@ def _gather_logps(
 # ---------------------------------------------------------------------------------------------
 # Speed-up 1, lean log-probs (--lean_logps). Replaces the script's gather_logps (log_softmax over float32
 # (n, R, V) logits): token_logps works through chunks of logits and head_logps runs the LM head chunk by chunk,
-# both with a backward of their own. Checked against log_softmax in value and gradient (tests/test_math.py).
+# both with a backward of their own (the head's: TRL's Triton kernel on CUDA, ours elsewhere). Checked against
+# log_softmax in value and gradient (tests/test_math.py).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -234,6 +236,14 @@ def _head_backward_by_vocab(
     return grad.to(flat.dtype), grad_weight
 
 
+# head_logps runs one of two kernels, the same function of the same arguments (head_kernel picks): TRL's
+# ChunkedLogProbFunction (trl.kernels, a maintained Triton kernel; TRL is in requirements.txt) on CUDA, measured faster
+# there than ours; ours (_HeadTokenLogps) on CPU, measured faster there, where TRL has no Triton, and wherever TRL does
+# not import or the weight is sharded. bench/token_logps.py --cuda measures both side by side.
+TRL_CHUNK_SIZE = 32768  # vocabulary columns per TRL tile: its trainer's (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+TRL_BLOCK = 1024  # the columns TRL's Triton kernel folds at a time (trl.kernels.chunked_logprob._BLOCK_SIZE)
+
+
 def head_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -243,15 +253,30 @@ def head_logps(
     chunk_elements: int = 2**24,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on chunks of rows
-    (at most chunk_elements logits each) whose logits are used and dropped; under autograd only the (B, T)
-    logsumexp is kept and backward makes each chunk's logits again. The gradient reaches `hidden`, and the head's
-    weight where it trains (full fine-tuning; a LoRA student keeps it frozen).
+    """token_logps(hidden @ weight.T, ...) without the (B, T, V) logits: the LM head runs on tiles of rows whose logits
+    are used and dropped; under autograd only the (B, T) logsumexp is kept and backward makes each tile's logits again.
+    The gradient reaches `hidden`, and the head's weight where it trains (full fine-tuning; a LoRA student keeps it
+    frozen). On CUDA TRL's kernel (trl_head_logps), elsewhere ours (chunked_head_logps): head_kernel says which.
 
     hidden: (B, T, H) last hidden states; weight: (V, H) LM head; token_ids: (B, T); dtype: the dtype the head's
     matmuls run in (None: the weight's), bf16 under mixed precision as an autocast nn.Linear would: the same
-    precision as the sampler's logits. Returns (B, T) float32.
+    precision as the sampler's logits; chunk_elements: ours' logits per chunk. Returns (B, T) float32.
     """
+    if head_kernel(weight) == "trl":
+        return trl_head_logps(hidden, weight, token_ids, ignore_ids, temperature, dtype)
+    return chunked_head_logps(hidden, weight, token_ids, ignore_ids, temperature, chunk_elements, dtype)
+
+
+def chunked_head_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    ignore_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_elements: int = 2**24,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """head_logps on our kernel: chunks of rows of at most chunk_elements logits each (_HeadTokenLogps)."""
     dtype = dtype or weight.dtype
     per_chunk = max(1, chunk_elements // weight.shape[0])  # hidden-state rows per chunk
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
@@ -263,6 +288,78 @@ def head_logps(
             flat[r : r + per_chunk].to(dtype) @ w.T, ids[r : r + per_chunk], ignore_ids, temperature
         )[0]
     return out.view(token_ids.shape)
+
+
+@functools.cache
+def _trl_function():
+    """TRL's ChunkedLogProbFunction where trl.kernels imports, else None."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except ImportError:
+        return None
+    return ChunkedLogProbFunction
+
+
+def head_kernel(weight: torch.Tensor) -> str:
+    """The kernel head_logps runs for this LM head weight: "trl" (trl_head_logps) for a CUDA weight where trl.kernels
+    and Triton import; else "chunked" (chunked_head_logps), as for a DTensor (a weight FSDP2 has sharded, which TRL's
+    trainer gathers itself before its Function; the Function does not)."""
+    if weight.device.type != "cuda":  # before any import: the CPU path pays for none
+        return "chunked"
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor) or _trl_function() is None:
+        return "chunked"
+    from transformers.utils import is_triton_available
+
+    return "trl" if is_triton_available() else "chunked"
+
+
+@functools.lru_cache(maxsize=16)
+def _ignore_bias(ignored: tuple[int, ...], V: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The (V,) bias that makes TRL's kernel ignore ids: -inf at `ignored` (sorted), 0 elsewhere; None without any.
+    Made once per (ids, V, dtype, device)."""
+    if not ignored:
+        return None
+    bias = torch.zeros(V, dtype=dtype, device=device)
+    return bias.index_fill_(0, torch.tensor(ignored, device=device), float("-inf"))
+
+
+def trl_head_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    ignore_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """head_logps on TRL's ChunkedLogProbFunction (Triton on CUDA, torch ops elsewhere): the same arguments and
+    result; its tiles are TRL_CHUNK_SIZE vocabulary columns by its own rows. The ignored ids become a bias, -inf there
+    and 0 elsewhere, that TRL adds to each logits tile before the softmax: an ignored target's log-prob is -inf, as in
+    ours. Where the first TRL_BLOCK ids are all ignored, TRL's online logsumexp would start from -inf - (-inf) = NaN:
+    ours runs instead. The matmuls run in the dtype ours' run in: autocast's where it is on, else `dtype` (None: the
+    weight's); TRL computes in hidden's dtype outside autocast, so the hidden states are cast to it and autocast is
+    turned off around the call. Its gradients accumulate in float32 and come back in hidden's and the weight's
+    dtypes."""
+    dtype = autocast_dtype(hidden.device.type) or dtype or weight.dtype
+    V = weight.shape[0]
+    ignored = () if ignore_ids is None else tuple(sorted(set(ignore_ids.tolist())))
+    if ignored[:TRL_BLOCK] == tuple(range(min(V, TRL_BLOCK))):  # no finite logit in TRL's first block
+        return chunked_head_logps(hidden, weight, token_ids, ignore_ids, temperature, dtype=dtype)
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype).contiguous()  # (N, H): TRL's kernel reads rows by pointer
+    with torch.autocast(hidden.device.type, enabled=False):
+        logps = _trl_function().apply(
+            flat,
+            weight,
+            _ignore_bias(ignored, V, dtype, hidden.device),
+            token_ids.reshape(-1).contiguous(),  # (N,)
+            temperature,
+            TRL_CHUNK_SIZE,
+            None,  # no final-logit soft-capping (head_path refuses models that have it)
+            1.0,  # no logit scale
+            (),  # the log-probs only: no entropy or other optional outputs
+        )[0]
+    return logps.view(token_ids.shape)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -298,16 +395,19 @@ def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None
     replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
     precision (head_logps then computes in that dtype, as the sampler's nn.Linear does), and under FSDP2 inside
     its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient."""
+    from torch.distributed.fsdp import FSDPModule
+
     head = _unwrap(model).get_output_embeddings()
     if head_path(model) != "chunked head":
         yield False
         return
+    # a model FSDP2 shards: our kernel, as TRL's on a gathered weight is not checked under FSDP2 yet
+    fsdp = any(isinstance(m, FSDPModule) for m in _unwrap(model).modules())
+    fn = chunked_head_logps if fsdp else head_logps
 
     def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
         hidden = hidden[:, :-1] if drop_last else hidden
-        return head_logps(
-            hidden, head.weight, token_ids, ignore_ids, temperature, dtype=autocast_dtype(hidden.device.type)
-        )
+        return fn(hidden, head.weight, token_ids, ignore_ids, temperature, dtype=autocast_dtype(hidden.device.type))
 
     head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
     try:

@@ -361,6 +361,145 @@ def test_head_logps_equals_the_naive_head_and_log_softmax_in_value_and_both_grad
         )
 
 
+# --- head_logps on TRL's kernel (trl_head_logps; on CPU TRL's torch fallback) ----------------------------------
+
+
+def _head_inputs(dtype, trainable_head, V=1000, H=64, seed=0):
+    """(B, T, H) hidden states and a (V, H) head in dtype, both leaves (the hidden states require grad)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 6, H, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) / H**0.5 * 2).to(dtype).requires_grad_(trainable_head)
+    return hidden, weight
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("trainable_head", [False, True], ids=["frozen_head", "trainable_head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trl_head_logps_equals_ours_and_the_naive_head_in_value_and_both_gradients(dtype, trainable_head):
+    """TRL's kernel (its ignored ids a -inf bias, temperature 0.7) against our chunked kernel and float32 logits,
+    log_softmax and a gather: the same log-probs, hidden-state gradient and, where the head trains, weight gradient,
+    in the inputs' dtypes. Tolerances from the compute precision: float32 to rounding; bf16 logits to bf16's."""
+    V, temperature = 1000, 0.7
+    ignore = torch.tensor([3, 7, 999])
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids[torch.isin(ids, ignore)] = 5  # sampled tokens are never ignored ones
+    grad_out = torch.randn(2, 6, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for path in ("naive", "chunked", "trl"):
+        hidden, weight = _head_inputs(dtype, trainable_head)
+        if path == "naive":
+            logits = (hidden.float() @ weight.float().T / temperature).index_fill(-1, ignore, float("-inf"))
+            out = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+        else:
+            fn = fast.chunked_head_logps if path == "chunked" else fast.trl_head_logps
+            out = fn(hidden, weight, ids, ignore, temperature)
+        assert out.dtype == torch.float32 and out.shape == ids.shape
+        (out * grad_out).sum().backward()
+        assert hidden.grad.dtype == dtype and (weight.grad is None) == (not trainable_head)
+        assert weight.grad is None or weight.grad.dtype == dtype
+        results[path] = (out.detach(), hidden.grad, weight.grad)
+    exact = dtype == torch.float32
+    tol = dict(atol=1e-5, rtol=1e-5) if exact else dict(atol=3e-2, rtol=1e-2)  # bf16 logits: ~2^-9 of each
+    grad_tol = 1e-5 if exact else 1e-2  # relative, over the whole tensor
+    for other in ("chunked", "naive"):
+        torch.testing.assert_close(results["trl"][0], results[other][0], **tol)
+        for got, want in zip(results["trl"][1:], results[other][1:]):
+            if want is not None:
+                assert want.abs().sum() > 0 and _relative(got, want) < grad_tol
+    with torch.no_grad():  # no autograd: the same values
+        hidden, weight = _head_inputs(dtype, trainable_head)
+        torch.testing.assert_close(fast.trl_head_logps(hidden, weight, ids, ignore, temperature), results["trl"][0])
+
+
+def test_trl_head_logps_under_autocast_computes_in_autocasts_dtype_as_ours():
+    """Full fine-tuning under bf16 mixed precision: float32 hidden states and head inside an autocast region, with
+    dtype bf16 (as chunked_head passes autocast's) or none. Both kernels compute in bf16, as ours' matmuls do under
+    autocast (not in float32: they differ from the float32 head), and the gradients come back in float32, the
+    parameters' dtype."""
+    ignore, ids = torch.tensor([10, 11]), torch.randint(12, 1000, (2, 6), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for path, dtype in (("chunked", torch.bfloat16), ("trl", torch.bfloat16), ("trl", None), ("float32", None)):
+        hidden, weight = _head_inputs(torch.float32, True)
+        fn = fast.trl_head_logps if path == "trl" else fast.chunked_head_logps
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "float32"):
+            out = fn(hidden, weight, ids, ignore, 0.7, dtype=dtype)
+        out.sum().backward()
+        assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+        results[path, dtype] = (out.detach(), hidden.grad, weight.grad)
+    ours, fp32 = results["chunked", torch.bfloat16], results["float32", None]
+    for trl in (results["trl", torch.bfloat16], results["trl", None]):
+        torch.testing.assert_close(trl[0], ours[0], atol=1e-2, rtol=1e-2)
+        assert all(_relative(a, b) < 1e-2 for a, b in zip(trl[1:], ours[1:]))
+        assert (trl[0] - fp32[0]).abs().max() > 1e-4  # bf16 logits, not float32 ones
+
+
+def test_trl_head_logps_gives_an_ignored_target_minus_infinity_as_ours_and_no_nan():
+    """A target among the ignored ids: -inf in both kernels, the other tokens' log-probs equal, and a loss that
+    masks the -inf ones out (as the response mask does) gives equal, finite gradients. Where TRL's first block of
+    ids is all ignored (its running max would start from -inf - (-inf)), ours runs: still no NaN."""
+    ignore = torch.tensor([3, 7])
+    ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(4))
+    ids[0, 0], ids[1, 3] = 3, 7
+    results = {}
+    for path in ("chunked", "trl"):
+        hidden, weight = _head_inputs(torch.float32, True)
+        out = (fast.chunked_head_logps if path == "chunked" else fast.trl_head_logps)(hidden, weight, ids, ignore, 0.7)
+        assert torch.isneginf(out[0, 0]) and torch.isneginf(out[1, 3]) and torch.isfinite(out).sum() == 10
+        out.masked_fill(torch.isinf(out), 0).sum().backward()
+        assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+        results[path] = (out.detach(), hidden.grad, weight.grad)
+    for got, want in zip(results["trl"], results["chunked"]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    hidden, weight = _head_inputs(torch.float32, False, V=2000)
+    first_block = torch.arange(fast.TRL_BLOCK)
+    ids = torch.randint(fast.TRL_BLOCK, 2000, (2, 6), generator=torch.Generator().manual_seed(5))
+    out = fast.trl_head_logps(hidden, weight, ids, first_block)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, fast.chunked_head_logps(hidden, weight, ids, first_block))
+
+
+def test_head_logps_runs_ours_on_cpu_and_trl_constants_are_trls():
+    """On CPU (no Triton there) head_logps dispatches to our chunked kernel: the same bits. TRL_CHUNK_SIZE is TRL's
+    trainer's tile width and TRL_BLOCK its kernel's block (read from TRL's modules, which head_logps does not
+    import: its trainer's module is slow to import)."""
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils as trl_utils
+
+    hidden, weight = _head_inputs(torch.bfloat16, True)
+    ids = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(6))
+    assert fast.head_kernel(weight) == "chunked"
+    assert torch.equal(head_logps(hidden, weight, ids), fast.chunked_head_logps(hidden, weight, ids))
+    assert fast.TRL_CHUNK_SIZE == trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+    assert fast.TRL_BLOCK == chunked_logprob._BLOCK_SIZE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("trainable_head", [False, True], ids=["frozen_head", "trainable_head"])
+def test_on_cuda_head_logps_runs_trl_and_equals_ours(trainable_head):
+    """On CUDA, with a real vocabulary (several TRL tiles, many Triton blocks): head_logps runs TRL's kernel, which
+    gives our kernel's values and gradients within bf16's rounding, with ignored ids and a temperature."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    V, H = 151_936, 256
+    ignore = torch.tensor([151652, 151653, 151654, 151655, 151656], device="cuda")
+    ids = torch.randint(0, 151_000, (4, 128), device="cuda", generator=gen)
+    grad_out = torch.randn(4, 128, device="cuda", generator=gen)
+    hidden0 = torch.randn(4, 128, H, device="cuda", generator=gen).bfloat16()
+    weight0 = (torch.randn(V, H, device="cuda", generator=gen) / H**0.5 * 3).bfloat16()
+    assert fast.head_kernel(weight0) == "trl"
+    results = {}
+    for path, fn in (("chunked", fast.chunked_head_logps), ("dispatched", head_logps)):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_(trainable_head)
+        out = fn(hidden, weight, ids, ignore, 0.7)
+        (out * grad_out).sum().backward()
+        results[path] = (out.detach(), hidden.grad, weight.grad)
+    torch.testing.assert_close(results["dispatched"][0], results["chunked"][0], atol=3e-2, rtol=1e-2)
+    for got, want in zip(results["dispatched"][1:], results["chunked"][1:]):
+        assert (got is None) == (want is None) and (got is None or _relative(got, want) < 1e-2)
+
+
 # --- power_scores, score_std, group_reward_advantages -------------------------------------------
 
 
