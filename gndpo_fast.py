@@ -7,6 +7,9 @@
    indexed to the G samples, in rollouts, teacher scoring and the update (SharedPrefix). Checked on the first step
    against the plain forward, values and gradients, with a fallback (PrefixSharing).
 3. The sampler (--fast_sampler): an exact inverse CDF in two levels (draw_tokens) instead of torch.multinomial.
+4. Rollouts at the GPU's pace: sampling from LoRA adapters merged into the base weights (--merged_sampling,
+   MergedAdapters), the vision tower's windows in one attention call per layer (--varlen_vision, varlen_vision); the
+   script's --static_cache lets generate() compile its decoding step. Checked against the plain paths.
 
 gndpo_minimal.py imports this module when it is there (the flags' default, auto, then turns the speed-ups on) and
 runs its plain paths when it is not. It imports nothing from the script: what a speed-up needs (the plain forward to
@@ -19,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
@@ -291,11 +295,14 @@ def chunked_head_logps(
 
 
 @functools.cache
+@functools.lru_cache(maxsize=1)
 def _trl_function():
-    """TRL's ChunkedLogProbFunction where trl.kernels imports, else None."""
+    """TRL's ChunkedLogProbFunction where trl.kernels imports, and trl.trainer.utils, which its backward imports,
+    too (a failure there would come in the middle of the first backward); else None."""
     try:
+        import trl.trainer.utils  # noqa: F401
         from trl.kernels import ChunkedLogProbFunction
-    except ImportError:
+    except Exception:  # an ImportError, or a version check of TRL's own dependencies that fails on import
         return None
     return ChunkedLogProbFunction
 
@@ -857,3 +864,157 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None = None, b
     inner = (probs.gather(1, ids.clamp(max=V - 1)) * (ids < V)).cumsum(-1, dtype=torch.float64)
     j = torch.searchsorted(inner, torch.minimum(u - before, inner[:, -1:])).clamp_(max=block - 1)
     return k * block + j
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 4, rollouts at the GPU's pace (--merged_sampling, --static_cache, --varlen_vision). Eager decoding is
+# bound by the host: every operation of every layer is launched from Python, one decoding step at a time.
+#  - merged_sampling replaces decoding through unmerged LoRA adapters (each adapted linear adds a cast, two matmuls,
+#    a scale, an add and a cast back): the adapters are added into the base weights for the rollout, and the base
+#    weights are copied back from a host copy afterwards, so they stay bit-identical. Checked by the recorded
+#    log-probs against the training forward (logp_mismatch) and by the base weights after several steps.
+#  - static_cache (the script sets generate()'s cache_implementation) lets generate() compile its decoding step into
+#    CUDA graphs; nothing here.
+#  - varlen_vision replaces the vision tower's loop of one attention call per image window (Qwen-VL's windowed
+#    attention) with one variable-length call per layer. Checked against the loop on the same inputs.
+# ---------------------------------------------------------------------------------------------
+
+
+class MergedAdapters:
+    """A LoRA policy whose adapters can be merged into its base weights for sampling: `with merged(): ...` decodes
+    through the base layers alone (peft's adapters disabled), then the base weights are copied back from a copy made
+    once at construction (host memory on a GPU: the base weights of a LoRA student never change), bit for bit.
+    Subtracting the adapters again would not restore them: a bf16 add rounds.
+
+    policy: a peft model (unwrapped). Raises ValueError where merging is not plain (DoRA, a layer that is not a
+    linear one, sharded weights): the caller samples through the adapters then."""
+
+    def __init__(self, policy):
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+        from torch.distributed.tensor import DTensor
+
+        self.policy = policy
+        self.layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+        if not self.layers or not hasattr(policy, "disable_adapter"):
+            raise ValueError("no LoRA adapter to merge")
+        for layer in self.layers:
+            if type(layer) is not LoraLinear or any(layer.use_dora.values()):
+                raise ValueError(f"{type(layer).__name__} with DoRA or of another kind than Linear")
+            if isinstance(layer.get_base_layer().weight, DTensor):
+                raise ValueError("the weights are sharded: each process holds a shard of each adapter")
+        weights = [layer.get_base_layer().weight for layer in self.layers]
+        pin = weights[0].device.type == "cuda"
+        self.saved = [w.detach().to("cpu", copy=True) for w in weights]
+        if pin:  # pinned pages copy back without a staging buffer
+            self.saved = [s.pin_memory() for s in self.saved]
+
+    @contextlib.contextmanager
+    def merged(self):
+        """Within it the policy's base weights hold the adapters (W + scale * B @ A, rounded once to W's dtype) and
+        its forward skips them; after it, the base weights are what they were."""
+        with torch.no_grad():
+            for layer in self.layers:
+                weight = layer.get_base_layer().weight
+                delta = sum(layer.get_delta_weight(name).float() for name in layer.active_adapters)
+                weight.copy_(weight.float().add_(delta))
+        try:
+            with self.policy.disable_adapter():
+                yield
+        finally:
+            with torch.no_grad():
+                for layer, saved in zip(self.layers, self.saved):
+                    layer.get_base_layer().weight.copy_(saved, non_blocking=True)
+
+
+# What their auto leaves off where: CUDA graphs and the variable-length kernel exist on CUDA only, and only there do
+# 16-bit kernels round by the batch's shape, so that a prompt read once differs from the plain forward
+OFF_AUTO = {
+    "static_cache": ("cpu", "generate() compiles its decoding step only on CUDA"),
+    "varlen_vision": ("cpu", "its kernel runs on CUDA only"),
+    "share_prompt_prefix": ("cuda", "CUDA's 16-bit kernels round by the batch's shape (docs/benchmarks.md)"),
+}
+
+
+def speedups_off(args, device_type: str, sharded: bool, rows: int) -> dict[str, str]:
+    """{flag: why} for the speed-ups asked for (auto or true) that do not run in a launch: an auto left off on this
+    device (OFF_AUTO), merging with no adapter or sharded weights, a static cache that one batch size would not
+    serve. args: the script's Args; rows: a process's rollouts per step."""
+    asked = lambda flag: str(getattr(args, flag)).lower() != "false"  # noqa: E731
+    off = {
+        flag: why
+        for flag, (where, why) in OFF_AUTO.items()
+        if str(getattr(args, flag)).lower() == "auto" and (device_type == "cuda") == (where == "cuda")
+    }
+    if asked("merged_sampling") and not args.lora_r:
+        off["merged_sampling"] = "full fine-tuning has no adapter to merge"
+    elif asked("merged_sampling") and sharded:
+        off["merged_sampling"] = "the weights are sharded: each process holds a shard of each adapter"
+    if asked("static_cache") and sharded:
+        off["static_cache"] = "the weights are sharded: generate() gathers them at every step"
+    elif asked("static_cache") and rows % (args.generation_batch_size or rows):
+        off["static_cache"] = f"--generation_batch_size {args.generation_batch_size} does not divide {rows} rows"
+    return off
+
+
+VARLEN_VISION = "flash_varlen_windows"  # transformers passes cu_seqlens only to implementations named "flash..."
+
+
+def _window_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """The vision tower's attention over its windows in one call: query, key, value (1, heads, tokens, dim) and the
+    windows' boundaries cu_seq_lens_q (windows + 1,); returns (1, tokens, heads, dim) as transformers' attention
+    functions do. CUDA: one variable-length flash kernel (torch.nn.attention.varlen). Elsewhere: one
+    scaled_dot_product_attention call with a block-diagonal mask (the reference for the tests)."""
+    cu = kwargs["cu_seq_lens_q"]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (tokens, heads, dim)
+    default_scale = scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-12
+    if q.is_cuda and default_scale and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu32 = cu.to(torch.int32)
+        longest = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
+        return varlen_attn(q, k, v, cu32, cu32, longest, longest)[None], None
+    window = torch.bucketize(torch.arange(q.shape[0], device=q.device), cu[1:], right=True)  # (tokens,)
+    same = window[:, None] == window[None, :]  # (tokens, tokens)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=same, scale=scaling
+    )  # (1, heads, tokens, dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def varlen_vision(model) -> bool:
+    """Makes the vision tower of a Qwen-VL model (the one whose attention loops over image windows given by cu_seqlens)
+    run each layer's attention in one call (_window_attention). Returns whether it did: another family keeps its own."""
+    from transformers import AttentionInterface
+
+    model = _unwrap(model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tower = getattr(getattr(inner, "model", inner), "visual", None)
+    forward = getattr(getattr(getattr(tower, "blocks", [None])[0], "attn", None), "forward", None)
+    if tower is None or forward is None or "cu_seqlens" not in inspect.signature(forward).parameters:
+        return False
+    device = next(tower.parameters()).device
+    if device.type == "cuda" and not _varlen_kernel_works(device):
+        return False
+    AttentionInterface.register(VARLEN_VISION, lambda *args, **kwargs: _window_attention(*args, **kwargs))
+    tower.config._attn_implementation = VARLEN_VISION
+    return True
+
+
+def _varlen_kernel_works(device: torch.device) -> bool:
+    """Whether torch's variable-length kernel runs here and gives, over two windows, what attention per window gives."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = torch.randn(3, 7, 2, 64, device=device, dtype=torch.bfloat16).unbind(0)
+        cu = torch.tensor([0, 3, 7], device=device, dtype=torch.int32)
+        packed = varlen_attn(q, k, v, cu, cu, 4, 4)
+        windows = [
+            torch.nn.functional.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v))).transpose(
+                0, 1
+            )
+            for a, b in ((0, 3), (3, 7))
+        ]
+        return torch.allclose(packed.float(), torch.cat(windows).float(), atol=2e-2)
+    except Exception:  # no such kernel in this torch, or none for this device
+        return False

@@ -143,6 +143,11 @@ class Args:
     share_prompt_prefix: str = arg("auto", "Read each prompt once for its G samples (checked at start-up).")
     lean_logps: str = arg("auto", "Log-probs by a chunked LM head, without float32 (n, R, V) logits.")
     fast_sampler: str = arg("auto", "Draw tokens by an exact two-level inverse CDF, not torch.multinomial.")
+    merged_sampling: str = arg("auto", "Sample from LoRA adapters merged into the base weights (restored exactly).")
+    static_cache: str = arg(
+        "auto", "Decode on a static KV cache, compiled into CUDA graphs by generate() (auto: CUDA)."
+    )
+    varlen_vision: str = arg("auto", "One attention call per vision layer for all image windows (Qwen-VL, CUDA).")
     # --- output ---
     output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the student and summary.json go.")
     overwrite_output_dir: bool = arg(False, "Start over in an output_dir that already holds a run.")
@@ -685,6 +690,7 @@ class Sampling:
     synced_gpus: bool = False  # sharded weights: every process steps generate() until the last is done
     sharing: object = None  # gndpo_fast.PrefixSharing: which forwards read each prompt once; None: none does
     precision: Callable = contextlib.nullcontext  # () -> autocast under mixed precision: sample the update's policy
+    weights: Callable = contextlib.nullcontext  # () -> the weights it samples with (LoRA merged in: gndpo_fast)
 
     def sharing_summary(self) -> dict:
         """Which forwards read each prompt once, for summary.json."""
@@ -701,7 +707,8 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
         )
     sharing, generator = sampling.sharing, torch.Generator(sampling.device).manual_seed(prompts.seed)
     shared = sharing is not None and sharing.decided["rollout"] is not False
-    generated = generate_rollouts(models, prompts, args, generator, shared)
+    with sampling.weights():
+        generated = generate_rollouts(models, prompts, args, generator, shared)
     if (
         sharing is not None
         and sharing.pending()
@@ -714,7 +721,8 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
         )
     ):
         generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
-        generated = generate_rollouts(models, prompts, args, generator, False)
+        with sampling.weights():
+            generated = generate_rollouts(models, prompts, args, generator, False)
     row_prompts = sharing is None or not sharing.all_shared()  # while some forward may read a row's prompt whole
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
     return route_to_teachers(models, prompts, parts, args) if prompts.teachers else parts
@@ -809,7 +817,9 @@ class SampledTokenLogps:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.suppress is not None:  # in place: generate() gave us a copy
-            scores.index_fill_(1, self.suppress.to(scores.device), float("-inf"))
+            if self.suppress.device != scores.device:  # moved once, not copied from the host at every step
+                self.suppress = self.suppress.to(scores.device)
+            scores.index_fill_(1, self.suppress, float("-inf"))
         z = scores.float() / self.temperature  # (n, V)
         lse = z.logsumexp(-1, keepdim=True)  # (n, 1)
         token = self.draw((z - lse).exp_(), self.generator)  # (n, 1)
@@ -821,8 +831,10 @@ class SampledTokenLogps:
         return torch.stack(self.logps, 1)
 
 
-def generation_configs(tokenizer, model, args: Args) -> tuple:
-    """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily."""
+def generation_configs(tokenizer, model, args: Args, static_cache: bool = False) -> tuple:
+    """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily.
+    static_cache: sampling decodes on a KV cache of a fixed size, max_prompt_length + max_new_tokens, which
+    generate() compiles its decoding step for on CUDA (CUDA graphs: one per generation batch size)."""
     from transformers import GenerationConfig
 
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
@@ -841,6 +853,11 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
         min_p=None,
         repetition_penalty=1.0,
         **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}),
+        **(
+            {"cache_implementation": "static", "max_cache_len": args.max_prompt_length + args.max_new_tokens}
+            if static_cache
+            else {}
+        ),
         **common,
     )
     return sample, GenerationConfig(do_sample=False, **common)
@@ -1021,7 +1038,10 @@ def load_student(args: Args, dtype: torch.dtype):
             model = get_peft_model(model, lora)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        # transformers then hooks every input embedding, the frozen vision tower's too, to output a tensor that
+        # requires grad, which only reentrant checkpointing needs: with the hooks, every backward ran through the
+        # vision tower (and every checkpointed vision block again)
+        model.disable_input_require_grads()
     model.config.use_cache = False  # training forwards need no KV cache; generate() turns it on itself
     return model
 
@@ -1889,18 +1909,21 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     return student, optimizer, scheduler
 
 
-def startup_line(args: Args, accelerator, student) -> str:
-    """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here."""
+def startup_line(args: Args, accelerator, student, off: dict | None = None) -> str:
+    """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here.
+    off: {flag: why} for the speed-ups that speedup_on allows but that do not run here (speedups_off)."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
     device = accelerator.device
     teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-    on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag)]
+    off = off or {}
+    on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag) and flag not in off]
     paths = (
         f"speed-ups of gndpo_fast: {', '.join(on)}"
         if on
         else "plain paths" + ("" if fast else " (gndpo_fast.py not found)")
     )
+    paths += "".join(f"; {SPEEDUPS[flag]} off: {why}" for flag, why in off.items())
     return (
         f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
         f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}"
@@ -1916,6 +1939,9 @@ SPEEDUPS = {
     "lean_logps": "lean log-probs",
     "share_prompt_prefix": "each prompt read once",
     "fast_sampler": "the sampler",
+    "merged_sampling": "sampling from merged adapters",
+    "static_cache": "decoding on a static cache",
+    "varlen_vision": "one vision attention call per layer",
 }
 
 
@@ -1930,6 +1956,20 @@ def speedup_on(args: Args, flag: str) -> bool:
     return value == "true" or (value == "auto" and fast is not None)
 
 
+def speedups_off(args: Args, accelerator) -> dict[str, str]:
+    """{flag: why} for the speed-ups of gndpo_fast that do not run in this launch though asked for (gndpo_fast's
+    speedups_off: the device, sharded weights, full fine-tuning, an uneven generation batch); {} without it."""
+    rows = args.prompts_per_step * args.num_generations // accelerator.num_processes
+    sharded = weights_are_sharded(accelerator)
+    return fast.speedups_off(args, accelerator.device.type, sharded, rows) if fast else {}
+
+
+def static_cache_on(args: Args, device_type: str) -> bool:
+    """Whether rollouts decode on a static KV cache on this device (before the launch-specific reasons)."""
+    value = str(args.static_cache).lower()
+    return speedup_on(args, "static_cache") and (value == "true" or device_type == "cuda")
+
+
 def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):
     """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. Sharded weights are
     gathered by every forward, so all processes must run the same ones; a replaced teacher forward is not ours."""
@@ -1939,6 +1979,8 @@ def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, t
     )
     reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
     teacher_reason = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
+    auto_off = speedups_off(args, accelerator).get("share_prompt_prefix")
+    reason, teacher_reason = reason or auto_off, teacher_reason or auto_off
     sharing = fast.PrefixSharing(
         plain or response_logps,
         logps_tolerance,
@@ -1960,7 +2002,9 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
     # generate() never calls the FSDP2 root's forward, which would leave the root's own parameters sharded
     register_fsdp_forward_method(policy, "generate")  # a no-op unless FSDP2
-    sample_config, _ = generation_configs(processor.tokenizer, policy, args)
+    off = speedups_off(args, accelerator)
+    runs = lambda flag: speedup_on(args, flag) and flag not in off  # noqa: E731
+    sample_config, _ = generation_configs(processor.tokenizer, policy, args, static_cache=runs("static_cache"))
     ignore_ids = (
         torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
         if sample_config.suppress_tokens
@@ -1976,8 +2020,17 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
     )
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     draw = fast.draw_tokens if speedup_on(args, "fast_sampler") else multinomial
-    sampling = Sampling(sample_config, draw, accelerator.device, synced_gpus, sharing, precision)
-    log(startup_line(args, accelerator, student))
+    weights = contextlib.nullcontext
+    if runs("merged_sampling"):
+        try:
+            weights = fast.MergedAdapters(policy).merged
+        except ValueError as e:  # DoRA, a layer of another kind: sampling reads the adapters
+            off["merged_sampling"] = str(e)
+    sampling = Sampling(sample_config, draw, accelerator.device, synced_gpus, sharing, precision, weights)
+    for model in (student, *(teacher.values() if isinstance(teacher, dict) else [teacher])):
+        if runs("varlen_vision") and not fast.varlen_vision(model):  # a family without windowed vision attention
+            off["varlen_vision"] = f"not for {type(unwrap(model)).__name__}'s vision attention, or no kernel here"
+    log(startup_line(args, accelerator, student, off))
     first_teacher = next(iter(teacher.values())) if isinstance(teacher, dict) else teacher
     log(
         "log-probs: "

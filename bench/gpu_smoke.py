@@ -39,6 +39,7 @@ The process exits 1 when a section failed; the JSON holds the error where the se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -63,6 +64,8 @@ from memory import live_peak  # noqa: E402
 from reproduce import code_is_clean, git, machine  # noqa: E402
 from step_breakdown import setup_step  # noqa: E402
 
+import estimate_memory  # noqa: E402
+import gndpo_fast as fast  # noqa: E402
 import gndpo_minimal as g  # noqa: E402
 from estimate_memory import CHECK_PROMPTS, CHECK_TOKENS, GPU_GIB, GiB, estimate  # noqa: E402
 
@@ -79,6 +82,10 @@ TINY_SHAPE = {"micro_batch_size": 4, "generation_batch_size": 8, "num_generation
 RESUME_SHAPE = {"prompts_per_step": 2, "num_generations": 2, "micro_batch_size": 4}
 RESUME_TOKENS = {"gpu": 32, "tiny": 4}
 TRAIN_ROWS = 64  # rows the phases draw prompts from (and the image size is fitted to)
+WARMUP_TOKENS = {"gpu": 16, "tiny": 2}  # the rollout's first, unmeasured call: generate() compiles its decoding step
+PROFILE_TOP = 12  # operations kept from each phase's profile
+# the start-up checks of a prompt read once, on the tiny models, by compute precision and teacher: why they differ
+DIAGNOSIS = {"gpu": (("float32", False), ("bfloat16", False), ("float32", True)), "tiny": (("float32", False),)}
 # The tiny tokenizer carries Qwen2.5-VL's special tokens under their names, at its own ids: each config id that
 # names one of them is set to the tiny id, or the model would look for image tokens the processor never writes.
 SPECIAL_TOKENS = {
@@ -441,19 +448,79 @@ def setup_phase(smoke: Smoke, setup_args: g.Args, args: g.Args, log) -> dict | N
     return setup
 
 
+@contextlib.contextmanager
+def shortened(config, tokens: int):
+    """Within it the sampling config forces `tokens` response tokens; its cache size (max_cache_len) stays, so that a
+    static cache's compiled decoding step serves the full-length call too."""
+    old = config.max_new_tokens, config.min_new_tokens
+    config.max_new_tokens = config.min_new_tokens = tokens
+    try:
+        yield
+    finally:
+        config.max_new_tokens, config.min_new_tokens = old
+
+
 def rollout_phase(smoke: Smoke, setup: dict, rollout_args: g.Args) -> tuple:
-    """rollout: one generate() call of generation_batch_size rows, cut into micro-batches as the step does.
-    Returns (the prompts, the rollouts); the rollouts are None where the phase failed."""
-    phases, gen = smoke.result["phases"], rollout_args.generation_batch_size
+    """rollout: one generate() call of generation_batch_size rows, cut into micro-batches as the step does, after a
+    short unmeasured call (warmup_seconds: generate() compiles its decoding step there, once per run); then a short
+    call again under the profiler. Returns (the prompts, the rollouts); the rollouts are None where it failed."""
+    phases, gen, models = smoke.result["phases"], rollout_args.generation_batch_size, setup["models"]
     prompts = rollouts = None
     try:
         prompts = g.step_prompts(setup["train_ds"], setup["train_keep"], rollout_args, 0)
-        rollouts, stats = measure(lambda: g.sample_rollouts(setup["models"], prompts, rollout_args), smoke.cuda)
+        warm = WARMUP_TOKENS["gpu" if smoke.cuda else "tiny"]
+        t0 = time.perf_counter()
+        try:
+            with shortened(models.sampling.config, warm):
+                g.sample_rollouts(models, prompts, rollout_args)
+        except Exception as e:  # the compiled decoding step failed: the phases go on with the dynamic cache
+            smoke.result["static_cache_error"] = smoke.fail("rollout warm-up (static cache)", e)["error"]
+            models.sampling.config.cache_implementation = None
+        sync(smoke.cuda)
+        warmup = time.perf_counter() - t0
+        rollouts, stats = measure(lambda: g.sample_rollouts(models, prompts, rollout_args), smoke.cuda)
         rows = len(prompts.prompts)
-        phases["rollout"] = phase_record(stats, rollouts, generate_calls=math.ceil(rows / (gen or rows)))
+        config = models.sampling.config
+        phases["rollout"] = phase_record(
+            stats,
+            rollouts,
+            generate_calls=math.ceil(rows / (gen or rows)),
+            warmup_seconds=warmup,
+            warmup_tokens=warm,
+            static_cache=getattr(config, "cache_implementation", None) == "static",
+            merged_sampling=models.sampling.weights is not contextlib.nullcontext,
+        )
+        with shortened(config, warm):
+            smoke.result["profiles"]["rollout"] = profile_summary(
+                lambda: g.sample_rollouts(models, prompts, rollout_args), smoke.cuda
+            )
+        smoke.result["profiles"]["rollout"]["response_tokens"] = rows * warm
     except Exception as e:
         phases["rollout"] = smoke.fail("rollout", e)
     return prompts, rollouts
+
+
+def profile_summary(fn, cuda: bool) -> dict:
+    """fn() under torch.profiler: the PROFILE_TOP operations that took the most device time (host time on a CPU),
+    and both totals. A phase whose host total is far above its device total is bound by the host's launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync(cuda)
+    events = prof.key_averages()
+    device = lambda e: getattr(e, "self_device_time_total", 0) / 1e3  # noqa: E731  (ms)
+    host = lambda e: e.self_cpu_time_total / 1e3  # noqa: E731
+    top = sorted(events, key=device if cuda else host, reverse=True)[:PROFILE_TOP]
+    return {
+        "sorted_by": "device time" if cuda else "host time",
+        "device_ms_total": sum(map(device, events)) if cuda else None,
+        "host_ms_total": sum(map(host, events)),
+        "top": [
+            {"op": e.key[:90], "device_ms": device(e) if cuda else None, "host_ms": host(e), "calls": e.count}
+            for e in top
+        ],
+    }
 
 
 def estimate_phases(smoke: Smoke, args: g.Args, rollout_args: g.Args, rollouts) -> tuple[dict, float | None]:
@@ -493,6 +560,10 @@ def scoring_phase(smoke: Smoke, models: g.Models, rollouts, estimates: dict, res
             _, stats = measure(lambda: models.teacher_logps_of(rollouts[0]), smoke.cuda)
         phases["scoring"] = phase_record(stats, rollouts[:1])
         compare(phases["scoring"], estimates.get("plain", {}).get("phase_scoring"), resident)
+        with torch.no_grad():
+            smoke.result["profiles"]["scoring"] = profile_summary(
+                lambda: models.teacher_logps_of(rollouts[0]), smoke.cuda
+            )
     except Exception as e:
         phases["scoring"] = smoke.fail("scoring", e)
 
@@ -524,15 +595,67 @@ def update_phase(
         sync(cuda)
         first = time.perf_counter() - t0
         applied, stats = measure(update, cuda)
+        flops = update_flops(g.unwrap(models.student), batch.rollouts[0], setup_args)
         phases["update"] = phase_record(
             stats,
             batch.rollouts,
             first_update_seconds=first,
+            flops=flops,
+            flop_per_second=flops / stats["seconds"],
             **{k: applied[k] for k in ("loss", "grad_norm", "logp_mismatch", "update_norm", "skipped_updates")},
         )
         compare(phases["update"], estimates.get("plain", {}).get("phase_update"), resident)
+        smoke.result["profiles"]["update"] = profile_summary(update, cuda)
+        smoke.result["varlen_vision"] = vision_check(models.student, batch.rollouts[0])
     except Exception as e:
         phases["update"] = smoke.fail("update", e)
+
+
+def update_flops(policy, rollout: g.Rollout, args: g.Args) -> float:
+    """The update's FLOPs for one micro-batch, by the weights' count: 2 x the language model's parameters x the
+    tokens for its forward (the LM head over the response tokens only), as much again for the activations' backward,
+    again for the forward that gradient checkpointing recomputes, again for the weights' gradients under full
+    fine-tuning (LoRA's are negligible), and 2 x the vision tower's parameters x the image patches for its forward
+    (frozen: no backward). Attention's own FLOPs are left out."""
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    numel = lambda m: sum(p.numel() for p in m.parameters() if not isinstance(p, torch.nn.UninitializedParameter))  # noqa: E731
+    decoder, head = model.get_decoder(), model.get_output_embeddings().weight
+    body = numel(decoder) - model.get_input_embeddings().weight.numel()
+    vision = numel(model) - numel(decoder) - (0 if head is model.get_input_embeddings().weight else head.numel())
+    counts = token_counts([rollout])
+    tokens, response = counts["sequence_tokens"], counts["response_tokens"]
+    passes = 2 + bool(args.gradient_checkpointing) + (not args.lora_r)  # forward, backward, recompute, weight grads
+    patches = int(rollout.row_inputs["image_grid_thw"].prod(-1).sum()) if "image_grid_thw" in rollout.row_inputs else 0
+    return float(passes * 2 * (body * tokens + head.numel() * response) + 2 * vision * patches)
+
+
+def vision_check(student, rollout: g.Rollout) -> dict:
+    """Where varlen_vision runs: the vision tower's features of a micro-batch's images with its windows in one call
+    against the model's own loop over the windows (the implementation set back for the second forward)."""
+    policy = g.unwrap(student)
+    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    tower = getattr(model.model, "visual", None)
+    implementation = getattr(getattr(tower, "config", None), "_attn_implementation", None)
+    if implementation != fast.VARLEN_VISION or "pixel_values" not in (rollout.row_inputs or {}):
+        return {"on": False}
+    device = next(model.parameters()).device
+    pixels, grid = rollout.row_inputs["pixel_values"].to(device), rollout.row_inputs["image_grid_thw"].to(device)
+    features = {}
+    with torch.no_grad():
+        for name in (implementation, "sdpa"):
+            tower.config._attn_implementation = name
+            out = model.model.get_image_features(pixels, grid)
+            out = getattr(out, "pooler_output", out)
+            features[name] = torch.cat(list(out)) if isinstance(out, (list, tuple)) else out
+    tower.config._attn_implementation = implementation
+    difference = (features[implementation].float() - features["sdpa"].float()).abs()
+    return {
+        "on": True,
+        "images": len(grid),
+        "max_abs_difference": difference.max().item(),
+        "mean_abs_difference": difference.mean().item(),
+        "mean_abs_feature": features["sdpa"].float().abs().mean().item(),
+    }
 
 
 def check_phase(smoke: Smoke, setup: dict, check_args: g.Args, estimates: dict, resident: float | None) -> None:
@@ -595,10 +718,12 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
         args,
         prompts_per_step=CHECK_PROMPTS,
         share_prompt_prefix=True,
+        static_cache="false",  # another batch size would compile generate() again
         max_new_tokens=check_tokens,
         min_new_tokens=check_tokens,
     )
     phases = smoke.result.setdefault("phases", {})
+    smoke.result.setdefault("profiles", {})
     setup = setup_phase(smoke, setup_args, args, log)
     smoke.save()
     if setup is None:
@@ -615,8 +740,64 @@ def run_phases(smoke: Smoke, args: g.Args, log) -> None:
     smoke.save()
     check_phase(smoke, setup, check_args, estimates, resident)
     smoke.save()
-    # the Accelerator holds the prepared student and optimizer: main() loads its own next
+    smoke.result["recipe_step"] = recipe_step(smoke, args)
+    smoke.save()
+    free_models(setup)
+
+
+def free_models(setup: dict) -> None:
+    """What the phases held on the device, let go before main() loads its own models: the Accelerator's prepared
+    student and optimizer, the step's Models, and the compiled decoding step with its CUDA graphs' memory pool."""
     setup["accelerator"].free_memory()
+    setup.clear()
+    torch._dynamo.reset()
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def recipe_step(smoke: Smoke, args: g.Args) -> dict:
+    """The recipe's step on one process, extrapolated from the measured phases: generate() calls of
+    generation_batch_size rows (each the measured call, scaled to the recipe's response length where the run was
+    shortened), then scoring and update once per micro-batch; beside it step_time()'s estimate of the same step."""
+    phases = smoke.result.get("phases", {})
+    if any("seconds" not in phases.get(p, {}) for p in ("rollout", "scoring", "update")):
+        return {"error": "not made: a phase did not run"}
+    recipe = g.parse_args([RECIPE])
+    rows = recipe.prompts_per_step * recipe.num_generations
+    calls = math.ceil(rows / (recipe.generation_batch_size or rows))
+    micro_batches = math.ceil(rows / recipe.micro_batch_size)
+    scale = recipe.max_new_tokens / args.max_new_tokens  # 1 unless --max_new_tokens shortened the rollout
+    seconds = {
+        "rollout": calls * phases["rollout"]["seconds"] * scale,
+        "scoring": micro_batches * phases["scoring"]["seconds"],
+        "update": micro_batches * phases["update"]["seconds"],
+    }
+    out = {
+        "rows": rows,
+        "generate_calls": calls,
+        "micro_batches": micro_batches,
+        "rollout_scaled_by": scale,
+        "parts": seconds,
+        "seconds": sum(seconds.values()),
+    }
+    try:
+        h200 = getattr(estimate_memory, "H200", None)
+        estimated = estimate_memory.step_time(dataclasses.replace(args, **{k: getattr(recipe, k) for k in SHAPE_FLAGS}),
+                                              gpu=h200)  # fmt: skip
+        out.update(
+            estimated_seconds=estimated["step"],
+            estimated_parts={k: estimated[k] for k in ("rollout_decode", "rollout_prefill", "scoring", "update")},
+            estimated_gpu=estimated["gpu"].name,
+            estimate_over_measured=round(estimated["step"] / out["seconds"], 3),
+        )
+    except Exception as e:
+        out["estimate_error"] = f"{type(e).__name__}: {e}"[:500]
+    return out
 
 
 def run_resume(args: g.Args, tokens: int, cuda: bool) -> dict:
@@ -629,6 +810,7 @@ def run_resume(args: g.Args, tokens: int, cuda: bool) -> dict:
         max_steps=2,
         save_steps=2,
         share_prompt_prefix=True,
+        static_cache="false",  # each main() would compile generate() again for its own models
         overwrite_output_dir=True,
         resume_from_checkpoint=None,
     )
@@ -672,7 +854,52 @@ def run_resume(args: g.Args, tokens: int, cuda: bool) -> dict:
     }
 
 
-def run(tiny: bool, json_path: str, work: str | None, command: str, commit: str | None = None) -> Smoke:
+def prefix_diagnosis(tiny: bool, work: str) -> list[dict]:
+    """Why the start-up checks of a prompt read once differ on this device: the tiny models' checks (two prompts, their
+    G samples) in each compute precision of DIAGNOSIS, with a float32 and a 4-bit teacher. Equal in float32 and apart
+    in 16 bits would say the kernels round by the batch's shape; apart in float32 too would say positions."""
+    student, teacher, _ = tiny_models()
+    out = []
+    for dtype, four_bit in DIAGNOSIS["tiny" if tiny else "gpu"]:
+        lines = []
+        a = dataclasses.replace(
+            g.Args(),
+            student_model=student,
+            teacher_model=teacher,
+            dataset_name=tiny_dataset(),
+            max_train_samples=16,
+            num_eval_samples=0,
+            prompts_per_step=2,
+            num_generations=4,
+            micro_batch_size=8,
+            max_new_tokens=8,
+            dtype=dtype,
+            teacher_4bit=four_bit,
+            share_prompt_prefix="true",
+            static_cache="false",
+            output_dir=os.path.join(work, "diagnosis"),
+        )
+        record = {"dtype": dtype, "teacher_4bit": four_bit}
+        try:
+            setup = setup_step(a, lines.append)
+            g.sample_rollouts(setup["models"], g.step_prompts(setup["train_ds"], setup["train_keep"], a, 0), a)
+            record["decisions"] = setup["models"].sampling.sharing.summary()
+            free_models(setup)
+        except Exception as e:
+            record["error"] = f"{type(e).__name__}: {e}"[:500]
+        record["log"] = [line for line in lines if "read once" in line or "falling back" in line]
+        out.append(record)
+    return out
+
+
+def run(
+    tiny: bool,
+    json_path: str,
+    work: str | None,
+    command: str,
+    commit: str | None = None,
+    max_new_tokens: int | None = None,
+) -> Smoke:
     own_work = work is None
     work = work or tempfile.mkdtemp(prefix="gndpo-gpu-smoke-")
     if not tiny:
@@ -695,6 +922,7 @@ def run(tiny: bool, json_path: str, work: str | None, command: str, commit: str 
             "check_rows": CHECK_PROMPTS * shape.num_generations,
             "check_response_tokens": min(shape.max_new_tokens, CHECK_TOKENS),
             "share_prompt_prefix_in_recipe": shape.share_prompt_prefix,
+            "max_new_tokens_run": max_new_tokens or shape.max_new_tokens,
         }
         smoke.save()
         if tiny:
@@ -705,12 +933,16 @@ def run(tiny: bool, json_path: str, work: str | None, command: str, commit: str 
             torch.cuda.set_per_process_memory_fraction(CAP_BYTES / torch.cuda.get_device_properties(0).total_memory)
             built = build_models(os.path.join(work, "models"), shape, "cuda", log)
         args = base_args(tiny, built["student"], built["teacher"], os.path.join(work, "run"))
+        if max_new_tokens:  # a shorter rollout: the recipe's step is extrapolated to its own length
+            args = dataclasses.replace(args, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
         smoke.result["models"] = {k: v for k, v in built.items() if k not in ("student", "teacher")}
         smoke.save()
         run_phases(smoke, args, log)
-        gc.collect()
-        if smoke.cuda:
-            torch.cuda.empty_cache()
+        try:
+            smoke.result["prefix_sharing_diagnosis"] = prefix_diagnosis(tiny, work)
+        except Exception as e:
+            smoke.result["prefix_sharing_diagnosis"] = [smoke.fail("prefix-sharing diagnosis", e)]
+        smoke.save()
         try:
             before = torch.cuda.memory_allocated() if smoke.cuda else None  # the phases' models are gone by now
             resume = run_resume(
@@ -810,6 +1042,11 @@ def main(argv: list[str] | None = None) -> int:
         "removed at the end); models already there are reused.",
     )
     p.add_argument("--commit", help="The commit of the tree, recorded where git cannot tell (a copy without .git).")
+    p.add_argument(
+        "--max_new_tokens",
+        type=int,
+        help="Response tokens of the measured phases (default: the recipe's); the recipe's step is scaled to its own.",
+    )
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     path = a.json or DEFAULT_JSON
@@ -822,7 +1059,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: on a CPU run --tiny --json PATH")
     if a.tiny:  # the CPU even where a GPU is, as `accelerate launch --cpu` asks: the tiny figures are CPU ones
         os.environ["ACCELERATE_USE_CPU"] = "true"
-    smoke = run(a.tiny, path, a.work_dir, " ".join(["python", "bench/gpu_smoke.py", *argv]), a.commit)
+    command = " ".join(["python", "bench/gpu_smoke.py", *argv])
+    smoke = run(a.tiny, path, a.work_dir, command, a.commit, a.max_new_tokens)
     print_report(smoke)
     for failure in smoke.failed:
         print("FAILED", failure, file=sys.stderr)

@@ -1,7 +1,7 @@
 """Copying GNDPO: the definitions docs/code.md lists, in two tiers (the math, at most 150 lines; the step on your own
-rollouts, at most 420 lines with the math, formatted), pasted alone into a blank module, are closed (every name they use is
-listed, a builtin or one of the module's imports), and, fed rollouts that a tiny model sampled with generate() in a
-loop of the copier's own, give gndpo_minimal's loss and gradient."""
+rollouts, at most 420 lines with the math, formatted), pasted alone into a blank module, are closed (every name
+they use is listed, a builtin or one of the module's imports), and, fed rollouts that a tiny model sampled with
+generate() in a loop of the copier's own, give gndpo_minimal's loss and gradient."""
 
 import ast
 import builtins

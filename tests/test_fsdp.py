@@ -140,6 +140,15 @@ def test_fsdp_config_on_cpu_processes_stops_at_start_up(untrained_models, tmp_pa
 
 
 @pytest.mark.slow
+def test_fsdp2_samples_through_the_adapters_and_says_why(fsdp_runs):
+    """Merged sampling adds the adapters into the base weights, which FSDP2 holds as shards on each process: the
+    sharded student samples through its adapters, and the start-up line says why (full fine-tuning: no adapter)."""
+    why = "the weights are sharded" if fsdp_runs["mode"] == "lora" else "full fine-tuning has no adapter to merge"
+    assert f"sampling from merged adapters off: {why}" in fsdp_runs["log"]
+    assert "decoding on a static cache off: " in fsdp_runs["log"]
+
+
+@pytest.mark.slow
 def test_fsdp2_resume_from_a_sharded_checkpoint_gives_the_uninterrupted_run(fsdp_runs):
     """Stopped after step 2 and resumed from its sharded checkpoint, the run logs exactly the uninterrupted run's
     metrics at every step (CPU float32 is deterministic: the same operations on the same numbers) and ends with the
@@ -289,7 +298,7 @@ def test_fsdp2_full_fine_tuning_trains_under_bf16_mixed_precision(untrained_mode
     )
     assert re.search(
         r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
-        r"speed-ups of gndpo_fast: [a-z ,-]+$",
+        r"speed-ups of gndpo_fast: [a-z ,-]+(; [^;]+ off: [^;]+)*$",
         log,
         flags=re.M,
     ), log[-2000:]

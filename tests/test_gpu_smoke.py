@@ -150,7 +150,40 @@ def test_every_key_of_the_record_is_documented(record):
         keys |= set(result[section])
     keys |= set(result["phases"]) | {k for v in result["phases"].values() for k in v}
     keys |= set(result["checks"]["sampling"])
+    keys |= set(result["profiles"]) | {k for v in result["profiles"].values() for k in v}
+    keys |= {k for v in result["profiles"].values() for row in v["top"] for k in row}
+    keys |= set(result["recipe_step"]) | set(result["varlen_vision"])
+    keys |= {k for v in result["prefix_sharing_diagnosis"] for k in v}
     assert keys - named == set(), f"keys of the record not named in docs/benchmarks.md: {sorted(keys - named)}"
+
+
+@pytest.mark.slow
+def test_tiny_run_profiles_each_phase_and_extrapolates_the_recipes_step(record):
+    """Each phase's profile (top operations, host and device totals), the update's FLOPs and rate, the rollout's
+    warm-up (where generate() compiles), and the recipe's step from the phases beside step_time()'s estimate."""
+    result = record["result"]
+    assert set(result["profiles"]) == {"rollout", "scoring", "update"}
+    for phase, profile in result["profiles"].items():
+        assert len(profile["top"]) == gpu_smoke.PROFILE_TOP and profile["host_ms_total"] > 0, phase
+        hosts = [row["host_ms"] for row in profile["top"]]
+        assert hosts == sorted(hosts, reverse=True) and all(row["calls"] > 0 for row in profile["top"]), phase
+        assert profile["device_ms_total"] is None  # a CPU: no device time pretending to be one
+    update, rollout = result["phases"]["update"], result["phases"]["rollout"]
+    assert update["flops"] > 0 and update["flop_per_second"] == pytest.approx(update["flops"] / update["seconds"])
+    assert rollout["warmup_seconds"] > 0 and rollout["warmup_tokens"] == gpu_smoke.WARMUP_TOKENS["tiny"]
+    assert (
+        rollout["merged_sampling"] is True and rollout["static_cache"] is False
+    )  # auto: merged anywhere, static on CUDA
+    step, recipe = result["recipe_step"], g.parse_args([gpu_smoke.RECIPE])
+    assert step["rows"] == recipe.prompts_per_step * recipe.num_generations
+    calls, micro = step["generate_calls"], step["micro_batches"]
+    assert step["parts"]["update"] == pytest.approx(micro * update["seconds"])
+    assert step["parts"]["rollout"] == pytest.approx(calls * rollout["seconds"] * step["rollout_scaled_by"])
+    assert step["seconds"] == pytest.approx(sum(step["parts"].values()))
+    assert step["estimated_seconds"] > 0 and "estimate_error" not in step
+    # the start-up checks' diagnosis: each precision's decisions, with the lines that say why
+    for case in result["prefix_sharing_diagnosis"]:
+        assert set(case["decisions"]) == ROLES and any("teacher: " in line for line in case["log"]), case
 
 
 def test_tiny_refuses_to_write_over_the_gpu_record(capsys):

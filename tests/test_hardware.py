@@ -134,12 +134,13 @@ def test_a_driver_that_torch_cannot_use_stops_the_run_with_both_versions(tmp_pat
 def test_the_start_up_line_names_device_dtypes_precision_and_threads():
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16")
     student = torch.nn.Linear(2, 2).to(torch.bfloat16)
-    line = g.startup_line(g.Args(teacher_4bit=False, dtype="float32"), accelerator, student)
+    line = g.startup_line(g.Args(teacher_4bit=False, dtype="float32"), accelerator, student, {"static_cache": "why"})
     assert (
         line == f"device cpu, student bfloat16, teacher float32, mixed precision bf16, {torch.get_num_threads()} "
-        f"threads; speed-ups of gndpo_fast: lean log-probs, each prompt read once, the sampler"
+        f"threads; speed-ups of gndpo_fast: lean log-probs, each prompt read once, the sampler, sampling from merged "
+        f"adapters, one vision attention call per layer; decoding on a static cache off: why"
     )
-    plain = g.Args(lean_logps="false", share_prompt_prefix="false", fast_sampler="false")
+    plain = g.Args(**dict.fromkeys(g.SPEEDUPS, "false"))
     assert g.startup_line(plain, accelerator, student).endswith("threads; plain paths")
     assert "teacher 4-bit nf4" in g.startup_line(g.Args(), accelerator, student)
 
@@ -194,7 +195,7 @@ def test_lora_with_a_bf16_student_trains_under_bf16_mixed_precision(tmp_path):
     log, metrics, summary = launch_bf16(str(tmp_path / "run"), "--dtype", "bfloat16", "--max_steps", "2")
     assert re.search(
         r"^device cpu, student bfloat16(/float32)?, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
-        r"speed-ups of gndpo_fast: [a-z ,-]+$",
+        r"speed-ups of gndpo_fast: [a-z ,-]+(; [^;]+ off: [^;]+)*$",
         log,
         flags=re.M,
     ), log[-2000:]
@@ -218,7 +219,7 @@ def test_full_fine_tuning_under_bf16_mixed_precision_keeps_its_checks_and_raises
     )
     assert re.search(
         r"^device cpu, student float32, teacher 4-bit nf4, mixed precision bf16, \d+ threads; "
-        r"speed-ups of gndpo_fast: [a-z ,-]+$",
+        r"speed-ups of gndpo_fast: [a-z ,-]+(; [^;]+ off: [^;]+)*$",
         log,
         flags=re.M,
     ), log[-2000:]
