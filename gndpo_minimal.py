@@ -1696,14 +1696,87 @@ def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tupl
 # --- Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
 
 
+class UsageError(ValueError):
+    """A mistake in the arguments or in the paths they name: the command line says so in one line and exits with 2."""
+
+
+# flags whose value must be at least 1, at least 0, above 0
+AT_LEAST_ONE = (
+    "steps_per_generation",
+    "num_iterations",
+    "prompts_per_step",
+    "num_generations",
+    "micro_batch_size",
+    "max_steps",
+    "max_new_tokens",
+    "max_prompt_length",
+    "max_consecutive_skips",
+    "process_timeout_minutes",
+    "save_total_limit",
+)
+AT_LEAST_ZERO = (
+    "cpu_threads",
+    "min_new_tokens",
+    "lora_r",
+    "weight_decay",
+    "clip_low",
+    "clip_high",
+    "warmup_steps",
+    "max_train_samples",
+    "num_eval_samples",
+    "save_steps",
+    "eval_steps",
+    "logging_steps",
+    "lora_dropout",
+    "seed",
+)
+ABOVE_ZERO = ("learning_rate", "max_grad_norm", "lora_alpha", "temperature", "power_alpha", "score_clip")
+DATA_FILES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def missing_path(name: str | None) -> bool:
+    """A name that can only be a local path (a data file's extension, or starting with ./, ../, / or ~, or two or more
+    slashes: a Hub id is owner/name) and that does not exist."""
+    if not name or os.path.exists(os.path.expanduser(name)):
+        return False
+    return name.endswith(DATA_FILES) or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def check_paths(args: Args) -> list[str]:
+    """The local paths the arguments name that do not exist, each with what it was taken for."""
+    named = {
+        "dataset_name": args.dataset_name,
+        "eval_dataset_name": args.eval_dataset_name,
+        "image_root": args.image_root,
+        "eval_image_root": args.eval_image_root,
+        "student_model": args.student_model,
+    }
+    named.update({f"teacher_model {name}": path for name, path in teacher_paths(args).items()})
+    hub = "; a Hub id is owner/name, a local path starts from the current directory"
+    return [
+        f"--{flag.split()[0]} {path!r}: no such {'folder' if folder else 'file or folder'} "
+        f"({os.path.abspath(os.path.expanduser(path))}){'' if folder else hub}"
+        for flag, path in named.items()
+        for folder in [flag.endswith("image_root")]
+        if missing_path(path) or (folder and path and not os.path.isdir(path))
+    ]
+
+
 def check_args(args: Args, num_processes: int) -> int:
-    """Validates argument combinations; returns the micro-batches per optimizer update (gradient accumulation)."""
+    """Validates arguments, alone and together, and the local paths they name, before anything loads (UsageError);
+    returns the micro-batches per optimizer update (gradient accumulation)."""
     problems, value = [], lambda flag: getattr(args, flag)
     problem = lambda bad, text: problems.append(text) if bad else None
-    for flag in ("steps_per_generation", "num_iterations", "prompts_per_step", "num_generations", "micro_batch_size"):
+    for flag in AT_LEAST_ONE:
         problem(value(flag) < 1, f"--{flag} must be at least 1, got {value(flag)}")
-    for flag in ("cpu_threads", "min_new_tokens", "lora_r"):
+    for flag in AT_LEAST_ZERO:
         problem(value(flag) < 0, f"--{flag} must be >= 0, got {value(flag)}")
+    for flag in ABOVE_ZERO:
+        problem(not value(flag) > 0, f"--{flag} must be > 0, got {value(flag)}")
+    problem(
+        not 0 <= args.clip_low < 1, f"--clip_low must be in [0, 1) (the ratio's floor is 1 - it), got {args.clip_low}"
+    )
+    problem(not 0 <= args.lora_dropout < 1, f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     problem(
         args.min_new_tokens > args.max_new_tokens,
         f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}",
@@ -1713,7 +1786,7 @@ def check_args(args: Args, num_processes: int) -> int:
         f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}",
     )
     if problems:  # the checks below divide by these
-        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
+        raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
     for flag, choices in (
         ("advantage_mode", ADVANTAGE_MODES),
         ("loss_type", LOSS_TYPES),
@@ -1721,8 +1794,6 @@ def check_args(args: Args, num_processes: int) -> int:
         ("optimizer", ("adamw", "sgd")),
     ):
         problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}")
-    for flag in ("power_alpha", "score_clip"):
-        problem(value(flag) <= 0, f"--{flag} must be > 0, got {value(flag)}")
     for flag in ("reward_weight", "score_std_floor"):
         problem(value(flag) < 0, f"--{flag} must be >= 0 (0 = off), got {value(flag)}")
     for flag in SPEEDUPS:
@@ -1746,7 +1817,6 @@ def check_args(args: Args, num_processes: int) -> int:
         args.advantage_mode == "group" and args.num_generations < 2,
         "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2",
     )
-    problem(args.temperature <= 0, "--temperature must be > 0 (on-policy sampling; greedy is for evaluation only)")
     problem(
         args.prompts_per_step % num_processes,
         f"--prompts_per_step {args.prompts_per_step} does not divide "
@@ -1765,8 +1835,9 @@ def check_args(args: Args, num_processes: int) -> int:
         f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
         "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation",
     )
+    problems += check_paths(args)
     if problems:
-        raise ValueError("invalid arguments:\n  - " + "\n  - ".join(problems))
+        raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
     for flag in SPEEDUPS:
         speedup_on(args, flag)  # an explicit true without gndpo_fast stops here
     if args.score_std_floor > 0 or args.reward_weight:
@@ -2445,4 +2516,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except UsageError as e:  # a user's mistake: one message, no traceback (a bug keeps its traceback)
+        print(f"gndpo_minimal.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -304,11 +304,49 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
         (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
         (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
         (dict(temperature=0.0), 1, "--temperature must be > 0"),
+        (dict(learning_rate=-1e-3), 1, "^--learning_rate must be > 0, got -0.001$"),
+        (dict(max_new_tokens=0), 1, "--max_new_tokens must be at least 1"),
+        (dict(clip_low=1.0), 1, r"--clip_low must be in \[0, 1\)"),
+        (dict(lora_dropout=1.0), 1, r"--lora_dropout must be in \[0, 1\)"),
+        (dict(weight_decay=-0.1, max_grad_norm=0.0), 1, "weight_decay must be >= 0.*\n.*max_grad_norm must be > 0"),
+        (dict(dataset_name="my_data/train.jsonl"), 1, "--dataset_name 'my_data/train.jsonl': no such file or folder"),
+        (dict(image_root="no_such_folder"), 1, "--image_root 'no_such_folder': no such folder"),
+        (dict(teacher_model="./teachers/t7b"), 1, "--teacher_model './teachers/t7b': no such file or folder"),
     ],
 )
 def test_invalid_argument_combinations(kwargs, processes, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(g.UsageError, match=message):
         g.check_args(g.Args(**kwargs), processes)
+
+
+def test_a_name_that_may_be_a_hub_id_is_left_to_the_hub():
+    """owner/name and a bare name may be Hub ids: only a name that can be nothing but a local path is refused."""
+    for name in ("hiyouga/geometry3k", "squad"):
+        assert not g.missing_path(name)
+    for name in ("data/train.parquet", "./data", "../data", "/data/x", "a/b/c", "~/nowhere"):
+        assert g.missing_path(name), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--learning_rate", "-1"], "--learning_rate must be > 0, got -1.0"),
+        (["--dataset_name", "my_data/train.jsonl"], "--dataset_name 'my_data/train.jsonl': no such file or folder"),
+    ],
+)
+def test_the_command_line_refuses_a_mistake_in_one_line_before_any_model_loads(flags, message, tmp_path):
+    """A user's mistake: exit code 2, one line naming it, no traceback, and nothing loaded (no start-up line)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gndpo_minimal.py")
+    done = subprocess.run([sys.executable, script, *flags], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("gndpo_minimal.py: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"gndpo_minimal.py: error: {message}"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "trainable" not in done.stdout + done.stderr
 
 
 def test_valid_arguments_give_the_accumulation_steps():
