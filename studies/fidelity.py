@@ -200,9 +200,9 @@ def main() -> None:
             if not (args.skip_existing and os.path.exists(os.path.join(runs_dir, j["name"], "summary.json")))
         ]
         run_all(todo, runs_dir, args.jobs)
-    import fidelity_tables  # noqa: PLC0415 (the tables: a module of their own)
+    import fidelity_pages  # noqa: PLC0415 (the pages and their arithmetic: modules of their own)
 
-    fidelity_tables.write(args.study, jobs, runs_dir)
+    fidelity_pages.write(args.study, jobs, runs_dir)
 
 
 if __name__ == "__main__":

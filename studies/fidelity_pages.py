@@ -1,5 +1,6 @@
 """Each fidelity study's page: unbounded(), outliers() and critics() take the runs fidelity_tables.collect() found
-and return (page name, Markdown, result, rounds) for fidelity_tables.save()."""
+and return (page name, Markdown, result, rounds); write() saves the study's page and its record. This module renders
+and imports the arithmetic (fidelity_tables), which imports nothing from it."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from fidelity_tables import (
     NAMES,
     SPIKE,
     by_seed,
+    collect,
     f3,
     machine_text,
     old_full_ft_pairs,
     paired_table,
     provenance_lines,
+    record,
     rows_of,
     run_table,
+    save,
 )
 
 READING = (
@@ -417,3 +421,15 @@ def critics(runs: dict, loaded: list[dict]) -> tuple:
         "",
     ]
     return "critics", "\n".join(lines), result, rounds_of(runs)
+
+
+PAGES = {"unbounded": unbounded, "outliers": outliers, "critics": critics}
+
+
+def write(study: str, jobs: list[dict], runs_dir: str) -> None:
+    """docs/studies/<page>.md and its JSON record, from the study's runs in runs_dir."""
+    runs, loaded = collect(jobs, runs_dir)
+    if not loaded:
+        raise SystemExit(f"no runs of {study} in {runs_dir}: run studies/fidelity.py --study {study} first")
+    name, page, result, rounds = PAGES[study](runs, loaded)
+    save(name, page, record(name, loaded, result, rounds))

@@ -1,5 +1,7 @@
-"""The fidelity studies' pages (docs/studies/<page>.md) and JSON records (docs/studies/<page>.json), made
-from the run folders studies/fidelity.py fills: metrics.jsonl, summary.json, eval_rows.jsonl and study.json.
+"""The fidelity studies' arithmetic and tables, for their pages (docs/studies/<page>.md) and JSON records
+(docs/studies/<page>.json), made from the run folders studies/fidelity.py fills: metrics.jsonl, summary.json,
+eval_rows.jsonl and study.json. fidelity_pages renders each page from these and imports this module, never the
+reverse.
 
 Every comparison is paired by seed (both runs of a pair share the initial weights, every step's prompts and the
 evaluation rows): the table gives the mean of the per-seed differences with a 95% t interval, and for accuracy
@@ -317,16 +319,6 @@ def collect(jobs: list[dict], runs_dir: str) -> tuple[dict, list[dict]]:
 
 def rows_of(runs: dict, **where) -> dict:
     return {job["seed"]: job["run"]["rows"] for job, _ in runs.values() if all(job[k] == v for k, v in where.items())}
-
-
-def write(study: str, jobs: list[dict], runs_dir: str) -> None:
-    runs, loaded = collect(jobs, runs_dir)
-    if not loaded:
-        raise SystemExit(f"no runs of {study} in {runs_dir}: run studies/fidelity.py --study {study} first")
-    import fidelity_pages  # noqa: PLC0415 (each study's page: its words and its tables)
-
-    name, page, result, rounds = getattr(fidelity_pages, study)(runs, loaded)
-    save(name, page, record(name, loaded, result, rounds))
 
 
 def old_full_ft_pairs() -> list[dict]:

@@ -1,7 +1,8 @@
 """Copying GNDPO: the definitions docs/code.md lists, in two tiers (the math, at most 150 lines; the step on your own
 rollouts, at most 420 lines with the math, formatted), pasted alone into a blank module, are closed (every name
-they use is listed, a builtin or one of the module's imports), and, fed rollouts that a tiny model sampled with
-generate() in a loop of the copier's own, give gndpo_minimal's loss and gradient."""
+they use is listed, a builtin or one of the module's imports), read of `args` exactly the fields of the small config
+docs/code.md gives, and, fed that config and rollouts that a tiny model sampled with generate() in a loop of the
+copier's own, give gndpo_minimal's loss and gradient."""
 
 import ast
 import builtins
@@ -30,12 +31,17 @@ import transformers
 """
 
 
+def copy_section() -> str:
+    """docs/code.md's "Copying GNDPO" section, up to the next "## " heading."""
+    with open(os.path.join(ROOT, "docs", "code.md")) as f:
+        text = f.read()
+    return text.split("## Copying GNDPO", 1)[1].split("\n## ", 1)[0]
+
+
 def listed_names(tier: str = "") -> list[str]:
     """The bullets of docs/code.md's "Copying GNDPO" section (tier "math": those under its "### The math" heading):
     one definition each, its name in backticks first."""
-    with open(os.path.join(ROOT, "docs", "code.md")) as f:
-        text = f.read()
-    section = text.split("## Copying GNDPO", 1)[1].split("\n## ", 1)[0]
+    section = copy_section()
     if tier == "math":
         section = section.split("### The math", 1)[1].split("\n### ", 1)[0]
     return re.findall(r"^- `([A-Za-z_][A-Za-z0-9_]*)`", section, flags=re.M)
@@ -66,6 +72,37 @@ def pasted_source(tier: str = "") -> str:
 def lines_of(names: list[str]) -> int:
     defs = definitions()
     return sum(len(defs[name][1].splitlines()) for name in names)
+
+
+def config_block() -> str:
+    """The section's fenced Python block that builds the copier's config: `args = SimpleNamespace(...)`."""
+    blocks = re.findall(r"^```python\n(.*?)^```", copy_section(), flags=re.M | re.S)
+    found = [b for b in blocks if re.search(r"^args = SimpleNamespace\(", b, flags=re.M)]
+    assert len(found) == 1, "docs/code.md's copy section no longer builds one `args = SimpleNamespace(...)`"
+    return found[0]
+
+
+def documented_args() -> types.SimpleNamespace:
+    """The copier's config as docs/code.md builds it: the block run as written."""
+    ns: dict = {}
+    exec(compile(config_block(), "code.md", "exec"), ns)
+    assert isinstance(ns["args"], types.SimpleNamespace)
+    return ns["args"]
+
+
+def fields_read(source: str) -> set[str]:
+    """Every field of `args` the code reads: `args.x`, or `getattr(args, "x")`, anywhere in it."""
+    fields = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+            fields.add(node.attr)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "vars"):
+            target = node.args[0] if node.args else None
+            if isinstance(target, ast.Name) and target.id == "args":
+                name = node.args[1] if len(node.args) > 1 else None
+                assert isinstance(name, ast.Constant), f"args read by a name not written out: {ast.unparse(node)}"
+                fields.add(name.value)
+    return fields
 
 
 def global_names(code: types.CodeType) -> set[str]:
@@ -106,6 +143,27 @@ def test_each_tier_is_closed_and_short(tier):
     assert missing == set(), f"used by the listed definitions but not listed: {sorted(missing)}"
     # no speed-up, several-teacher or diagnostic code comes along: the copier's path is the plain one
     assert not {"PrefixSharing", "SharedPrefix", "head_logps", "draw_tokens", "Sampling", "update_size"} & set(names)
+
+
+def test_the_documented_config_holds_exactly_the_fields_the_step_reads():
+    """docs/code.md's config names every field of `args` the listed definitions read, and no other; each with its
+    one-line meaning, at its value in the paper's setting (Args' default)."""
+    documented = vars(documented_args())
+    read = fields_read(pasted_source())
+    assert set(documented) == read, (
+        f"read but not documented: {sorted(read - set(documented))}; "
+        f"documented but not read: {sorted(set(documented) - read)}"
+    )
+    defaults = g.Args()
+    assert {k: getattr(defaults, k) for k in documented} == documented
+    lines = re.findall(r"^    (\w+)=.*?(#.*)?$", config_block(), flags=re.M)
+    assert sorted(name for name, _ in lines) == sorted(documented)
+    assert all(len(comment) > 10 for _, comment in lines), "a field without its one-line meaning"
+
+
+def test_the_field_check_sees_attributes_and_getattr():
+    source = "def f(args, other):\n    return args.a + getattr(args, 'b') + other.c + SCORES[args.d](args)\n"
+    assert fields_read(source) == {"a", "b", "d"}
 
 
 def copier_rollout(model, processor, prompts, ignore_ids, eos_ids, pad_id):
@@ -181,8 +239,10 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         accelerator.gradient_accumulation_steps = 1
         models = module.Models(copied, teacher, processor, ignore_ids)
-        batch = module.score_rollouts(models, [rollout], group_ids, args)
-        update = module.update_student(models, optimizer, scheduler, accelerator, batch, args)
+        # the pasted step gets the copier's config, exactly as docs/code.md builds it; gndpo_minimal the full Args
+        step_args = documented_args() if name == "pasted" else args
+        batch = module.score_rollouts(models, [rollout], group_ids, step_args)
+        update = module.update_student(models, optimizer, scheduler, accelerator, batch, step_args)
         results[name] = (batch, update, grads[0])
     pasted, ours = results["pasted"], results["gndpo_minimal"]
     torch.testing.assert_close(pasted[0].advantages, ours[0].advantages, rtol=0, atol=0)

@@ -6,10 +6,10 @@ step_prompts -> generate_and_score -> update_student -> step_metrics.
 * the GNDPO math section of gndpo_minimal.py runs pasted alone into a file after `import torch`.
 """
 
+import ast
 import copy
 import dataclasses
 import os
-import re
 
 import pytest
 import torch
@@ -356,9 +356,127 @@ def test_math_section_runs_pasted_alone():
         ns["normalize_scores"](scores, mask, "group")
 
 
-def test_no_top_level_import_circle():
-    """gndpo_minimal imports none of the other top-level modules (they may import it)."""
-    with open(SCRIPT) as f:
-        text = f.read()
-    for module in ("worlds", "estimate_memory"):
-        assert not re.search(rf"^\s*(import|from) {module}\b", text, flags=re.M), module
+# ---------------------------------------------------------------------------------------------
+# No import circle
+# ---------------------------------------------------------------------------------------------
+
+SKIPPED_DIRS = ("runs", "__pycache__")  # run outputs and byte code; hidden folders and *.egg-info too
+
+
+def project_files(root: str) -> dict[str, str]:
+    """Every .py file of the project: path relative to root -> its text."""
+    files = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not (d.startswith(".") or d in SKIPPED_DIRS or d.endswith(".egg-info")))
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+def imported_names(tree: ast.AST, package: list[str]) -> list[str]:
+    """The dotted names a module imports, anywhere in it (functions included): `import a.b`, `from a import b`
+    (a.b, or a where b is no module), relative imports resolved against package (the importing file's package
+    parts), and importlib.import_module / __import__ of a literal name."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            names += [f"{module}.{alias.name}".strip(".") for alias in node.names] + [module]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names.append(node.args[0].value)
+    return [n for n in names if n]
+
+
+def import_graph(root: str) -> dict[str, set[str]]:
+    """file -> the project files it imports. A dotted name is looked up, as Python would find it, under the
+    importing file's own folder (a script's sys.path[0]), the root, then each folder whose scripts share sys.path
+    (a folder of .py files with no __init__.py: bench/, studies/, tests/); `import a.b.c` imports a and a.b too.
+    Names that no project file answers (torch, the standard library) are not the project's and are left out."""
+    files = project_files(root)
+    packages = {os.path.dirname(p) for p in files if os.path.basename(p) == "__init__.py"}
+    script_dirs = sorted({os.path.dirname(p) for p in files} - packages - {""})
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in files if os.path.dirname(p) in ["", *script_dirs]]
+    assert len(stems) == len(set(stems)), "two scripts share a module name: a bare import would be ambiguous"
+
+    def find(folder: str, dotted: str) -> str | None:
+        path = os.path.join(folder, *dotted.split("."))
+        return next((p for p in (path + ".py", os.path.join(path, "__init__.py")) if p in files), None)
+
+    graph = {}
+    for path, text in files.items():
+        folder = os.path.dirname(path)
+        package = folder.split(os.sep) if folder in packages else []
+        graph[path] = set()
+        for name in imported_names(ast.parse(text, path), package):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # the package first, then each module below it
+                prefix = ".".join(parts[:i])
+                found = next(filter(None, (find(d, prefix) for d in [folder, "", *script_dirs])), None)
+                if found and found != path:
+                    graph[path].add(found)
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of the graph (its first node repeated at its end), or None."""
+    done, stack = set(), []
+
+    def visit(node: str) -> list[str] | None:
+        if node in stack:
+            return stack[stack.index(node) :] + [node]
+        if node in done:
+            return None
+        stack.append(node)
+        cycle = next(filter(None, (visit(n) for n in sorted(graph[node]))), None)
+        stack.pop()
+        done.add(node)
+        return cycle
+
+    return next(filter(None, (visit(n) for n in sorted(graph))), None)
+
+
+def test_the_circle_check_sees_every_kind_of_import(tmp_path):
+    """A circle through absolute, relative and in-function imports, `import x` and `from x import y`, and
+    import_module, across a package, a script folder and the root, is found; cut at one arrow, none is."""
+    sources = {
+        "top.py": "def f():\n    from pkg import a\n",
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from . import b\n",
+        "pkg/b.py": "from .sub.c import X\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/c.py": "import importlib\nimportlib.import_module('helper')\n",
+        "scripts/helper.py": "import top\nimport torch\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    cycle = import_cycle(import_graph(str(tmp_path)))
+    names = ["pkg/a.py", "pkg/b.py", "pkg/sub/c.py", "scripts/helper.py", "top.py"]
+    assert cycle is not None and set(names) <= set(cycle), cycle
+    (tmp_path / "scripts/helper.py").write_text("import torch\n")
+    assert import_cycle(import_graph(str(tmp_path))) is None
+
+
+def test_no_import_circle():
+    """No module of the project imports, directly or through others, one that imports it: every .py file, bench/,
+    studies/, tests/, tutorials/ and worlds/ included, at any depth (imports inside functions count); and
+    gndpo_minimal imports none of the project's modules but the optional ones beside it (the others may import it)."""
+    graph = import_graph(ROOT)
+    assert {"studies/fidelity_tables.py", "bench/benchutil.py", "worlds/tiny_world.py"} <= set(graph)
+    assert "studies/fidelity_tables.py" in graph["studies/fidelity_pages.py"]  # the graph sees the studies'
+    assert "worlds/tiny_world.py" in graph["tests/conftest.py"]  # imports and the tests'
+    script = graph["gndpo_minimal.py"]
+    assert script <= {"gndpo_fast.py", "gndpo_extras.py", "gndpo_teachers.py"}, f"gndpo_minimal imports {script}"
+    cycle = import_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
