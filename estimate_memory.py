@@ -23,32 +23,44 @@ a time, per process, counting what today's code allocates:
               --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers: two blocks and, whole,
               everything outside the blocks (the embeddings; the LM head, whose unit stays gathered from a forward
               to its backward)
-  rollout     the student's cache while generating a generation batch (keys and values of every attention layer;
-              a hybrid model's linear-attention layers keep a fixed-size state), the prompt forward (once per
-              distinct prompt with --share_prompt_prefix) and the sampler's (n, V) float32 rows; under FSDP2 the
-              all-gather buffer of the largest unit a forward gathers
-  teacher_eval the teacher's cache while it evaluates greedily before training
-  scoring     the teacher's forward on prompt + response; with --lean_logps no (n, R, V) logits: head_logps makes
-              them chunk by chunk; with --share_prompt_prefix the prompt once and its cache indexed to the rows
+  rollout     one generate() call over a generation batch, at its highest of: the vision tower over the prompts'
+              images (float32 rotary copies in Qwen-VL's attention); the prompts' forward beside the KV cache it
+              fills (a static cache, --static_cache, whole: every row at max_prompt_length + max_new_tokens
+              positions, each layer's made when the forward first writes it), through unmerged float32 LoRA
+              adapters unless the rollout samples from merged weights (--merged_sampling); decoding on the whole
+              cache with the sampler's (n, V) float32 rows. A hybrid model's linear-attention layers keep a
+              fixed-size state; under FSDP2 the all-gather buffer of the largest unit a forward gathers
+  teacher_eval the teacher's greedy evaluation before training (a dynamic cache), likewise
+  scoring     the teacher's forward on prompt + response: the vision tower, or a decoder layer's working set over
+              every token with what the tower left; with --lean_logps no (n, R, V) logits: head_logps makes them
+              chunk by chunk (TRL's tile on CUDA); with --share_prompt_prefix the prompt once and its cache
+              indexed to the rows
   update      the student's forward/backward and its gradients: checkpointed activations (one hidden state per
-              layer) or all of them; with --share_prompt_prefix the prompt's forward runs outside gradient
-              checkpointing and keeps every activation, the vision tower's included (enable_input_require_grads
-              makes its output require grad); then the optimizer step. Under FSDP2 also the unsharded gradients:
-              the LM head's whole gradient (its unit stays gathered through the backward) and the reduce-
-              scatter's copy of it, and with several micro-batches per update every unit's whole gradient, which
-              no_sync keeps until the last micro-batch
+              layer, and a recomputed layer's backward: LAYER_BACKWARD_FACTOR times its saved tensors) or all of
+              them; the frozen vision tower runs forward once and keeps nothing (vision_in_backward: what it kept
+              before load_student removed transformers' input-require-grads hooks); with --share_prompt_prefix the
+              prompt's forward runs outside gradient checkpointing and keeps every activation; then the optimizer
+              step. Under FSDP2 also the unsharded gradients: the LM head's whole gradient (its unit stays gathered
+              through the backward) and the reduce-scatter's copy of it, and with several micro-batches per update
+              every unit's whole gradient, which no_sync keeps until the last micro-batch
   check       the start-up checks of --share_prompt_prefix (PrefixSharing.check on check_rollout): 2 prompts x G
               rows with responses cut to 256 tokens, whatever the micro-batch size; the plain and the shared
               forward, and for the student both gradients flattened to float32
 
-The per-token activation sizes are counts of the tensors a Qwen-style decoder layer keeps for backward (with
-q/k norms and an output gate where the attention has them), and for a gated delta net layer those of its
-torch implementation (tests/test_recipe.py checks them against what autograd really saves on tiny models; the
-flash-linear-attention kernels, when installed, keep less). bench/memory.py measures every phase against this
-estimate on CPU (docs/bench_results/memory.json). The CUDA context and allocator slack are a rule of thumb.
+A phase's parts that run one after the other (the vision tower, then the decoder layers; the head's backward, then
+the layers') count at the largest, not summed. The per-token sizes are counts of the tensors a Qwen-style decoder
+layer keeps for backward (with q/k norms and an output gate where the attention has them), and for a gated delta
+net layer those of its torch implementation (tests/test_recipe.py checks them against what autograd really saves on
+tiny models; the flash-linear-attention kernels, when installed, keep less), and of what a layer holds at its
+highest, measured on full-width layers of the Qwen2.5-VL models. On the GPU, each phase of the first records
+(docs/bench_results/gpu_smoke_2026-12-04.json: rollout, scoring, update on an H200 capped at 23.6 GiB) and of every
+later smoke record (docs/bench_results/gpu_smoke.json) is within 0.75-1.25 of this estimate on its paths
+(tests/test_memory.py; docs/recipes.md gives the ratios). bench/memory.py measures
+every phase on CPU (docs/bench_results/memory.json). The CUDA context and allocator slack are a rule of thumb.
 
-step_time() estimates the time of a step the same way, from the configs and a GPU's spec-sheet figures (decode steps
-bounded by the bytes they read, forwards and backwards by their FLOPs); docs/recipes.md shows its arithmetic.
+step_time() estimates the time of a step the same way, from the configs, a GPU's spec-sheet figures and the host's
+measured costs (decode steps bounded by the bytes they read, the host's launches or the CUDA graphs' kernels,
+forwards and backwards by their FLOPs and the host's launches); docs/recipes.md shows its arithmetic.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ import sys
 
 import torch
 
+import gndpo_fast as fast
 from gndpo_extras import UPDATE_SIZE_CHUNK
 from gndpo_fast import check_rollout, head_logps
 from gndpo_minimal import speedup_on
@@ -91,6 +104,15 @@ GPU_GIB_80 = 79.2  # what an 80 GB H100 / A100 reports to torch
 CHECK_PROMPTS, CHECK_TOKENS = script_default(check_rollout, "n_prompts"), script_default(check_rollout, "max_tokens")
 UPDATE_SIZE_COPIES = 6  # float64 chunks update_size holds at once (weight, moments, their quotient, ...)
 SAMPLER_COPIES = 6  # (n, V) float32 rows the sampling step holds at once (scores, z, probs, the -inf mask, ...)
+ADAPTER_BYTES = 4  # peft keeps a LoRA adapter's weights in float32, whatever the model computes in
+# TRL's head kernel (head_logps on CUDA): one (rows, columns) tile of logits in the compute dtype at a time
+TRL_TILE_ROWS, TRL_TILE_COLUMNS = 4096, fast.TRL_CHUNK_SIZE  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE; its chunk
+LAYER_BACKWARD_FACTOR = 1.3
+"""A decoder layer's backward under gradient checkpointing, over what saved_per_layer_type counts for it: the layer
+is recomputed, so all its saved tensors are alive at once, and its backward makes gradients beside them before it
+frees any (the MLP's, in float32 where they pass a LoRA adapter). Measured on CPU, every storage of the backward
+tracked, on a full-width Qwen2.5-VL-3B decoder layer under LoRA in bf16 (docs/recipes.md, Measured and estimated);
+the GPU records' update agrees (tests/test_memory.py)."""
 
 
 class ConfigNotFound(Exception):
@@ -226,12 +248,23 @@ def vision_shape(model) -> dict:
     # Idefics3/SmolVLM's processor also returns pixel_attention_mask: int64, one value per pixel of each tile
     mask = 8 * pixels // 3 if "pixel_attention_mask" in inspect.signature(model.forward).parameters else 0
     layers = getattr(v, "depth", None) or getattr(v, "num_hidden_layers", None) or 1
+    from gndpo_minimal import VISION_TOWERS
+
+    inner = getattr(model, "model", model)
+    tower = next((getattr(inner, n) for n in VISION_TOWERS if getattr(inner, n, None) is not None), None)
+    # Qwen-VL attends within windows of window_size pixels in all but its full-attention layers: eagerly, one
+    # attention call per window and layer (varlen_vision: one per layer)
+    window = getattr(v, "window_size", 0) // patch if getattr(v, "window_size", 0) else 0
     return {
         "hidden": v.hidden_size,
         "intermediate": v.intermediate_size,
         "pixel_bytes_per_token": 4 * pixels + mask,
         "patches_per_token": patches_per_token,
         "layers": layers,
+        # rotary position embeddings in the vision attention (Qwen-VL), applied in float32
+        "rotary": tower is not None and any(n.endswith("rotary_pos_emb") for n, _ in tower.named_modules()),
+        "window_patches": window,  # patches along a window's side, 0 where the tower has no windows
+        "windowed_layers": layers - len(getattr(v, "fullatt_block_indexes", None) or []) if window else 0,
     }
 
 
@@ -298,11 +331,21 @@ def delta_rule_working_set(s: dict, T: int = DELTA_RULE_CHUNK) -> int:
     return per_token * math.ceil(T / DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK // T
 
 
-def layer_forward_peak(s: dict, b: int) -> int:
-    """Inference: the residual stream, the layer input and the MLP's gate, up and product held at once; in a
-    hybrid model's linear-attention layers, the delta rule's float32 working set if that is larger."""
-    peak = b * (3 * s["hidden"] + 3 * s["intermediate"])
-    return max(peak, b * 2 * s["hidden"] + delta_rule_working_set(s)) if s["linear_layers"] else peak
+def layer_forward_peak(s: dict, b: int, unmerged_adapters: bool = False) -> int:
+    """A no-grad forward, per token, at its highest inside a decoder layer: the MLP's activated gate, up and their
+    product, beside four hidden-wide tensors of the residual stream (the layer's input, which its caller still holds,
+    the residual, the MLP's normed input, the embeddings the language model's forward holds). unmerged_adapters: LoRA
+    adapters (float32) on the MLP, read unmerged: while up's adapter runs, the activated gate and up's base output sit
+    beside the adapter's float32 output and its scaled copy (the add to the bf16 result promotes it to float32), and
+    the adapter's input is cast to float32. In a hybrid model's linear-attention layers, the delta rule's float32
+    working set where that is larger. Counted from the tensors alive at a full-width Qwen2.5-VL layer's highest (the
+    teacher's and the student's, on CPU); the 2026-12-04 GPU records agree (tests/test_memory.py)."""
+    h, i = s["hidden"], s["intermediate"]
+    if unmerged_adapters:
+        peak = 2 * b * i + 2 * ADAPTER_BYTES * i + 4 * b * h + ADAPTER_BYTES * h
+    else:
+        peak = b * (3 * i + 4 * h)
+    return max(peak, b * 2 * h + delta_rule_working_set(s)) if s["linear_layers"] else peak
 
 
 def saved_per_layer_type(s: dict, b: int, T: int) -> dict[str, int]:
@@ -421,6 +464,9 @@ class RunSizes:
     gen: int  # rows of a generate() call
     evals: int  # rows of an evaluation generate() call
     pixel_bytes: int  # one prompt's images, as the processor makes them
+    merged: bool  # the rollouts sample from LoRA adapters merged into the base weights (--merged_sampling)
+    static: bool  # generate() decodes the rollouts on a static KV cache (--static_cache)
+    vision_in_backward: bool  # the update's backward runs through the vision tower (the code before 2026-12-04's fix)
 
     @property
     def T(self) -> int:
@@ -445,7 +491,27 @@ def teacher_bytes(args, teachers: list, teacher, teacher_params: int, b: int, N:
     return teacher_w, teacher_gathered
 
 
-def run_sizes(args, num_processes: int, sharding: str, device: str, lengths: tuple[int, int] | None) -> RunSizes:
+def rollout_paths(args, device: str, sharded: bool, rows: int) -> dict[str, bool]:
+    """Whether a launch's rollouts sample from merged adapters and decode on a static KV cache: the script's own
+    decisions (gndpo_minimal.static_cache_on, gndpo_fast.speedups_off: auto on CUDA, not for sharded weights, full
+    fine-tuning has no adapter to merge, the generation batch must divide the rows)."""
+    from gndpo_minimal import static_cache_on
+
+    off = fast.speedups_off(args, device, sharded, rows)
+    return {
+        "merged": bool(args.lora_r) and speedup_on(args, "merged_sampling") and "merged_sampling" not in off,
+        "static": static_cache_on(args, device) and "static_cache" not in off,
+    }
+
+
+def run_sizes(
+    args,
+    num_processes: int,
+    sharding: str,
+    device: str,
+    lengths: tuple[int, int] | None,
+    vision_in_backward: bool = False,
+) -> RunSizes:
     """The RunSizes of estimate()'s arguments, from the meta models. The order matters: trainable_params freezes
     the student's vision tower, and a 4-bit teacher's layers are replaced after its shapes are read."""
     from gndpo_minimal import teacher_paths
@@ -469,7 +535,11 @@ def run_sizes(args, num_processes: int, sharding: str, device: str, lengths: tup
     teacher_params = numel(teacher)
     teacher_w, teacher_gathered = teacher_bytes(args, teachers, teacher, teacher_params, b, N)
     rows = args.prompts_per_step * G // N
-    share = speedup_on(args, "share_prompt_prefix")
+    # auto is off on CUDA (gndpo_fast.speedups_off: 16-bit kernels round by the batch's shape)
+    share = speedup_on(args, "share_prompt_prefix") and "share_prompt_prefix" not in fast.speedups_off(
+        args, device, shard > 1, rows
+    )
+    paths = rollout_paths(args, device, shard > 1, rows)
     return RunSizes(
         args=args,
         N=N,
@@ -503,6 +573,9 @@ def run_sizes(args, num_processes: int, sharding: str, device: str, lengths: tup
         gen=args.generation_batch_size or rows,
         evals=args.generation_batch_size or max(1, math.ceil(args.num_eval_samples / N)),
         pixel_bytes=P * max(sv["pixel_bytes_per_token"], tv["pixel_bytes_per_token"]),
+        merged=paths["merged"],
+        static=paths["static"] and not (share and shard == 1),  # gndpo_fast samples shared prompts itself
+        vision_in_backward=vision_in_backward,
     )
 
 
@@ -533,54 +606,110 @@ def kv_cache(shape: dict, n: int, tokens: int, b: int) -> int:
     )
 
 
+def vision_patch_peak(v: dict, b: int) -> int:
+    """A no-grad vision block at its highest, per patch: q, k, v, the attention's output and the block's input and
+    normed input (6 hidden-wide), or the MLP's two hidden activations beside them; where the attention applies
+    rotary position embeddings (Qwen-VL), it does so in float32, on a float32 copy of q and k: the copies, their
+    products with cos and sin, the rotated half and the sum (six float32 hidden-wide tensors) beside the qkv
+    projection's output and the block's input and normed input (the tensors alive at Qwen2.5-VL's tower's highest)."""
+    h = v["hidden"]
+    plain = b * (6 * h + 2 * v["intermediate"])
+    return max(plain, 6 * 4 * h + 5 * b * h) if v["rotary"] else plain
+
+
 def vision_forward(r: RunSizes, v: dict, n: int) -> int:
-    """One vision layer's working set over the patches of n prompts."""
-    return patches(v, n, r.P) * r.b * (6 * v["hidden"] + 2 * v["intermediate"])
+    """The vision tower's forward over the images of n prompts, at its highest: the processor's float32 pixels on the
+    device and their copy in the compute dtype, and one block's working set over every patch (vision_patch_peak)."""
+    pixels = device_pixels(r, n)
+    return pixels + pixels * r.b // 4 + patches(v, n, r.P) * vision_patch_peak(v, r.b)
+
+
+def vision_left(r: RunSizes, shape: dict, v: dict, n: int) -> int:
+    """What the vision tower leaves on the device through the language model's forward over n prompts: its last
+    hidden state (its output object holds it) and the image features twice (projected, then joined into one tensor),
+    every prompt token counted as an image token (a bound)."""
+    return patches(v, n, r.P) * v["hidden"] * r.b + 2 * n * r.P * shape["hidden"] * r.b
 
 
 def head_forward(r: RunSizes, vocab: int, n: int) -> int:
-    """head_logps / token_logps without grad over n tokens: a chunk's logits, then its float32 copy and
-    log-softmax (the logits are dropped once copied); without --lean_logps all of them at once."""
+    """head_logps / token_logps without grad over n tokens: ours holds a chunk's logits, then its float32 copy and
+    log-softmax; TRL's (on CUDA) one tile of logits in the compute dtype and a copy of the hidden states it reads
+    (counted by the caller's hidden states); without --lean_logps all the logits at once."""
     if not speedup_on(r.args, "lean_logps"):
         return n * vocab * (r.b + 8)
-    return min(CHUNK_ELEMENTS, n * vocab) * max(r.b + 4, 8)
+    ours = min(CHUNK_ELEMENTS, n * vocab) * max(r.b + 4, 8)
+    return max(ours, trl_tile(r, n)) if trl_head(r) else ours
 
 
-def no_grad_forward(r: RunSizes, shape: dict, v: dict, n: int, tokens: int, vision_rows: int) -> int:
-    """One forward of n rows that keeps nothing but the residual stream, the images of vision_rows of them."""
+def trl_head(r: RunSizes) -> bool:
+    """Whether head_logps may run TRL's kernel (gndpo_fast.head_kernel: a CUDA weight FSDP2 does not shard)."""
+    return r.cuda and r.shard == 1 and speedup_on(r.args, "lean_logps")
+
+
+def trl_tile(r: RunSizes, n: int) -> int:
+    """TRL's tile of logits over n tokens, in the compute dtype."""
+    return min(n, TRL_TILE_ROWS) * TRL_TILE_COLUMNS * r.b
+
+
+def no_grad_forward(
+    r: RunSizes,
+    shape: dict,
+    v: dict,
+    n: int,
+    tokens: int,
+    vision_rows: int,
+    unmerged: bool = False,
+    cache: int = 0,
+    dequantized: int = 0,
+) -> int:
+    """One forward of n rows of `tokens` tokens without grad, the images of vision_rows of them, at its highest:
+    the vision tower (vision_forward) or, after it, a decoder layer (layer_forward_peak over every token) beside the
+    pixels, what the tower left (vision_left) and `cache` (a KV cache filled as the layers run); a 4-bit layer
+    dequantizes its weight to a 16-bit copy (`dequantized`, the largest's) while it runs, before the MLP's product
+    is made. The vision tower runs and frees its working set before the first decoder layer: the two do not add."""
     b = r.b
-    return (
-        n * tokens * (layer_forward_peak(shape, b) + 2 * shape["hidden"] * b)
-        + vision_forward(r, v, vision_rows)
-        + device_pixels(r, vision_rows)
-    )
+    text_tokens = n * tokens
+    layer = text_tokens * layer_forward_peak(shape, b, unmerged)
+    layer = max(layer, layer - text_tokens * b * shape["intermediate"] + dequantized)
+    text = device_pixels(r, vision_rows) + vision_left(r, shape, v, vision_rows) + cache + layer
+    vision = vision_forward(r, v, vision_rows) + text_tokens * shape["hidden"] * b if vision_rows else 0
+    return max(text, vision)
 
 
 def scoring_forward(
-    r: RunSizes, shape: dict, v: dict, n: int, prompt: int, response: int, shared: bool, weights_dequantized: int
+    r: RunSizes,
+    shape: dict,
+    v: dict,
+    n: int,
+    prompt: int,
+    response: int,
+    shared: bool,
+    weights_dequantized: int,
+    unmerged: bool = False,
 ) -> int:
     """A no-grad scoring forward of n rows: plain, or the distinct prompts once then the responses on the
-    cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention)."""
+    cache indexed to the rows (read-only: each layer joins prompt and response keys for its attention); unmerged:
+    through unmerged LoRA adapters on the MLP (the student's own forward)."""
     b = r.b
     if not shared:  # the head's chunks come after the last layer: only the final hidden states outlive it
-        return (
-            max(
-                no_grad_forward(r, shape, v, n, prompt + response, n),
-                n * (prompt + response) * shape["hidden"] * b + head_forward(r, shape["vocab"], n * (response + 1)),
-            )
-            + weights_dequantized
+        head = n * (response + 1) * shape["hidden"] * b if trl_head(r) else 0  # TRL reads a contiguous copy
+        return max(
+            no_grad_forward(r, shape, v, n, prompt + response, n, unmerged, dequantized=weights_dequantized),
+            n * (prompt + response) * shape["hidden"] * b + head + head_forward(r, shape["vocab"], n * (response + 1)),
         )
     u = distinct_prompts_in(n, r.G)
-    prompt_pass = no_grad_forward(r, shape, v, u, prompt, u) + kv_cache(shape, u, prompt, b)
+    prompt_pass = no_grad_forward(
+        r, shape, v, u, prompt, u, unmerged, cache=kv_cache(shape, u, prompt, b), dequantized=weights_dequantized
+    )
     joined = n * (prompt + response) * 2 * shape["kv_heads"] * shape["head_dim"] * b  # one layer's cat
     response_pass = (
         kv_cache(shape, n, prompt, b)
-        + no_grad_forward(r, shape, v, n, response, 0)
+        + no_grad_forward(r, shape, v, n, response, 0, unmerged, dequantized=weights_dequantized)
         + joined
         + head_forward(r, shape["vocab"], n * response)
         + n * shape["vocab"] * b
     )
-    return max(prompt_pass, response_pass) + weights_dequantized
+    return max(prompt_pass, response_pass)
 
 
 def full_inputs(r: RunSizes, tokens: int, layers: int) -> int:
@@ -589,46 +718,65 @@ def full_inputs(r: RunSizes, tokens: int, layers: int) -> int:
 
 
 def vision_kept(r: RunSizes, n: int, checkpointed: bool) -> int:
-    """The vision tower's activations for n prompts: enable_input_require_grads (set with gradient checkpointing)
-    makes its output require grad, so it keeps them; checkpointed, each block keeps its input and one block is
-    recomputed at a time."""
+    """The vision tower's tensors that an update keeps for its backward, over the images of n prompts. None since
+    load_student removes transformers' input-require-grads hooks: the tower is frozen, so nothing in it requires
+    grad, and its output enters the language model as a constant. With those hooks (r.vision_in_backward: the code
+    the 2026-12-04 GPU records ran, which gradient checkpointing turned them on for) the patch embedding's output
+    required grad and the backward ran through the tower: checkpointed, each block kept its input, beside the patch
+    embedding's output and the merger's saved tensors (its norm's float32 input, its MLP's input); not checkpointed
+    (the prompt's forward under --share_prompt_prefix), every block's saved tensors."""
     sv, b = r.sv, r.b
-    if not r.args.gradient_checkpointing:
+    if not (r.vision_in_backward and r.args.gradient_checkpointing):
         return 0
-    per_patch = sv["layers"] * vision_saved_per_patch(sv, b)
     if checkpointed:
-        per_patch = sv["layers"] * sv["hidden"] * b + 2 * vision_saved_per_patch(sv, b)
+        per_patch = (sv["layers"] + 2) * sv["hidden"] * b + 4 * sv["hidden"]
+    else:
+        per_patch = sv["layers"] * vision_saved_per_patch(sv, b)
     return patches(sv, n, r.P) * per_patch
 
 
 def head_backward(r: RunSizes, n_tokens: int) -> int:
-    """The head's chunked backward over n_tokens; a trainable head goes by blocks of the vocabulary."""
+    """The head's backward over n_tokens, beside the kept last hidden states and their gradient: ours makes a
+    chunk's logits again (float32, and their gradient in the compute dtype), a trainable head by blocks of the
+    vocabulary with the float32 gradient of the hidden states; TRL's (on CUDA) one tile of logits, the contiguous
+    copy of the hidden states it saved and their gradient, accumulated in float32."""
     s, b = r.s, r.b
     if not speedup_on(r.args, "lean_logps"):
         return n_tokens * s["vocab"] * (b * (1 + LOGIT_GRAD_COPIES) + 8)
     chunk = min(CHUNK_ELEMENTS, n_tokens * s["vocab"])
     hidden = n_tokens * s["hidden"] * b * 2  # the kept last hidden states and their gradient
-    return hidden + chunk * (4 + 2 * b) + (n_tokens * s["hidden"] * 4 if not r.args.lora_r else 0)
+    ours = chunk * (4 + 2 * b) + (n_tokens * s["hidden"] * 4 if not r.args.lora_r else 0)
+    trl = trl_tile(r, n_tokens) + n_tokens * s["hidden"] * (b + 4) if trl_head(r) else 0
+    return hidden + max(ours, trl)
 
 
 def update_forward(r: RunSizes, n: int, prompt: int, response: int, shared: bool) -> int:
-    """Activations and working set of one micro-batch's forward and backward (gradients apart)."""
+    """Activations and working set of one micro-batch's forward and backward (gradients apart), at their highest:
+    the vision tower's forward (no grad), then the language model's backward, which under gradient checkpointing
+    holds one hidden state per layer and token and a recomputed layer's backward (LAYER_BACKWARD_FACTOR times its
+    saved tensors) or, before the layers, the head's; beside either, what the vision tower keeps (vision_kept: none
+    but on the old path). On the old path, the tower's own backward comes after the language model's, when only its
+    kept tensors remain (then a recomputed block's backward)."""
     args, s, b, lora = r.args, r.s, r.b, r.lora
-    L, tokens = s["layers"], prompt + response
+    L, T = s["layers"], prompt + response
+    largest = layer_saved_for_backward(s, b, lora, args.lora_r, T, largest=True)
     if not shared:
+        tokens = n * T
+        pixels = device_pixels(r, n)
         if args.gradient_checkpointing:
-            kept = (
-                n
-                * tokens
-                * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, tokens, largest=True))
-            )
-            kept += full_inputs(r, n * tokens, 2)
+            kept = tokens * L * s["hidden"] * b + full_inputs(r, tokens, 2)
+            layer = tokens * largest * LAYER_BACKWARD_FACTOR
         else:
-            kept = n * tokens * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
-            kept += full_inputs(r, n * tokens, L)
-        return kept + vision_kept(r, n, True) + head_backward(r, n * (response + 1)) + device_pixels(r, n)
+            kept = tokens * L * layer_saved_for_backward(s, b, lora, args.lora_r, T) + full_inputs(r, tokens, L)
+            layer = tokens * largest * (LAYER_BACKWARD_FACTOR - 1)
+        vision = vision_kept(r, n, True)
+        text = kept + max(layer, head_backward(r, n * (response + 1))) + vision + pixels
+        recompute = vision + LAYER_BACKWARD_FACTOR * patches(r.sv, n, r.P) * vision_saved_per_patch(r.sv, b)
+        recompute = recompute if vision else 0
+        return max(text, vision_forward(r, r.sv, n) + tokens * s["hidden"] * b, recompute + pixels)
     u = distinct_prompts_in(n, r.G)
-    # the prompt's forward, outside gradient checkpointing: every layer keeps everything, the vision tower too
+    # the prompt's forward, outside gradient checkpointing: every layer keeps everything (the vision tower too, on
+    # the old path)
     prompt_kept = (
         u * prompt * L * layer_saved_for_backward(s, b, lora, args.lora_r, prompt)
         + full_inputs(r, u * prompt, L)
@@ -636,18 +784,16 @@ def update_forward(r: RunSizes, n: int, prompt: int, response: int, shared: bool
         + kv_cache(s, u, prompt, b)
     )
     cache = kv_cache(s, n, prompt, b)  # indexed to the n rows, read by every response layer
-    joined = n * tokens * 2 * s["heads"] * s["head_dim"] * b  # one layer's prompt + response keys and values
+    joined = n * T * 2 * s["heads"] * s["head_dim"] * b  # one layer's prompt + response keys and values
     if args.gradient_checkpointing:
         response_kept = (
-            n
-            * response
-            * (L * s["hidden"] * b + 2 * layer_saved_for_backward(s, b, lora, args.lora_r, tokens, largest=True))
+            n * response * (L * s["hidden"] * b + LAYER_BACKWARD_FACTOR * largest)
             + 2 * joined
             + full_inputs(r, n * response, 2)
         )
     else:
         response_kept = (
-            n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, tokens)
+            n * response * L * layer_saved_for_backward(s, b, lora, args.lora_r, T)
             + L * joined
             + full_inputs(r, n * response, L)
         )
@@ -722,15 +868,36 @@ def fsdp_gather_buffer(r: RunSizes) -> int:
     return max(r.s["vocab"] * r.s["hidden"], r.unit_params) * r.b if r.shard > 1 else 0
 
 
+def adapters_on_mlp(r: RunSizes) -> bool:
+    """Whether the student's MLP layers carry LoRA adapters (what layer_forward_peak's unmerged_adapters counts)."""
+    return any(r.s["intermediate"] in (i, o) for _, i, o in r.lora)
+
+
+def merge_transient(r: RunSizes) -> int:
+    """MergedAdapters.merged, before generate(): the largest adapted weight in float32 and its adapters' float32
+    product, added to it (the base weights come back from a host copy)."""
+    return 2 * 4 * max((i * o for _, i, o in r.lora), default=0) if r.merged else 0
+
+
 def phase_rollout(r: RunSizes) -> int:
-    """Rollout: one generate() call (or the shared sampler) over gen rows: the student's cache, the prompt
-    forward (once per distinct prompt where the rollout shares prompts) and the sampler's float32 rows."""
-    s, sv, gen = r.s, r.sv, r.gen
+    """Rollout: one generate() call (or the shared sampler) over gen rows, at its highest: the vision tower over the
+    prompts' images (once per distinct prompt where the rollout shares prompts); then the prompts' forward while the
+    KV cache fills, layer by layer; then decoding on the whole cache with the sampler's float32 rows. On a static
+    cache (--static_cache) each layer's cache is made whole, every row at max_prompt_length + max_new_tokens
+    positions, when the prompts' forward first writes to it (transformers' StaticLayer.lazy_initialization: after
+    the vision tower), so the prompts' forward ends beside the whole cache; on a dynamic cache beside the prompts'
+    part of it. The prompt forward reads the LoRA adapters unmerged unless the rollout samples from merged weights
+    (--merged_sampling; merging comes before the call). The processor's pixels stay on the device through it."""
+    s, sv, gen, b = r.s, r.sv, r.gen, r.b
     u_gen = distinct_prompts_in(gen, r.G) if r.student_shared else gen
+    unmerged = adapters_on_mlp(r) and not r.merged
+    full = kv_cache(s, gen, r.args.max_prompt_length + r.args.max_new_tokens if r.static else r.T, b)
+    filled = full if r.static else kv_cache(s, u_gen, r.P, b)  # when the prompts' forward reaches the last layer
+    prompts = no_grad_forward(r, s, sv, u_gen, r.P, u_gen, unmerged, cache=filled)
+    decode = full + gen * s["vocab"] * 4 * SAMPLER_COPIES + device_pixels(r, u_gen)
+    call = max(prompts, decode)
     return (
-        kv_cache(s, gen, r.T, r.b)
-        + no_grad_forward(r, s, sv, u_gen, r.P, u_gen)
-        + gen * s["vocab"] * 4 * SAMPLER_COPIES
+        max(call, merge_transient(r))
         + autocast_copies(r)
         + host_pixels(r, u_gen + (distinct_prompts_in(gen, r.G) if r.share else 0))
         + fsdp_gather_buffer(r)
@@ -738,16 +905,15 @@ def phase_rollout(r: RunSizes) -> int:
 
 
 def phase_teacher_eval(r: RunSizes) -> int:
-    """The teacher's greedy evaluation before training: its cache, its prompt forward and one float32 row of
-    logits per sequence."""
-    t, evals = r.t, r.evals
-    return (
-        kv_cache(t, evals, r.T, r.b)
-        + no_grad_forward(r, t, r.tv, evals, r.P, evals)
-        + evals * t["vocab"] * 4
-        + r.dequantized
-        + r.teacher_gathered
+    """The teacher's greedy evaluation before training (generate() on a dynamic cache: the static one is the
+    rollouts'): its prompts' forward while their cache grows, then the cache at full length with one float32 row of
+    logits per sequence and, in 4 bits, a layer's weight dequantized at each step."""
+    t, evals, b = r.t, r.evals, r.b
+    prompts = no_grad_forward(
+        r, t, r.tv, evals, r.P, evals, cache=kv_cache(t, evals, r.P, b), dequantized=r.dequantized
     )
+    decode = kv_cache(t, evals, r.T, b) + device_pixels(r, evals) + evals * t["vocab"] * 4 + r.dequantized
+    return max(prompts, decode) + r.teacher_gathered
 
 
 def phase_scoring(r: RunSizes) -> int:
@@ -767,7 +933,8 @@ def phase_check(r: RunSizes) -> int:
         scoring_forward(r, t, tv, n_c, P, R_c, True, dequantized) + r.teacher_gathered,
     ]
     if r.student_shared:  # the student's plain forward, then both forwards' gradients flattened to float32
-        roles.append(scoring_forward(r, r.s, r.sv, n_c, P, R_c, False, 0) + autocast_copies(r))
+        unmerged = adapters_on_mlp(r)  # the rollout's check: the plain forward reads the adapters unmerged
+        roles.append(scoring_forward(r, r.s, r.sv, n_c, P, R_c, False, 0, unmerged) + autocast_copies(r))
         grads, flat = r.trainable * grad_bytes(r), 4 * r.trainable
         roles.append(
             autocast_copies(r)
@@ -792,7 +959,12 @@ def resident_state(r: RunSizes) -> tuple[int, int, int]:
 
 
 def estimate(
-    args, num_processes: int = 1, sharding: str = "none", device: str = "cuda", lengths: tuple[int, int] | None = None
+    args,
+    num_processes: int = 1,
+    sharding: str = "none",
+    device: str = "cuda",
+    lengths: tuple[int, int] | None = None,
+    vision_in_backward: bool = False,
 ) -> dict:
     """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring.
 
@@ -800,10 +972,13 @@ def estimate(
     student's weights, gradients and optimizer state over them (and turns off the student's shared prompt, as the
     script does). device "cpu": no CUDA context, the dtype auto means float32, and the processor's pixels, which
     stay on the host, count too. lengths: (prompt, response) tokens in place of the args' bounds (a measured run's
-    own lengths). Each phase_* is what the phase adds above the resident bytes."""
+    own lengths). vision_in_backward: the update's backward runs through the vision tower, as it did before
+    load_student removed transformers' input-require-grads hooks (vision_kept): for records made before that change.
+    The rollout's paths (merged adapters, a static cache) are the args' own (rollout_paths): their false values
+    estimate the eager paths. Each phase_* is what the phase adds above the resident bytes."""
     if sharding not in ("none", "fsdp"):
         raise ValueError(f"sharding must be none or fsdp, not {sharding!r}")
-    r = run_sizes(args, num_processes, sharding, device, lengths)
+    r = run_sizes(args, num_processes, sharding, device, lengths, vision_in_backward)
     student_weights, train_state, gathered = resident_state(r)
     mb, R = r.mb, r.R
     out = {
@@ -829,7 +1004,13 @@ def estimate(
         "cuda_context": int(CUDA_CONTEXT_GIB * GiB) if r.cuda else 0,
         "generation_rows": r.gen,
         "evaluation_rows": r.evals,
-        "kv_cache_student": kv_cache(r.s, r.gen, r.T, r.b),
+        "merged_sampling": r.merged,
+        "static_cache": r.static,
+        "vision_in_backward": r.vision_in_backward,
+        # the rollout's cache: on a static cache every row at max_prompt_length + max_new_tokens
+        "kv_cache_student": kv_cache(
+            r.s, r.gen, args.max_prompt_length + args.max_new_tokens if r.static else r.T, r.b
+        ),
         "kv_cache_teacher": kv_cache(r.t, r.evals, r.T, r.b),
         "logits_scoring": head_forward(r, r.t["vocab"], mb * (R + 1)),
         "logits_update": head_backward(r, mb * (R + 1)),
@@ -873,7 +1054,9 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
         f"memory estimate, {where}: micro-batch {mb}, prompt <= {P} + response <= {R} tokens, "
         f"{e['sequences_per_step']} sequences per step, {args.dtype} (auto = bf16 on GPU), "
         f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, each prompt read once by the "
-        f"student: {'yes' if e['student_reads_prompt_once'] else 'no'}",
+        f"student: {'yes' if e['student_reads_prompt_once'] else 'no'}; rollouts on a "
+        f"{'static' if e['static_cache'] else 'dynamic'} KV cache"
+        + (f", from {'merged' if e['merged_sampling'] else 'unmerged'} adapters" if args.lora_r else ""),
         f"  student weights      {g(e['student_weights'])}   {e['student_params'] / 1e9:.2f}B params "
         f"({args.student_model}{', float32 master weights' if not args.lora_r else ''})",
         f"  {state}",
@@ -940,13 +1123,35 @@ class GPU:
 
 RTX_4090 = GPU("RTX 4090", GPU_GIB, 1008e9, 165.2e12, 32e9, "PCIe 4.0 x16 (no NVLink)")
 H100_SXM = GPU("H100 SXM 80GB", GPU_GIB_80, 3.35e12, 989e12, 450e9, "NVLink")
+H200 = GPU("H200", 139.8, 4.8e12, 989e12, 450e9, "NVLink")  # the GPU of the smoke records (bench/gpu_smoke.py)
 # Fractions of those peaks a run reaches: decoding streams weights and cache at most of the bandwidth; the eager
 # forwards and backwards of transformers models, micro-batches of a few sequences, reach about a third of the
 # tensor-core peak; NCCL's all-gathers most of NVLink's.
 BANDWIDTH_FRACTION, COMPUTE_FRACTION, LINK_FRACTION = 0.7, 0.35, 0.7
-# generate() runs the model eagerly: tens of kernels per decoder layer and token, each with its Python and launch
-# cost on the host, which bounds a decode step from below when the weights and cache are small (a rule of thumb)
-HOST_SECONDS_PER_LAYER = 0.4e-3
+HOST_SECONDS_PER_LAYER = 0.85e-3
+"""Eager PyTorch launches every operation of a decoder layer from Python: the host's time per layer and forward pass,
+whatever the batch. It floors an eager decode step, and adds to an eager forward or backward the time the device
+waits for it. Fit to eager generate() from merged weights on the 2026-12-04 H200 machine's host (a probe of the
+decoding paths, the prompts' forward apart; docs/recipes.md, Measured and estimated)."""
+HOST_SECONDS_PER_ADAPTER = 0.4e-3
+"""What one unmerged LoRA layer adds to it (peft's cast, two matmuls, scale, add and cast back): fit to the same
+host's decoding through unmerged adapters (the rollouts of docs/bench_results/gpu_smoke_2026-12-04.json)."""
+BACKWARD_HOST_FACTOR = 3
+"""An eager backward pass's host time over its forward's (autograd's nodes, the gradients' casts and sums): with
+HOST_SECONDS_PER_LAYER and VISION_SECONDS_PER_WINDOW, what brings the records' update, host-bound at both of their
+lengths, to its measured seconds."""
+VISION_SECONDS_PER_WINDOW = 0.1e-3
+"""Qwen-VL's windowed vision attention, eagerly: one attention call per image window and layer, each with its splits
+and copies; fit to the vision tower's forward over a micro-batch's images on the same host. --varlen_vision makes it
+one call per layer."""
+GRAPH_SECONDS_PER_LAYER = 0.1e-3
+"""A decode step compiled into CUDA graphs (--static_cache) has no host launches, but its kernels still run one after
+the other, each a few microseconds at the least at a few rows: a floor per decoder layer, fit to the probe's
+static-cache decoding of the 36-layer student at 16 rows on the H200 (docs/recipes.md, Measured and estimated)."""
+GRAPH_SECONDS_PER_ADAPTER = 0.02e-3  # what an unmerged adapter's kernels add to a compiled decode step
+SAMPLER_SECONDS = 1e-3
+"""What a compiled decode step still spends on the host: SampledTokenLogps and the sampler draw each token in eager
+PyTorch between two replays of the graph."""
 
 
 def gpu_for(args) -> GPU:
@@ -1013,16 +1218,50 @@ def decode_weight_bytes(f: dict, nf4: bool, n: int, b: int) -> float:
     return (f["body"] + f["head"] - packed) * b + packed * (0.5 + (2 * b if n > 1 else 0))
 
 
+def adapter_traffic(lora: list[tuple[str, int, int]], b: int) -> int:
+    """Bytes the unmerged LoRA layers' elementwise work moves per token and forward pass (peft on activations in the
+    compute dtype, adapters in float32): each layer's input cast to float32 (read b, write 4 bytes per input feature)
+    and, per output feature, the adapter's float32 output written, scaled (read and written), added to the layer's
+    result, which promotes it to float32 (read b + 4, write 4), and cast back (read 4, write b). A backward moves
+    about as much again. Without it the update's device time is half what the records' profile shows."""
+    return sum((b + ADAPTER_BYTES) * i + (5 * ADAPTER_BYTES + 2 * b) * o for _, i, o in lora)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+    """What runs, as the launch decides it (rollout_paths, gndpo_fast.speedups_off): the rollouts' decoding (a static
+    cache compiled into CUDA graphs, or eager), their weights (merged adapters or not), the vision tower's windows
+    (one call per layer or per window), and whether the update's backward runs through the vision tower (the code
+    before 2026-12-04's fix)."""
+
+    static: bool
+    merged: bool
+    varlen: bool
+    vision_in_backward: bool = False
+
+
 def decode_step(
-    c: Roofline, shape: dict, f: dict, n: int, nf4: bool, adapters: int, sharded: bool
+    c: Roofline,
+    shape: dict,
+    f: dict,
+    n: int,
+    nf4: bool,
+    adapters: int,
+    sharded: bool,
+    adapter_layers: int = 0,
+    static_len: int = 0,
 ) -> tuple[float, str, float, dict]:
     """(seconds, what bounds it, bytes read, every bound) of one decode step of n rows: the largest of the bytes it
-    reads over the bandwidth, its FLOPs, the host's launches and, sharded, the all-gather of the blocks."""
+    reads over the bandwidth (the weights once, unmerged float32 adapters of `adapters` parameters, the sampler's
+    rows, every row's cache: at its mean length on a dynamic cache, whole on a static one of static_len positions,
+    which attention reads masked), its FLOPs, and either the host's launches (eager: per layer and unmerged adapter
+    layer) or, compiled into CUDA graphs (static_len), the kernels' own floor, plus the sampler's host time; sharded,
+    the all-gather of the blocks."""
     b = c.b
-    context = c.P + c.R / 2  # the cache's mean length over the response
+    context = static_len or c.P + c.R / 2
     memory = (
         decode_weight_bytes(f, nf4, n, b)
-        + adapters * 4
+        + adapters * ADAPTER_BYTES
         + n * shape["vocab"] * 4 * SAMPLER_COPIES
         + n
         * (
@@ -1035,23 +1274,48 @@ def decode_step(
         "compute": n
         * (2 * (f["body"] + f["head"]) + 4 * shape["heads"] * shape["head_dim"] * shape["kv_layers"] * context)
         / c.rate,
-        "host": shape["layers"] * HOST_SECONDS_PER_LAYER,
     }
+    if static_len:
+        bounds["kernels"] = shape["layers"] * GRAPH_SECONDS_PER_LAYER + adapter_layers * GRAPH_SECONDS_PER_ADAPTER
+    else:
+        bounds["host"] = shape["layers"] * HOST_SECONDS_PER_LAYER + adapter_layers * HOST_SECONDS_PER_ADAPTER
     if sharded:  # every block gathered again at every step, prefetched while the previous one computes
         bounds["all-gather"] = f["gathered"] * b * (c.N - 1) / c.N / (c.gpu.link * LINK_FRACTION)
     bound = max(bounds, key=bounds.get)
-    return bounds[bound], bound, memory, bounds
+    return bounds[bound] + (SAMPLER_SECONDS if static_len else 0), bound, memory, bounds
 
 
-def update_flops(args, s: dict, fs: dict, sv: dict, rows: int, prompts_read: int) -> float:
+def vision_windows(v: dict, prompt: int) -> int:
+    """Windows of one prompt's image (every prompt token an image token) where the tower attends within windows."""
+    if not v["window_patches"]:
+        return 0
+    return math.ceil(math.sqrt(v["patches_per_token"] * prompt) / v["window_patches"]) ** 2
+
+
+def text_host(shape: dict, adapter_layers: int) -> float:
+    """The host's seconds of one eager forward pass of the language model: its layers and unmerged adapters."""
+    return shape["layers"] * HOST_SECONDS_PER_LAYER + adapter_layers * HOST_SECONDS_PER_ADAPTER
+
+
+def vision_host(v: dict, images: int, prompt: int, varlen: bool) -> float:
+    """The host's seconds of one eager forward of the vision tower over `images` images: its layers, and where it
+    attends within windows without --varlen_vision, one attention call per window and windowed layer."""
+    windows = 0 if varlen else images * vision_windows(v, prompt) * v["windowed_layers"]
+    return v["layers"] * HOST_SECONDS_PER_LAYER + windows * VISION_SECONDS_PER_WINDOW
+
+
+def update_flops(
+    args, s: dict, fs: dict, sv: dict, rows: int, prompts_read: int, vision_in_backward: bool = False
+) -> float:
     """The student's forward and backward over a step's rows, per weight FLOP of the forward: the backward's
     input and weight gradients (frozen LoRA weights get none), the forward again under gradient checkpointing,
-    the chunked LM head's logits made again in the backward."""
+    the chunked LM head's logits made again in the backward. The frozen vision tower runs forward once; on the old
+    path (vision_in_backward) its output required grad: recomputed under checkpointing, and its input gradients."""
     P, R = args.max_prompt_length, args.max_new_tokens
     recompute = 1 if args.gradient_checkpointing else 0
     body = 1 + (2 if not args.lora_r else 1) + recompute
     head = 1 + 1 + (2 if not args.lora_r else 1)  # forward, its logits again in backward, its gradients
-    vision = 1 + 2 * recompute  # frozen; its output requires grad under checkpointing (enable_input_require_grads)
+    vision = 1 + (recompute + 2 if vision_in_backward and args.gradient_checkpointing else 0)
     tokens = prompts_read * P + rows * R
     return (
         body * 2 * fs["body"] * tokens
@@ -1061,19 +1325,40 @@ def update_flops(args, s: dict, fs: dict, sv: dict, rows: int, prompts_read: int
     )
 
 
-def evaluation_time(c: Roofline, args, models: dict, lora: int, student_sharded: bool) -> dict:
+def update_time(c: Roofline, args, s, fs, sv, lora: list, n: int, prompts_read: int, paths: Paths) -> float:
+    """One micro-batch's update of n rows: the device's FLOPs and the adapters' float32 traffic (forward, the
+    recompute under checkpointing, backward), then the host's eager launches over the same passes (a backward costs
+    BACKWARD_HOST_FACTOR forwards), the vision tower's forward (and on the old path its recompute and backward)."""
+    recompute = 1 if args.gradient_checkpointing else 0
+    tokens = prompts_read * c.P + n * c.R
+    flops = update_flops(args, s, fs, sv, n, prompts_read, paths.vision_in_backward)
+    traffic = tokens * adapter_traffic(lora, c.b) * (2 + recompute)
+    passes = 1 + recompute + BACKWARD_HOST_FACTOR
+    vision_passes = passes if paths.vision_in_backward and args.gradient_checkpointing else 1
+    host = passes * text_host(s, len(lora)) + vision_passes * vision_host(sv, prompts_read, c.P, paths.varlen)
+    return flops / c.rate + traffic / c.bandwidth + host
+
+
+def evaluation_time(c: Roofline, args, models: dict, lora: list, student_sharded: bool, varlen: bool) -> dict:
     """The evaluation before training: the teacher's generate() calls, then the student's, greedy, at full
-    length. models: "teacher" and "student", each (text_shape, flop_shape, vision_shape)."""
+    length, eager on a dynamic cache (the static cache is the rollouts'), the student through its unmerged
+    adapters. models: "teacher" and "student", each (text_shape, flop_shape, vision_shape)."""
     (t, ft, tv), (s, fs, sv) = models["teacher"], models["student"]
     P, R, N = c.P, c.R, c.N
     eval_rows = math.ceil(args.num_eval_samples / N) if args.num_eval_samples else 0
     eval_batch = args.generation_batch_size or eval_rows
     eval_calls = math.ceil(eval_rows / eval_batch) if eval_rows else 0
+    trainable = sum(args.lora_r * (i + o) for _, i, o in lora)
     teacher_step = decode_step(c, t, ft, eval_batch, args.teacher_4bit, 0, args.shard_teacher and N > 1)[0]
-    student_step = decode_step(c, s, fs, eval_batch, False, lora, student_sharded)[0]
-    eval_prefill = lambda shape, f, v: forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows) / c.rate
-    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv)
-    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv)
+    student_step = decode_step(c, s, fs, eval_batch, False, trainable, student_sharded, len(lora))[0]
+
+    def eval_prefill(shape, f, v, adapters):
+        flops = forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows)
+        host = eval_calls * (text_host(shape, adapters) + vision_host(v, eval_batch, P, varlen))
+        return flops / c.rate + host
+
+    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv, 0)
+    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv, len(lora))
     return {
         "eval_rows": eval_rows,
         "eval_calls": eval_calls,
@@ -1085,25 +1370,47 @@ def evaluation_time(c: Roofline, args, models: dict, lora: int, student_sharded:
     }
 
 
-def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | None = None) -> dict:
+def time_paths(args, sharded: bool, rows: int, sv: dict, vision_in_backward: bool) -> Paths:
+    """The paths a CUDA launch runs (rollout_paths; varlen_vision where the tower has windows and it is on)."""
+    paths = rollout_paths(args, "cuda", sharded, rows)
+    off = fast.speedups_off(args, "cuda", sharded, rows)
+    varlen = speedup_on(args, "varlen_vision") and "varlen_vision" not in off and bool(sv["window_patches"])
+    return Paths(paths["static"], paths["merged"], varlen, vision_in_backward)
+
+
+def step_time(
+    args,
+    num_processes: int = 1,
+    sharding: str = "none",
+    gpu: GPU | None = None,
+    vision_in_backward: bool = False,
+) -> dict:
     """Seconds of one step of the run `args` describes, on each of num_processes GPUs, at full length (every
     prompt max_prompt_length tokens, every response max_new_tokens: generate() runs until a batch's last row
-    ends), and of the evaluation before training. An estimate from the models' configs and the GPU's figures:
+    ends), and of the evaluation before training. An estimate from the models' configs and the GPU's figures,
+    on the paths a CUDA launch of these args runs (Paths; vision_in_backward: the update's old path):
 
       rollout    generate() calls per process: prompts_per_step x num_generations / processes /
                  generation_batch_size, each max_new_tokens decode steps plus a prefill over its prompts. A decode
-                 step's latency is the largest of: the bytes it reads (the weights once, the KV cache of every row at
-                 the mean length, the sampler's rows) over the memory bandwidth, which bounds small-batch
-                 decoding; its FLOPs; the host's launches (HOST_SECONDS_PER_LAYER per layer); under FSDP2 the
-                 all-gather of the student's blocks (and an untied input embedding) over the GPU link (the config
-                 reshards after each forward).
+                 step's latency is the largest of: the bytes it reads (the weights once, unmerged adapters, the KV
+                 cache of every row, the sampler's rows) over the memory bandwidth, which bounds small-batch
+                 decoding; its FLOPs; eager, the host's launches (HOST_SECONDS_PER_LAYER per layer,
+                 HOST_SECONDS_PER_ADAPTER per unmerged adapter); compiled into CUDA graphs on a static cache, the
+                 kernels' own floor (GRAPH_SECONDS_PER_LAYER), plus the sampler's host time (SAMPLER_SECONDS); under
+                 FSDP2 the all-gather of the student's blocks (and an untied input embedding) over the GPU link (the
+                 config reshards after each forward). The prefill: its FLOPs, the unmerged adapters' float32 traffic,
+                 and the host's launches (the vision tower's window calls without --varlen_vision).
       scoring    the teacher's forward over prompt + response: 2 x params x tokens plus attention and vision FLOPs
-      update     the student's forward and backward: 2x for the forward, 4x for full fine-tuning's backward (input and
-                 weight gradients; 2x for LoRA, whose frozen weights get none), 2x more where gradient checkpointing
-                 recomputes the forward; the chunked LM head makes its logits again in the backward
+                 (or a 4-bit teacher's dequantization traffic, if larger), plus the host's launches
+      update     the student's forward and backward (update_time): 2x for the forward, 4x for full fine-tuning's
+                 backward (input and weight gradients; 2x for LoRA, whose frozen weights get none), 2x more where
+                 gradient checkpointing recomputes the forward; the chunked LM head makes its logits again in the
+                 backward; the frozen vision tower's forward once; the adapters' float32 traffic; the host's launches
       evaluation the teacher's, then the student's greedy generate() calls over num_eval_samples / processes rows
     FLOPs run at COMPUTE_FRACTION of the bf16 peak, bytes at BANDWIDTH_FRACTION of the bandwidth. Attention counts
-    4 x query width x context FLOPs per token and layer (causal), the vision tower 2 x its params per patch."""
+    4 x query width x context FLOPs per token and layer (causal), the vision tower 2 x its params per patch. Beside
+    the step's parts: one generate() call (generate_call_seconds), one micro-batch's scoring and update
+    (scoring_micro_batch_seconds, update_micro_batch_seconds), what bench/gpu_smoke.py measures (phase_seconds)."""
     gpu = gpu or gpu_for(args)
     N = num_processes
     P, R, G = args.max_prompt_length, args.max_new_tokens, args.num_generations
@@ -1116,63 +1423,134 @@ def step_time(args, num_processes: int = 1, sharding: str = "none", gpu: GPU | N
         rate=gpu.bf16_flops * COMPUTE_FRACTION,
         bandwidth=gpu.bandwidth * BANDWIDTH_FRACTION,
     )
-    rate, bandwidth = c.rate, c.bandwidth
-    from gndpo_minimal import teacher_paths
-
-    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    student = meta_model(args.student_model)
-    teacher = max((meta_model(path) for path in teacher_paths(args).values()), key=numel)
-    s, t = text_shape(student), text_shape(teacher)
-    fs, ft = flop_shape(student), flop_shape(teacher)
-    sv, tv = vision_shape(student), vision_shape(teacher)
-    lora = trainable_params(student, args) if args.lora_r else 0  # float32 adapter weights, read every step
-
+    m = time_shapes(args)
+    s, fs, sv, lora = m["s"], m["fs"], m["sv"], m["lora"]
     rows = args.prompts_per_step * G // N
     gen = args.generation_batch_size or rows
     calls = math.ceil(rows / gen)
-    share = speedup_on(args, "share_prompt_prefix")
     student_sharded = sharding == "fsdp" and N > 1
-    distinct = lambda n: distinct_prompts_in(n, G) if share else n  # noqa: E731  (rows whose prompt is read)
-
-    latency, bound, decode_bytes, decode_bounds = decode_step(c, s, fs, gen, False, lora, student_sharded)
-    rollout_decode = R * latency * calls
-    prefill = (
-        forward_flops(s, fs, sv, rows, P, 0, distinct(gen) * calls if share and not student_sharded else rows, rows)
-        / rate
+    share = speedup_on(args, "share_prompt_prefix") and "share_prompt_prefix" not in fast.speedups_off(
+        args, "cuda", student_sharded, rows
     )
-    # scoring: the teacher's no-grad forward, each prompt once where --share_prompt_prefix reads it once; a 4-bit
-    # teacher dequantizes every layer once per micro-batch
+    paths = time_paths(args, student_sharded, rows, sv, vision_in_backward)
+    shared = share and not student_sharded  # the student reads each prompt once
+    distinct = lambda n: distinct_prompts_in(n, G) if share else n  # noqa: E731  (rows whose prompt is read)
+    # gndpo_fast samples shared prompts itself, on no static cache
+    rollout = rollout_time(c, args, m, gen, distinct(gen) if shared else gen, paths, not shared, student_sharded)
     mb = args.micro_batch_size
     forwards = math.ceil(rows / mb)
-    score_flops = forward_flops(t, ft, tv, rows, P, R, distinct(mb) * forwards, rows * (R + 1))
-    scoring = max(score_flops / rate, forwards * decode_weight_bytes(ft, args.teacher_4bit, mb, c.b) / bandwidth)
-    prompts_read = distinct(mb) * forwards if share and not student_sharded else rows
-    train_flops = update_flops(args, s, fs, sv, rows, prompts_read)
-    update = train_flops / rate
-    evaluation = evaluation_time(c, args, {"teacher": (t, ft, tv), "student": (s, fs, sv)}, lora, student_sharded)
-    step = rollout_decode + prefill + scoring + update
+    score_flops, scoring_mb = scoring_time(c, args, m, rows, mb, distinct(mb), paths.varlen)
+    prompts_read = distinct(mb) * forwards if shared else rows
+    train_flops = update_flops(args, s, fs, sv, rows, prompts_read, paths.vision_in_backward)
+    update_mb = update_time(c, args, s, fs, sv, lora, mb, prompts_read // forwards, paths)
+    evaluation = evaluation_time(
+        c, args, {"teacher": (m["t"], m["ft"], m["tv"]), "student": (s, fs, sv)}, lora, student_sharded, paths.varlen
+    )
+    parts = {
+        "rollout_decode": R * rollout["decode_latency"] * calls,
+        "rollout_prefill": rollout["prefill_call_seconds"] * calls,
+        "scoring": forwards * scoring_mb,
+        "update": forwards * update_mb,
+    }
+    step = sum(parts.values())
     return {
         "gpu": gpu,
         "layers": s["layers"],
         "rows": rows,
         "generation_batch_size": gen,
         "generate_calls": calls,
+        "merged_sampling": paths.merged,
+        "varlen_vision": paths.varlen,
+        "vision_in_backward": paths.vision_in_backward,
         "decode_steps": R,
-        "decode_bytes": decode_bytes,
-        "decode_latency": latency,
-        "decode_bound": bound,
-        "decode_bounds": decode_bounds,
-        "rollout_decode": rollout_decode,
-        "rollout_prefill": prefill,
+        **rollout,
+        **parts,
         "scoring_flops": score_flops,
-        "scoring": scoring,
         "update_flops": train_flops,
-        "update": update,
         "step": step,
+        "micro_batches": forwards,
+        "scoring_micro_batch_seconds": scoring_mb,
+        "update_micro_batch_seconds": update_mb,
+        # bench/gpu_smoke.py's phases: one generate() call, one micro-batch's scoring, one micro-batch's update
+        "phase_seconds": {"rollout": rollout["generate_call_seconds"], "scoring": scoring_mb, "update": update_mb},
         **evaluation,
         # the run: every step, the evaluation before training, and the student's after
         "run": args.max_steps * step + evaluation["eval_teacher"] + 2 * evaluation["eval_student"],
     }
+
+
+def time_shapes(args) -> dict:
+    """What step_time() counts with: text_shape ("s", "t"), flop_shape ("fs", "ft") and vision_shape ("sv", "tv") of
+    the student and the (largest) teacher, and the student's LoRA layers ("lora")."""
+    from gndpo_minimal import teacher_paths
+
+    numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    student = meta_model(args.student_model)
+    teacher = max((meta_model(path) for path in teacher_paths(args).values()), key=numel)
+    return {
+        "s": text_shape(student),
+        "t": text_shape(teacher),
+        "fs": flop_shape(student),
+        "ft": flop_shape(teacher),
+        "sv": vision_shape(student),
+        "tv": vision_shape(teacher),
+        "lora": lora_layers(student, args.lora_target_modules) if args.lora_r else [],
+    }
+
+
+def rollout_time(c: Roofline, args, m: dict, gen: int, read: int, paths: Paths, generate: bool, sharded: bool) -> dict:
+    """One generate() call of gen rows, `read` of whose prompts are read: its decode step (decode_step: compiled on a
+    static cache where the launch runs one and generate() samples, from merged adapters where it merges) and its
+    prefill (the FLOPs, the unmerged adapters' float32 traffic, the host's launches)."""
+    s, fs, sv = m["s"], m["fs"], m["sv"]
+    unmerged = [] if paths.merged else m["lora"]
+    static = paths.static and generate
+    latency, bound, decode_bytes, bounds = decode_step(
+        c,
+        s,
+        fs,
+        gen,
+        False,
+        sum(args.lora_r * (i + o) for _, i, o in unmerged),
+        sharded,
+        len(unmerged),
+        c.P + c.R if static else 0,
+    )
+    prefill = (
+        forward_flops(s, fs, sv, gen, c.P, 0, read, gen) / c.rate
+        + read * c.P * adapter_traffic(unmerged, c.b) / c.bandwidth
+        + text_host(s, len(unmerged))
+        + vision_host(sv, read, c.P, paths.varlen)
+    )
+    return {
+        "static_cache": static,
+        "decode_bytes": decode_bytes,
+        "decode_latency": latency,
+        "decode_bound": bound,
+        "decode_bounds": bounds,
+        "prefill_call_seconds": prefill,
+        "generate_call_seconds": c.R * latency + prefill,
+    }
+
+
+def scoring_time(c: Roofline, args, m: dict, rows: int, mb: int, read: int, varlen: bool) -> tuple[float, float]:
+    """(the FLOPs of a step's scoring, the seconds of one micro-batch's): the teacher's no-grad forwards of mb rows,
+    `read` prompts of each read (each once where --share_prompt_prefix reads it once), at the reached rate or, for a
+    4-bit teacher, at the bandwidth its layers' dequantization takes (once per forward) if that is longer, and the
+    host's launches."""
+    t, ft, tv = m["t"], m["ft"], m["tv"]
+    forwards = math.ceil(rows / mb)
+    flops = forward_flops(t, ft, tv, rows, c.P, c.R, read * forwards, rows * (c.R + 1))
+    device = max(flops / forwards / c.rate, decode_weight_bytes(ft, args.teacher_4bit, mb, c.b) / c.bandwidth)
+    return flops, device + text_host(t, 0) + vision_host(tv, read, c.P, varlen)
+
+
+def path_text(t: dict) -> str:
+    """The paths step_time() took, in words."""
+    decode = "a static cache compiled into CUDA graphs" if t["static_cache"] else "eager generate() on a dynamic cache"
+    weights = "merged adapters" if t["merged_sampling"] else "unmerged adapters"
+    vision = "one call per layer" if t["varlen_vision"] else "one call per window"
+    return f"rollouts on {decode}, from {weights}; vision attention {vision}"
 
 
 def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dict:
@@ -1180,16 +1558,21 @@ def print_step_time(args, num_processes: int = 1, sharding: str = "none") -> dic
     t = step_time(args, num_processes, sharding)
     d, rate = duration, f"{t['gpu'].bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
     bounds = ", ".join(f"{k} {d(v)}" for k, v in t["decode_bounds"].items())
+    sampler = f" + sampler {d(SAMPLER_SECONDS)}" if t["static_cache"] else ""
     print(
         "\n".join(
             [
                 f"time estimate, one of {num_processes} processes on an {t['gpu'].name}, at full length "
-                f"(every response {t['decode_steps']} tokens): {time_assumptions()}",
+                f"(every response {t['decode_steps']} tokens), {path_text(t)}: {time_assumptions()}",
                 f"  rollout            {d(t['rollout_decode'] + t['rollout_prefill'])}   "
                 f"{t['decode_steps']} decode steps x {d(t['decode_latency'])} x {t['generate_calls']} generate() "
-                f"calls of {t['generation_batch_size']} rows (a step: {bounds}), + prefill {d(t['rollout_prefill'])}",
-                f"  teacher scoring    {d(t['scoring'])}   {flops(t['scoring_flops'])} FLOP / {rate}",
-                f"  student update     {d(t['update'])}   {flops(t['update_flops'])} FLOP / {rate}",
+                f"calls of {t['generation_batch_size']} rows (a step: {bounds}{sampler}), + prefill "
+                f"{d(t['rollout_prefill'])}",
+                f"  teacher scoring    {d(t['scoring'])}   {flops(t['scoring_flops'])} FLOP / {rate}, and the host's "
+                f"launches: {t['micro_batches']} x {d(t['scoring_micro_batch_seconds'])}",
+                f"  student update     {d(t['update'])}   {flops(t['update_flops'])} FLOP / {rate}, the adapters' "
+                f"float32 traffic and the host's launches: {t['micro_batches']} x "
+                f"{d(t['update_micro_batch_seconds'])}",
                 f"  = step             {d(t['step'])}",
                 f"  evaluation before training, once: {d(t['evaluation'])} ({t['eval_calls']} generate() calls "
                 f"each of the teacher, {d(t['eval_teacher_step'])} a decode step, and the student, "
@@ -1210,8 +1593,12 @@ def time_assumptions() -> str:
     )
     return (
         f"Assumed: {gpus} (spec sheets); a run reaches {BANDWIDTH_FRACTION:.0%} of the bandwidth, "
-        f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link; generate() costs the host "
-        f"{HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and token at least."
+        f"{COMPUTE_FRACTION:.0%} of the bf16 peak and {LINK_FRACTION:.0%} of the link. The host (an H200 machine's, "
+        f"measured): eager PyTorch costs {HOST_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer and pass, "
+        f"{HOST_SECONDS_PER_ADAPTER * 1e3:g} ms more per unmerged LoRA layer, a backward "
+        f"{BACKWARD_HOST_FACTOR}x its forward, and {VISION_SECONDS_PER_WINDOW * 1e3:g} ms per vision window and "
+        f"layer where the windows run one call each; a decode step compiled into CUDA graphs (static cache) at least "
+        f"{GRAPH_SECONDS_PER_LAYER * 1e3:g} ms per decoder layer, plus {SAMPLER_SECONDS * 1e3:g} ms of sampling."
     )
 
 

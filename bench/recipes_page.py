@@ -22,7 +22,8 @@ from estimate_memory import (  # noqa: E402  (the repository root is on the path
     BANDWIDTH_FRACTION,
     COMPUTE_FRACTION,
     GPU,
-    HOST_SECONDS_PER_LAYER,
+    GRAPH_SECONDS_PER_LAYER,
+    SAMPLER_SECONDS,
     ConfigNotFound,
     GiB,
     duration,
@@ -104,12 +105,17 @@ def time_table(paths: list[str]) -> str:
         t = step_time(args, n, sharding)
         gpu, bounds = t["gpu"], t["decode_bounds"]
         rate = f"{gpu.bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
+        floor = (
+            f"kernels {t['layers']} x {GRAPH_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['kernels'])}"
+            if "kernels" in bounds
+            else f"host {duration(bounds['host'])}"
+        )
         step = (
             f"{bounds['memory'] * gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.1f} GB / "
-            f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; host "
-            f"{t['layers']} x {HOST_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['host'])}"
+            f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; {floor}"
             + (f"; all-gather {duration(bounds['all-gather'])}" if "all-gather" in bounds else "")
-            + f": **{duration(t['decode_latency'])}** ({t['decode_bound']})"
+            + f": **{duration(max(bounds.values()))}** ({t['decode_bound']})"
+            + (f" + sampler {duration(SAMPLER_SECONDS)}" if t["static_cache"] else "")
         )
         calls = (
             f"{args.prompts_per_step} x {args.num_generations} / {n} / {t['generation_batch_size']} = "
@@ -123,10 +129,13 @@ def time_table(paths: list[str]) -> str:
             f"{t['eval_calls']} x {t['decode_steps']} x ({duration(t['eval_teacher_step'])} teacher + "
             f"{duration(t['eval_student_step'])} student), + prefill = {duration(t['evaluation'])}"
         )
+        mb = t["micro_batches"]
         lines.append(
             f"| `recipes/{os.path.basename(path)}` | {gpu.name} | {calls} | {step} | {rollout} | "
-            f"{flops(t['scoring_flops'])} FLOP / {rate} = {duration(t['scoring'])} | "
-            f"{flops(t['update_flops'])} FLOP / {rate} = {duration(t['update'])} | "
+            f"{flops(t['scoring_flops'])} FLOP / {rate} with the host's launches: {mb} micro-batches x "
+            f"{duration(t['scoring_micro_batch_seconds'])} = {duration(t['scoring'])} | "
+            f"{flops(t['update_flops'])} FLOP / {rate} with the adapters' traffic and the host's launches: {mb} x "
+            f"{duration(t['update_micro_batch_seconds'])} = {duration(t['update'])} | "
             f"**{duration(t['step'])}** | {evaluation} | {args.max_steps} steps + evaluations = "
             f"{duration(t['run'])} |"
         )

@@ -12,6 +12,9 @@ the run's wall seconds, every round's raw values ("rounds") and the script's own
 one thread per process (OMP_NUM_THREADS=1), sides alternating, as their scripts describe; the machine may be shared,
 which the pages say.
 
+Records made on a GPU machine (GPU_RECORDS: bench/gpu_smoke.py's) sit beside them with their own provenance; this
+script remakes and times none of them.
+
 A block's words are in bench/templates/NAME.md, with {placeholders} that the render_NAME function below fills from
 the JSONs (tables by benchutil.table); provenance.md and provenance_record.md give each block's line per record.
 """
@@ -263,6 +266,33 @@ RESULTS = {
     "sampler": ({}, bench_script("sampler", "--record", "")),
     "teacher_precision": (ONE_THREAD, bench_script("teacher_precision")),
 }
+REMADE_HERE = list(RESULTS)  # the results this script remakes (and times on docs/benchmarks.md)
+
+
+def made_on_a_gpu(name: str, how: str) -> callable:
+    """A result made on a GPU machine and copied into docs/bench_results/ with its own provenance: nothing here can
+    remake it (it names how it was made instead)."""
+
+    def make(tmp: str, env: dict) -> tuple[str, float, dict]:
+        raise SystemExit(f"{name} is not remade here: {how}")
+
+    return make
+
+
+# Results made on a GPU machine (bench/gpu_smoke.py on an H200) and copied here, provenance included; tests read them
+# (tests/test_memory.py). The smoke record itself counts once a GPU run has committed it.
+GPU_RECORDS = {
+    "gpu_smoke_2026-12-04": "the first GPU run's two records (bench/gpu_smoke.py at b034d41, an H200 capped at 23.6 "
+    "GiB), their measured figures copied (docs/benchmarks.md, GPU smoke test)",
+    "gpu_smoke": "python bench/gpu_smoke.py on a GPU machine (docs/benchmarks.md, GPU smoke test)",
+}
+RESULTS.update(
+    {
+        name: ({}, made_on_a_gpu(name, how))
+        for name, how in GPU_RECORDS.items()
+        if name != "gpu_smoke" or os.path.exists(os.path.join(RESULTS_DIR, f"{name}.json"))
+    }
+)
 
 
 def rounds_of(name: str, result: dict) -> object:
@@ -724,7 +754,7 @@ def render_times(*records: dict) -> str:
 RENDERS = {
     "README.md": {"default_run": (render_default_run, ["default_run"]), "families": (render_families, ["families"])},
     "docs/benchmarks.md": {
-        "times": (render_times, list(RESULTS)),
+        "times": (render_times, REMADE_HERE),
         "read_once": (render_read_once, ["step_breakdown", "step_breakdown_gc", "paper_shape", "paper_shape_gc"]),
         "step_parts": (render_step_parts, ["step_breakdown", "step_breakdown_gc"]),
         "paper_parts": (render_paper_parts, ["paper_shape", "paper_shape_gc"]),
@@ -766,15 +796,15 @@ def render_pages(write: bool = True) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=list(RESULTS), help="Remake these results only.")
+    p.add_argument("--only", nargs="+", choices=REMADE_HERE, help="Remake these results only.")
     p.add_argument("--render", action="store_true", help="Only rewrite the blocks from the JSONs.")
     p.add_argument("--list", action="store_true", help="List the results and exit.")
     a = p.parse_args(argv)
     if a.list:
-        print("\n".join(RESULTS))
+        print("\n".join(REMADE_HERE))
         return
     if not a.render:
-        for name in a.only or list(RESULTS):
+        for name in a.only or REMADE_HERE:
             reproduce(name)
     render_pages()
     print("rewrote", ", ".join(PAGES))

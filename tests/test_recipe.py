@@ -36,6 +36,8 @@ from estimate_memory import (
     LOGIT_GRAD_COPIES,
     RTX_4090,
     SAMPLER_COPIES,
+    TRL_TILE_COLUMNS,
+    TRL_TILE_ROWS,
     GiB,
     estimate,
     flop_shape,
@@ -266,7 +268,7 @@ def test_headroom_is_the_gpus_memory_above_the_peak_bound():
     room, share = headroom(e, RTX_4090)
     assert room == pytest.approx(GPU_GIB - e["peak"] / GiB) and share == pytest.approx(room / GPU_GIB)
     assert 0 < room < GPU_GIB  # the recipe fits its 24 GB GPU
-    assert headroom(estimate(dataclasses.replace(args, micro_batch_size=8)), RTX_4090)[0] < 0
+    assert headroom(estimate(dataclasses.replace(args, micro_batch_size=2 * args.micro_batch_size)), RTX_4090)[0] < 0
 
 
 def test_estimate_memory_reads_the_scripts_own_defaults():
@@ -309,30 +311,50 @@ def test_fsdp2_update_holds_the_whole_head_gradient_and_no_syncs_unsharded_gradi
 
 
 def test_step_time_of_the_qwen_recipe_by_hand(monkeypatch):
-    """The 24 GB Qwen recipe's step: 512 rows through generate() 16 at a time on one GPU = 32 calls of 2048 decode
-    steps; a decode step reads the bf16 weights, the float32 adapter and every row's cache at its mean length; the
-    update is 6x (full fine-tuning; 4x LoRA) the body's parameters x tokens, plus the head, the frozen vision tower
-    and attention; a step is its parts' sum and lasts tens of minutes."""
+    """The 24 GB Qwen recipe's step: 512 rows through generate() 32 at a time on one GPU = 16 calls of 2048 decode
+    steps, compiled into CUDA graphs on a static cache, from merged adapters: a decode step reads the bf16 weights
+    (no adapter) and every row's whole static cache, bounded by those bytes or by the kernels' floor, plus the
+    sampler's host time. The eager path (--static_cache false --merged_sampling false) reads the float32 adapters
+    and the cache at its mean length, floored by the host's launches per layer and adapter. The update is 4x (LoRA;
+    6x full fine-tuning) the body's parameters x tokens, plus the head, the frozen vision tower's forward once and
+    attention; a step is its parts' sum and lasts tens of minutes; its phases per call and micro-batch are given."""
     args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
     t = step_time(args)
     P, R, gen = args.max_prompt_length, args.max_new_tokens, args.generation_batch_size
-    assert t["gpu"] == RTX_4090 and t["generate_calls"] == 32 * 16 // 16 == 32
+    assert t["gpu"] == RTX_4090 and t["generate_calls"] == 32 * 16 // gen == 16
+    assert t["static_cache"] and t["merged_sampling"] and t["varlen_vision"] and not t["vision_in_backward"]
     model = meta_model(args.student_model)
     f, shape = flop_shape(model), text_shape(model)
     assert f["head"] == 151936 * 2048 and f["body"] + f["head"] == sum(
         p.numel() for p in model.get_decoder().parameters()
     )  # the head is tied
-    cache = gen * (P + R / 2) * 36 * 2 * 2 * 128 * 2  # 36 layers of 2 KV heads of 128, bf16
-    adapter = trainable_params(model, args) * 4
-    assert t["decode_bytes"] == pytest.approx(
-        (f["body"] + f["head"]) * 2 + adapter + cache + gen * 151936 * 4 * SAMPLER_COPIES
-    )
+    sampler = gen * 151936 * 4 * SAMPLER_COPIES
+    static_cache = gen * (P + R) * 36 * 2 * 2 * 128 * 2  # 36 layers of 2 KV heads of 128, bf16, every position
+    assert t["decode_bytes"] == pytest.approx((f["body"] + f["head"]) * 2 + static_cache + sampler)
     bandwidth = RTX_4090.bandwidth * estimate_memory.BANDWIDTH_FRACTION
-    assert t["decode_bounds"]["memory"] == pytest.approx(t["decode_bytes"] / bandwidth)
-    assert t["decode_latency"] == max(t["decode_bounds"].values())
-    assert t["rollout_decode"] == pytest.approx(R * t["decode_latency"] * 32)
+    bounds = t["decode_bounds"]
+    assert bounds["memory"] == pytest.approx(t["decode_bytes"] / bandwidth) and "host" not in bounds
+    assert bounds["kernels"] == pytest.approx(36 * estimate_memory.GRAPH_SECONDS_PER_LAYER)
+    assert t["decode_latency"] == pytest.approx(max(bounds.values()) + estimate_memory.SAMPLER_SECONDS)
+    assert t["rollout_decode"] == pytest.approx(R * t["decode_latency"] * 16)
     assert t["step"] == pytest.approx(t["rollout_decode"] + t["rollout_prefill"] + t["scoring"] + t["update"])
     assert 10 * 60 < t["step"] < 100 * 60
+    micro_batches = 512 // args.micro_batch_size
+    assert t["phase_seconds"] == pytest.approx(
+        {
+            "rollout": t["rollout_decode"] / 16 + t["rollout_prefill"] / 16,
+            "scoring": t["scoring"] / micro_batches,
+            "update": t["update"] / micro_batches,
+        }
+    )
+    eager = step_time(dataclasses.replace(args, static_cache="false", merged_sampling="false"))
+    assert not eager["static_cache"] and not eager["merged_sampling"]
+    cache = gen * (P + R / 2) * 36 * 2 * 2 * 128 * 2  # every row's cache at its mean length
+    adapter = trainable_params(model, args) * 4
+    assert eager["decode_bytes"] == pytest.approx((f["body"] + f["head"]) * 2 + adapter + cache + sampler)
+    host = 36 * estimate_memory.HOST_SECONDS_PER_LAYER + 36 * 7 * estimate_memory.HOST_SECONDS_PER_ADAPTER
+    assert eager["decode_bounds"]["host"] == pytest.approx(host) and eager["decode_bound"] == "host"
+    assert eager["decode_latency"] == max(eager["decode_bounds"].values()) > 5 * t["decode_latency"]
     # the update's FLOPs: full fine-tuning without checkpointing, by hand
     full = step_time(dataclasses.replace(args, lora_r=0, gradient_checkpointing=False))
     rows, T = 512, P + R
@@ -341,30 +363,41 @@ def test_step_time_of_the_qwen_recipe_by_hand(monkeypatch):
     assert full["update_flops"] == pytest.approx(
         6 * f["body"] * rows * T + 8 * f["head"] * rows * (R + 1) + vision + 3 * attention
     )
+    # the vision tower's forward once; on the old path (its output requiring grad) again in the recompute, and its
+    # input gradients
+    old = step_time(args, vision_in_backward=True)
+    lora_vision = 2 * f["vision"] * vision_shape(model)["patches_per_token"] * P * rows
+    assert old["update_flops"] - t["update_flops"] == pytest.approx(3 * lora_vision)
 
 
 def test_step_time_scales_with_the_settings_that_shorten_a_step(monkeypatch):
     """Halving generation_batch_size doubles the generate() calls; doubling max_new_tokens doubles the decode term
-    where the host's launches bound a decode step, and more than doubles it where the bytes read do (the cache
-    grows); the teacher's evaluation goes with num_eval_samples; more processes share the rows."""
+    where the host's launches (eager) or the kernels' floor (compiled) bound a decode step, and more than doubles it
+    where the bytes read do (the cache grows); the teacher's evaluation goes with num_eval_samples; more processes
+    share the rows."""
     args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
     base = step_time(args)
     half = step_time(dataclasses.replace(args, generation_batch_size=args.generation_batch_size // 2))
     assert half["generate_calls"] == 2 * base["generate_calls"]
     assert half["decode_latency"] <= base["decode_latency"] and half["rollout_decode"] > 1.2 * base["rollout_decode"]
-    longer = dataclasses.replace(args, max_new_tokens=2 * args.max_new_tokens)
+    eager = dataclasses.replace(args, static_cache="false")
+    longer = lambda a: dataclasses.replace(a, max_new_tokens=2 * a.max_new_tokens)  # noqa: E731
     monkeypatch.setattr(estimate_memory, "HOST_SECONDS_PER_LAYER", 1.0)  # host-bound
-    assert step_time(longer)["rollout_decode"] == pytest.approx(2 * step_time(args)["rollout_decode"])
-    monkeypatch.setattr(estimate_memory, "HOST_SECONDS_PER_LAYER", 0.0)  # bound by the bytes read
-    short, long = step_time(args), step_time(longer)
-    assert short["decode_bound"] == long["decode_bound"] == "memory"
-    assert 2 < long["rollout_decode"] / short["rollout_decode"] < 4
-    assert long["update"] > 1.5 * short["update"] and long["scoring"] > 1.5 * short["scoring"]
+    assert step_time(longer(eager))["rollout_decode"] == pytest.approx(2 * step_time(eager)["rollout_decode"])
+    monkeypatch.setattr(estimate_memory, "GRAPH_SECONDS_PER_LAYER", 1.0)  # bound by the kernels' floor
+    assert step_time(longer(args))["rollout_decode"] == pytest.approx(2 * step_time(args)["rollout_decode"])
+    for name in ("HOST_SECONDS_PER_LAYER", "HOST_SECONDS_PER_ADAPTER", "GRAPH_SECONDS_PER_LAYER"):
+        monkeypatch.setattr(estimate_memory, name, 0.0)  # bound by the bytes read
+    for a in (args, eager):
+        short, long = step_time(a), step_time(longer(a))
+        assert short["decode_bound"] == long["decode_bound"] == "memory"
+        assert 2 < long["rollout_decode"] / short["rollout_decode"] < 4
+        assert long["update"] > 1.5 * short["update"] and long["scoring"] > 1.5 * short["scoring"]
     fewer = step_time(dataclasses.replace(args, num_eval_samples=100))
     assert fewer["eval_calls"] == math.ceil(100 / args.generation_batch_size) < base["eval_calls"]
-    two = step_time(args, num_processes=2)
-    assert two["generate_calls"] == base["generate_calls"] // 2
-    assert two["update"] == pytest.approx(base["update"] / 2)
+    one, two = step_time(args), step_time(args, num_processes=2)
+    assert two["generate_calls"] == one["generate_calls"] // 2 == base["generate_calls"] // 2
+    assert two["update"] == pytest.approx(one["update"] / 2)
 
 
 def test_sharded_teacher_holds_a_share_of_its_blocks():
@@ -390,6 +423,16 @@ def test_sharded_teacher_holds_a_share_of_its_blocks():
 # ---------------------------------------------------------------------------------------------
 
 
+def head_chunk(n_tokens: int, h: int) -> int:
+    """The bf16 head's backward beside its hidden states and their gradient, at its largest of the two kernels a GPU
+    may run: ours, a float32 chunk of logits and their gradient; TRL's, one bf16 tile of 4,096 rows x 32,768 columns,
+    the contiguous copy of the hidden states it saved and their float32 gradient."""
+    ours = CHUNK_ELEMENTS * (4 + 2 * 2)
+    trl = min(n_tokens, TRL_TILE_ROWS) * TRL_TILE_COLUMNS * 2 + n_tokens * h * (2 + 4)
+    assert (TRL_TILE_ROWS, TRL_TILE_COLUMNS) == (4096, 32768)
+    return max(ours, trl)
+
+
 def test_estimate_of_the_qwen_recipe_in_the_expected_ranges():
     args = with_fixture_configs(g.parse_args([QWEN_RECIPE]))
     e = estimate(args)
@@ -404,7 +447,7 @@ def test_estimate_of_the_qwen_recipe_in_the_expected_ranges():
     assert e["kv_cache_student"] == args.generation_batch_size * T * 36 * 2 * 2 * 128 * 2
     # head_logps: no (mb, R + 1, V) logits kept; the last hidden states and their gradient, one chunk at a time
     n_tokens = args.micro_batch_size * (args.max_new_tokens + 1)
-    assert e["logits_update"] == 2 * n_tokens * h * 2 + CHUNK_ELEMENTS * (4 + 2 * 2)
+    assert e["logits_update"] == 2 * n_tokens * h * 2 + head_chunk(n_tokens, h)
     naive = estimate(dataclasses.replace(args, lean_logps=False))
     assert naive["logits_update"] == n_tokens * 151936 * (2 * (1 + LOGIT_GRAD_COPIES) + 8)
     assert e["logits_update"] < naive["logits_update"] / 20
@@ -435,7 +478,7 @@ def test_estimate_of_the_gemma3_configs_in_the_expected_ranges():
     # four hidden-wide norms per layer (Gemma normalizes the attention and MLP outputs too) and q/k norms per head
     assert text_shape(meta_model(args.student_model))["norm_inputs"] == 4 * h + q + kv
     n_tokens = args.micro_batch_size * (args.max_new_tokens + 1)  # head_logps: hidden states, one chunk of logits
-    assert e["logits_update"] == 2 * n_tokens * h * 2 + CHUNK_ELEMENTS * (4 + 2 * 2)
+    assert e["logits_update"] == 2 * n_tokens * h * 2 + head_chunk(n_tokens, h)
 
 
 @pytest.mark.slow
