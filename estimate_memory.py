@@ -1386,43 +1386,17 @@ def step_time(
     vision_in_backward: bool = False,
 ) -> dict:
     """Seconds of one step of the run `args` describes, on each of num_processes GPUs, at full length (every
-    prompt max_prompt_length tokens, every response max_new_tokens: generate() runs until a batch's last row
-    ends), and of the evaluation before training. An estimate from the models' configs and the GPU's figures,
-    on the paths a CUDA launch of these args runs (Paths; vision_in_backward: the update's old path):
-
-      rollout    generate() calls per process: prompts_per_step x num_generations / processes /
-                 generation_batch_size, each max_new_tokens decode steps plus a prefill over its prompts. A decode
-                 step's latency is the largest of: the bytes it reads (the weights once, unmerged adapters, the KV
-                 cache of every row, the sampler's rows) over the memory bandwidth, which bounds small-batch
-                 decoding; its FLOPs; eager, the host's launches (HOST_SECONDS_PER_LAYER per layer,
-                 HOST_SECONDS_PER_ADAPTER per unmerged adapter); compiled into CUDA graphs on a static cache, the
-                 kernels' own floor (GRAPH_SECONDS_PER_LAYER), plus the sampler's host time (SAMPLER_SECONDS); under
-                 FSDP2 the all-gather of the student's blocks (and an untied input embedding) over the GPU link (the
-                 config reshards after each forward). The prefill: its FLOPs, the unmerged adapters' float32 traffic,
-                 and the host's launches (the vision tower's window calls without --varlen_vision).
-      scoring    the teacher's forward over prompt + response: 2 x params x tokens plus attention and vision FLOPs
-                 (or a 4-bit teacher's dequantization traffic, if larger), plus the host's launches
-      update     the student's forward and backward (update_time): 2x for the forward, 4x for full fine-tuning's
-                 backward (input and weight gradients; 2x for LoRA, whose frozen weights get none), 2x more where
-                 gradient checkpointing recomputes the forward; the chunked LM head makes its logits again in the
-                 backward; the frozen vision tower's forward once; the adapters' float32 traffic; the host's launches
-      evaluation the teacher's, then the student's greedy generate() calls over num_eval_samples / processes rows
-    FLOPs run at COMPUTE_FRACTION of the bf16 peak, bytes at BANDWIDTH_FRACTION of the bandwidth. Attention counts
-    4 x query width x context FLOPs per token and layer (causal), the vision tower 2 x its params per patch. Beside
-    the step's parts: one generate() call (generate_call_seconds), one micro-batch's scoring and update
-    (scoring_micro_batch_seconds, update_micro_batch_seconds), what bench/gpu_smoke.py measures (phase_seconds)."""
+    prompt max_prompt_length tokens, every response max_new_tokens), and of the evaluation before training, on the
+    paths a CUDA launch of these args runs (vision_in_backward: the update's old path). An estimate from the models'
+    configs and the GPU's figures: rollout_time (generate() calls of generation_batch_size rows: decode steps bound
+    by memory, compute or the host, and a prefill), scoring_time, update_time and evaluation_time say how each part
+    is counted. FLOPs run at COMPUTE_FRACTION of the bf16 peak, bytes at BANDWIDTH_FRACTION of the bandwidth.
+    Beside the step's parts: one generate() call, one micro-batch's scoring and update (phase_seconds: what
+    bench/gpu_smoke.py measures)."""
     gpu = gpu or gpu_for(args)
     N = num_processes
-    P, R, G = args.max_prompt_length, args.max_new_tokens, args.num_generations
-    c = Roofline(
-        gpu=gpu,
-        N=N,
-        b=dtype_bytes(args.dtype),
-        P=P,
-        R=R,
-        rate=gpu.bf16_flops * COMPUTE_FRACTION,
-        bandwidth=gpu.bandwidth * BANDWIDTH_FRACTION,
-    )
+    R, G = args.max_new_tokens, args.num_generations
+    c = roofline(args, gpu, N)
     m = time_shapes(args)
     s, fs, sv, lora = m["s"], m["fs"], m["sv"], m["lora"]
     rows = args.prompts_per_step * G // N
@@ -1477,6 +1451,19 @@ def step_time(
         # the run: every step, the evaluation before training, and the student's after
         "run": args.max_steps * step + evaluation["eval_teacher"] + 2 * evaluation["eval_student"],
     }
+
+
+def roofline(args, gpu: GPU, num_processes: int) -> Roofline:
+    """The rates step_time() divides by: the GPU's peaks at the fractions a run reaches, at the args' lengths."""
+    return Roofline(
+        gpu=gpu,
+        N=num_processes,
+        b=dtype_bytes(args.dtype),
+        P=args.max_prompt_length,
+        R=args.max_new_tokens,
+        rate=gpu.bf16_flops * COMPUTE_FRACTION,
+        bandwidth=gpu.bandwidth * BANDWIDTH_FRACTION,
+    )
 
 
 def time_shapes(args) -> dict:

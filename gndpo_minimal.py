@@ -1715,6 +1715,7 @@ AT_LEAST_ONE = (
     "save_total_limit",
 )
 AT_LEAST_ZERO = (
+    "learning_rate",  # 0 measures gradients without moving the weights (tutorial 4)
     "cpu_threads",
     "min_new_tokens",
     "lora_r",
@@ -1730,7 +1731,7 @@ AT_LEAST_ZERO = (
     "lora_dropout",
     "seed",
 )
-ABOVE_ZERO = ("learning_rate", "max_grad_norm", "lora_alpha", "temperature", "power_alpha", "score_clip")
+ABOVE_ZERO = ("max_grad_norm", "lora_alpha", "temperature", "power_alpha", "score_clip")
 DATA_FILES = (".jsonl", ".json", ".csv", ".parquet")
 
 

@@ -304,7 +304,7 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
         (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
         (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
         (dict(temperature=0.0), 1, "--temperature must be > 0"),
-        (dict(learning_rate=-1e-3), 1, "^--learning_rate must be > 0, got -0.001$"),
+        (dict(learning_rate=-1e-3), 1, "^--learning_rate must be >= 0, got -0.001$"),
         (dict(max_new_tokens=0), 1, "--max_new_tokens must be at least 1"),
         (dict(clip_low=1.0), 1, r"--clip_low must be in \[0, 1\)"),
         (dict(lora_dropout=1.0), 1, r"--lora_dropout must be in \[0, 1\)"),
@@ -331,7 +331,7 @@ def test_a_name_that_may_be_a_hub_id_is_left_to_the_hub():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--learning_rate", "-1"], "--learning_rate must be > 0, got -1.0"),
+        (["--learning_rate", "-1"], "--learning_rate must be >= 0, got -1.0"),
         (["--dataset_name", "my_data/train.jsonl"], "--dataset_name 'my_data/train.jsonl': no such file or folder"),
     ],
 )

@@ -1,5 +1,5 @@
 """The script's shape as a minimal reference, by budgets rather than line numbers, counted on the file as `ruff format`
-leaves it (CI checks that every file is formatted): at most 2,450 lines, GNDPO (Args, the math, the step, main())
+leaves it (CI checks that every file is formatted): at most 2,550 lines, GNDPO (Args, the math, the step, main())
 before a PART II line at 670 or earlier, no function over 100 lines in the project, the
 optional modules importing nothing from the script, nothing outside tests/ leaning on tests/.
 Reads source text and the module's signatures; runs nothing."""
@@ -53,10 +53,10 @@ def formatted_lines(path: str = SCRIPT) -> list[str]:
     return out.stdout.splitlines()
 
 
-def test_the_formatted_script_is_at_most_2450_lines_with_part_two_by_line_670():
+def test_the_formatted_script_is_at_most_2550_lines_with_part_two_by_line_670():
     lines = formatted_lines()
     part_two = next(i for i, line in enumerate(lines, 1) if line.startswith("# PART II"))
-    assert len(lines) <= 2450, f"gndpo_minimal.py is {len(lines)} lines once formatted"
+    assert len(lines) <= 2550, f"gndpo_minimal.py is {len(lines)} lines once formatted"
     assert part_two <= 670, f"PART II starts at line {part_two} once formatted"
 
 

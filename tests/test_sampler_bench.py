@@ -44,7 +44,7 @@ def test_it_times_the_run_shapes(quick):
     assert shapes["default_world"]["V"] == student.text_config.vocab_size
     with open(os.path.join(ROOT, "recipes", "geometry3k_qwen2.5vl_3b.yaml")) as f:
         recipe = yaml.safe_load(f)
-    assert shapes["paper_shape"]["n"] == recipe["generation_batch_size"] == 16
+    assert shapes["paper_shape"]["n"] == recipe["generation_batch_size"] == 32
     assert shapes["paper_shape"]["V"] == 151_936
     # the ids the run suppresses are the vision tokens, at probability 0 in the timed rows
     assert shapes["paper_shape"]["suppressed_ids"] == list(range(151_652, 151_657))
