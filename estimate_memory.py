@@ -493,14 +493,12 @@ def teacher_bytes(args, teachers: list, teacher, teacher_params: int, b: int, N:
 
 def rollout_paths(args, device: str, sharded: bool, rows: int) -> dict[str, bool]:
     """Whether a launch's rollouts sample from merged adapters and decode on a static KV cache: the script's own
-    decisions (gndpo_minimal.static_cache_on, gndpo_fast.speedups_off: auto on CUDA, not for sharded weights, full
-    fine-tuning has no adapter to merge, the generation batch must divide the rows)."""
-    from gndpo_minimal import static_cache_on
-
+    decisions (gndpo_fast.speedups_off: auto on CUDA, not for sharded weights, full fine-tuning has no adapter to
+    merge, the generation batch must divide the rows)."""
     off = fast.speedups_off(args, device, sharded, rows)
     return {
         "merged": bool(args.lora_r) and speedup_on(args, "merged_sampling") and "merged_sampling" not in off,
-        "static": static_cache_on(args, device) and "static_cache" not in off,
+        "static": speedup_on(args, "static_cache") and "static_cache" not in off,
     }
 
 

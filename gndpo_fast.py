@@ -913,12 +913,12 @@ class MergedAdapters:
     def merged(self):
         """Within it the policy's base weights hold the adapters (W + scale * B @ A, rounded once to W's dtype) and
         its forward skips them; after it, the base weights are what they were."""
-        with torch.no_grad():
-            for layer in self.layers:
-                weight = layer.get_base_layer().weight
-                delta = sum(layer.get_delta_weight(name).float() for name in layer.active_adapters)
-                weight.copy_(weight.float().add_(delta))
-        try:
+        try:  # a merge that fails half-way (out of memory) restores the weights too
+            with torch.no_grad():
+                for layer in self.layers:
+                    weight = layer.get_base_layer().weight
+                    delta = sum(layer.get_delta_weight(name).float() for name in layer.active_adapters)
+                    weight.copy_(weight.float().add_(delta))
             with self.policy.disable_adapter():
                 yield
         finally:

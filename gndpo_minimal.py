@@ -1753,14 +1753,17 @@ def check_paths(args: Args) -> list[str]:
         "student_model": args.student_model,
     }
     named.update({f"teacher_model {name}": path for name, path in teacher_paths(args).items()})
-    hub = "; a Hub id is owner/name, a local path starts from the current directory"
-    return [
-        f"--{flag.split()[0]} {path!r}: no such {'folder' if folder else 'file or folder'} "
-        f"({os.path.abspath(os.path.expanduser(path))}){'' if folder else hub}"
-        for flag, path in named.items()
-        for folder in [flag.endswith("image_root")]
-        if missing_path(path) or (folder and path and not os.path.isdir(path))
-    ]
+    problems = []
+    for flag, path in named.items():
+        where = os.path.abspath(os.path.expanduser(path or ""))
+        if flag.endswith("image_root") and path and not os.path.isdir(path):
+            problems.append(f"--{flag} {path!r}: no such folder ({where})")
+        elif missing_path(path):
+            problems.append(
+                f"--{flag.split()[0]} {path!r}: no such file or folder ({where}); a Hub id is owner/name, a local "
+                "path starts from the current directory"
+            )
+    return problems
 
 
 def check_args(args: Args, num_processes: int) -> int:
@@ -2034,12 +2037,6 @@ def speedups_off(args: Args, accelerator) -> dict[str, str]:
     rows = args.prompts_per_step * args.num_generations // accelerator.num_processes
     sharded = weights_are_sharded(accelerator)
     return fast.speedups_off(args, accelerator.device.type, sharded, rows) if fast else {}
-
-
-def static_cache_on(args: Args, device_type: str) -> bool:
-    """Whether rollouts decode on a static KV cache on this device (before the launch-specific reasons)."""
-    value = str(args.static_cache).lower()
-    return speedup_on(args, "static_cache") and (value == "true" or device_type == "cuda")
 
 
 def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):

@@ -250,9 +250,8 @@ def test_which_rollout_speed_ups_a_launch_runs_and_why_not():
         "varlen_vision": fast.OFF_AUTO["varlen_vision"][1],
     }
     assert g.speedups_off(args, launch("cuda")) == {"share_prompt_prefix": fast.OFF_AUTO["share_prompt_prefix"][1]}
-    assert g.static_cache_on(args, "cuda") and not g.static_cache_on(args, "cpu")
     forced = dataclasses.replace(args, static_cache="true", varlen_vision="true", share_prompt_prefix="true")
-    assert g.speedups_off(forced, launch("cpu")) == {} and g.static_cache_on(forced, "cpu")
+    assert g.speedups_off(forced, launch("cpu")) == {}  # true runs them on a CPU too
     sharded = g.speedups_off(args, launch("cuda", "FSDP", 2))
     assert "sharded" in sharded["merged_sampling"] and "sharded" in sharded["static_cache"]
     assert "no adapter" in g.speedups_off(dataclasses.replace(args, lora_r=0), launch("cuda"))["merged_sampling"]
