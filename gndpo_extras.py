@@ -1,10 +1,11 @@
 """Options beyond the paper, and one diagnostic, for gndpo_minimal.py: an optional module beside it.
 
 Beyond the paper (arXiv 2606.09091), each off by default and asked for by its flag (without this module, start-up
-stops naming it):
+stops naming it), plugged into the script's step by BeyondThePaper:
   --score_std_floor f: a step whose scores spread less than f is only centered, not scaled to unit spread (noise,
                        as when the student is its own teacher, would otherwise be amplified into signal);
   --reward_weight w:   w * GRPO's group-normalized task reward (1 right, 0 wrong) added to every token's advantage.
+The ablation advantage modes (sequence, group, center, scale, constant), registered in the script's ADVANTAGES.
 The diagnostic, used whenever this module imports: update_size, how far each optimizer update moved the weights
 (the metrics line's update_norm; NaN without this module).
 
@@ -49,44 +50,113 @@ def group_reward_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps:
     return torch.where(has, (r - mean) / (std + eps), torch.zeros_like(r)).float()
 
 
-def beyond_the_paper(batch, args, whiten: Callable, rewards_of: Callable, log=print) -> None:
-    """The options above on a scored batch (the script's ScoredBatch), in place. whiten(scores, mask, mode,
-    group_ids, nonfinite, log) is the script's whiten_or_skip; rewards_of() gives (n,) each response's graded reward
-    (1, 0, or NaN without a reference answer). The reward is added after the distillation advantages were
-    normalized, so GNDPO's part keeps its unit spread."""
-    mask = batch.response_mask
-    if args.score_std_floor > 0 and args.advantage_mode == "global":
-        batch.std_floored = score_std(batch.scores, mask) < args.score_std_floor
-    if batch.std_floored:
-        batch.advantages = whiten(batch.scores, mask, "center", batch.group_ids, batch.nonfinite_tokens, log)
-    if args.reward_weight:
-        batch.rewards = rewards_of()  # (n,)
-        batch.reward_advantages = group_reward_advantages(batch.rewards, batch.group_ids.cpu()).to(mask.device)
-        batch.advantages = batch.advantages + args.reward_weight * batch.reward_advantages[:, None] * mask
+ABLATIONS = ("sequence", "group", "center", "scale", "constant")
 
 
-def reward_sums(batch) -> dict:
-    """This process's sums behind the reward metrics: the rewards and the responses that have one, the prompts
-    (groups) and those whose rewards differ within the group (something to learn from), the responses without a
-    reference answer. A prompt's G samples are on one process."""
-    has = torch.isfinite(batch.rewards)
-    moving = batch.group_ids[batch.reward_advantages.to(batch.group_ids.device) != 0].unique()
+def ablation_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    whiten: Callable,
+    global_sums: Callable,
+    group_ids: torch.Tensor | None = None,
+    constant: float = -1.0,
+    eps: float = 1e-8,
+    all_reduce: bool = True,
+) -> torch.Tensor:
+    """Advantage modes beyond the paper's, from raw scores (B, T) and the mask (B, T): (B, T), 0 off the mask.
+
+    sequence: whitened within each row;  group: over the rows sharing group_ids (B,) (a prompt's G samples);
+    center:   s - mu over the global batch (no scaling);  scale: s / std over the global batch (no centering);
+    constant: A = constant * m on every valid token, no teacher signal (a critic's control).
+    whiten(scores, mask, count, total, total_sq, eps, center, scale) and global_sums(scores, mask, all_reduce) are the
+    script's: the same float64 statistics as its global mode. Raises ValueError with fewer than 2 valid tokens."""
+    mask = response_mask.to(torch.float64)
+    s = scores.double() * mask
+    if mode == "constant":
+        return torch.full_like(scores, constant) * response_mask.to(scores.dtype)
+    if mode in ("center", "scale"):
+        stats = global_sums(scores, mask, all_reduce)  # (3,)
+        count = stats[0]
+    elif mode == "sequence":
+        stats = [x.sum(1, keepdim=True) for x in (mask, s, s * s)]  # 3 x (B, 1)
+        count = mask.sum()
+    elif mode == "group":
+        if group_ids is None:
+            raise ValueError("group normalization needs group_ids (B,): the prompt index of each response")
+        _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
+        zeros = torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=s.device)
+        stats = [zeros.index_add(0, inv, x.sum(1))[inv][:, None] for x in (mask, s, s * s)]  # 3 x (B, 1)
+        count = mask.sum()
+    else:
+        raise ValueError(f"unknown advantage mode {mode!r}: the ablations are {ABLATIONS}")
+    if count < 2:
+        raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(count)}")
+    return whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
+
+
+def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
+    """The script's ADVANTAGES entries for the ablations: (scores, mask, group_ids, extra, args) -> advantages."""
     return {
-        "reward_sum": float(batch.rewards[has].sum()),
-        "rewarded": float(has.sum()),
-        "groups": float(batch.group_ids.unique().numel()),
-        "groups_moving": float(moving.numel()),
-        "no_answer": float((~has).sum()),
+        mode: lambda s, m, g, extra, args, mode=mode: ablation_advantages(
+            s, m, mode, whiten, global_sums, g, args.constant_advantage
+        )
+        for mode in ABLATIONS
     }
 
 
-def reward_metrics(r: dict) -> dict:
-    """The metrics line's reward keys from reward_sums reduced over processes."""
-    return {
-        "reward_mean": r["reward_sum"] / max(r["rewarded"], 1.0),
-        "reward_groups_nonzero": r["groups_moving"] / max(r["groups"], 1.0),
-        "reward_no_answer": int(r["no_answer"]),
-    }
+class BeyondThePaper:
+    """The plug-in behind --score_std_floor and --reward_weight (the script's Models.plugins): after scoring, the
+    batch in place; then its metrics. grade(rollouts, answers) gives (n,) each response's graded reward (1, 0, or
+    NaN without a reference answer); whiten and global_sums are the script's (ablation_advantages)."""
+
+    def __init__(self, args, grade: Callable, whiten: Callable, global_sums: Callable):
+        self.args, self.grade, self.whiten, self.global_sums = args, grade, whiten, global_sums
+
+    def on_batch(self, batch, prompts, log=print) -> None:
+        """--score_std_floor: a step whose scores spread less than the floor is centered only (batch.extra
+        "std_floored", counted in counters "std_floored_steps"); --reward_weight: w * the group-normalized reward
+        added after the distillation advantages were normalized, so GNDPO's part keeps its unit spread."""
+        args, mask, extra = self.args, batch.response_mask, batch.extra
+        if args.score_std_floor > 0 and args.advantage_mode == "global":
+            extra["std_floored"] = score_std(batch.scores, mask) < args.score_std_floor
+            extra.setdefault("counters", {})["std_floored_steps"] = int(extra["std_floored"])
+            if extra["std_floored"] and torch.isfinite(batch.advantages).all():
+                center = ablation_advantages(batch.scores, mask, "center", self.whiten, self.global_sums)
+                batch.advantages = center
+        if args.reward_weight:
+            extra["rewards"] = rewards = self.grade(batch.rollouts, prompts.answers)  # (n,)
+            extra["reward_advantages"] = group_reward_advantages(rewards, batch.group_ids.cpu()).to(mask.device)
+            batch.advantages = batch.advantages + args.reward_weight * extra["reward_advantages"][:, None] * mask
+
+    def metric_sums(self, batch) -> dict:
+        """This process's sums behind the reward metrics: the rewards and the responses that have one, the prompts
+        (groups) and those whose rewards differ within the group (something to learn from), the responses without a
+        reference answer. A prompt's G samples are on one process."""
+        if "rewards" not in batch.extra:
+            return {}
+        rewards, reward_advantages = batch.extra["rewards"], batch.extra["reward_advantages"]
+        has = torch.isfinite(rewards)
+        moving = batch.group_ids[reward_advantages.to(batch.group_ids.device) != 0].unique()
+        return {
+            "reward_sum": float(rewards[has].sum()),
+            "rewarded": float(has.sum()),
+            "groups": float(batch.group_ids.unique().numel()),
+            "groups_moving": float(moving.numel()),
+            "no_answer": float((~has).sum()),
+        }
+
+    def metrics(self, r: dict, batch) -> dict:
+        """The metrics line's keys from metric_sums reduced over processes (r), and score_std_floored: 1 when this
+        step's scores were centered only."""
+        out = {"score_std_floored": int(batch.extra["std_floored"])} if "std_floored" in batch.extra else {}
+        if "reward_sum" in r:
+            out.update(
+                reward_mean=r["reward_sum"] / max(r["rewarded"], 1.0),
+                reward_groups_nonzero=r["groups_moving"] / max(r["groups"], 1.0),
+                reward_no_answer=int(r["no_answer"]),
+            )
+        return out
 
 
 UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import importlib
 import io
 import json
 import math
@@ -46,6 +45,10 @@ try:  # the options beyond the paper (asked for by their flags) and the update-s
     import gndpo_extras as extras
 except ImportError:
     extras = None
+try:  # several teachers and the sharded teacher (asked for by their flags)
+    import gndpo_teachers as several
+except ImportError:
+    several = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -166,7 +169,7 @@ import math  # noqa: E402, F811  (repeated so that the section stands alone)
 import torch  # noqa: E402, F811
 import torch.distributed as dist  # noqa: E402, F811
 
-ADVANTAGE_MODES = ("none", "global", "sequence", "group", "center", "scale", "per_teacher", "constant")
+ADVANTAGE_MODES = ("global", "none")  # GNDPO and OPD; the optional modules add ablations (ADVANTAGES)
 LOSS_TYPES = ("gspo", "ppo")
 
 
@@ -210,15 +213,7 @@ def _whiten(
 
 
 def normalize_scores(
-    scores: torch.Tensor,
-    response_mask: torch.Tensor,
-    mode: str = "global",
-    group_ids: torch.Tensor | None = None,
-    eps: float = 1e-8,
-    all_reduce: bool = True,
-    teacher_ids: torch.Tensor | None = None,
-    num_teachers: int = 0,
-    constant: float = -1.0,
+    scores: torch.Tensor, response_mask: torch.Tensor, mode: str = "global", eps: float = 1e-8, all_reduce: bool = True
 ) -> torch.Tensor:
     """Advantages from raw scores (B, T) and the response mask (B, T); returns (B, T), 0 off the mask.
 
@@ -226,56 +221,20 @@ def normalize_scores(
     global: A = (s - mu) / sqrt(var + eps) * m, mu and the unbiased var over EVERY valid token of the global batch
             (GNDPO): the float64 sums are all-reduced in one call, so every process whitens with the whole batch's
             statistics however unevenly its tokens are spread (all_reduce=False: the batch is already global).
-    Ablations beyond the paper: sequence (within each row), group (over rows sharing group_ids (B,): a prompt's G
-    samples), center (s - mu only), scale (s / std only), per_teacher (each teacher's tokens with that teacher's
-    global statistics; teacher_ids (B,) in 0..num_teachers-1, the same num_teachers on every process), constant
-    (A = constant * m: the same advantage on every valid token, no teacher signal; a critic's control).
-    Raises ValueError with fewer than 2 valid tokens (of the batch, or of a teacher that has any).
+    Raises ValueError with fewer than 2 valid tokens in the batch. The ablations are in the optional modules.
     """
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
+    if mode == "none":
+        return scores * response_mask.to(scores.dtype)
     mask = response_mask.to(torch.float64)
-    s = scores.double() * mask
-    if mode in ("none", "constant"):
-        return (scores if mode == "none" else torch.full_like(scores, constant)) * response_mask.to(scores.dtype)
-    if mode in ("global", "center", "scale"):
-        stats = _global_sums(scores, mask, all_reduce)  # (3,)
-        if stats[0] < 2:
-            raise ValueError(
-                f"{mode} normalization needs at least 2 valid response tokens in the batch, got "
-                f"{int(stats[0])}: raise max_new_tokens or prompts_per_step, or check that responses "
-                f"are not empty"
-            )
-        return _whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
-    if mode == "per_teacher":
-        if teacher_ids is None or num_teachers < 1:
-            raise ValueError("per_teacher normalization needs teacher_ids (B,) and num_teachers: each row's teacher")
-        ids = teacher_ids.to(s.device)
-        zeros = torch.zeros(num_teachers, dtype=torch.float64, device=s.device)
-        sums = torch.stack([zeros.index_add(0, ids, x.sum(1)) for x in (mask, s, s * s)])  # (3, K) by teacher
-        if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums)
-        if ((sums[0] > 0) & (sums[0] < 2)).any() or sums[0].sum() < 2:
-            raise ValueError(
-                f"per_teacher normalization needs at least 2 valid response tokens of every teacher "
-                f"that has any, got {sums[0].long().tolist()} by teacher: raise max_new_tokens or "
-                f"prompts_per_step"
-            )
-        return _whiten(scores, mask, *(x[ids][:, None] for x in sums), eps)
-    if int(mask.sum()) < 2:
-        raise ValueError(f"{mode} normalization needs at least 2 valid response tokens, got {int(mask.sum())}")
-    if mode == "sequence":
-        return _whiten(
-            scores, mask, mask.sum(1, keepdim=True), s.sum(1, keepdim=True), (s * s).sum(1, keepdim=True), eps
+    stats = _global_sums(scores, mask, all_reduce)  # (3,)
+    if stats[0] < 2:
+        raise ValueError(
+            f"{mode} normalization needs at least 2 valid response tokens in the batch, got {int(stats[0])}: raise "
+            f"max_new_tokens or prompts_per_step, or check that responses are not empty"
         )
-    if mode == "group":
-        if group_ids is None:
-            raise ValueError("group normalization needs group_ids (B,): the prompt index of each response")
-        _, inv = torch.unique(group_ids, return_inverse=True)  # (B,) in 0..n_groups-1
-        sums = [
-            torch.zeros(int(inv.max()) + 1, dtype=torch.float64, device=s.device).index_add_(0, inv, x.sum(1))
-            for x in (mask, s, s * s)
-        ]  # 3 x (n_groups,)
-        return _whiten(scores, mask, *(x[inv][:, None] for x in sums), eps)
-    raise ValueError(f"unknown advantage mode {mode!r}: use one of {ADVANTAGE_MODES}")
+    return _whiten(scores, mask, *stats, eps)
 
 
 def policy_loss(
@@ -352,11 +311,7 @@ class ScoredBatch:
     advantages: torch.Tensor  # (n, R) normalize_scores; NaN when too few tokens were left to normalize
     nonfinite_tokens: int  # response tokens dropped for a non-finite log-prob
     seconds: dict = field(default_factory=dict)  # time spent: generate, score
-    # beyond the paper (gndpo_extras), None when off: centered only (--score_std_floor); (n,) the reward, its advantage
-    std_floored: bool | None = None
-    rewards: torch.Tensor | None = None
-    reward_advantages: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)  # several teachers: teacher_ids (n,), teacher_names
+    extra: dict = field(default_factory=dict)  # what the plug-ins attach (several teachers' ids, the task reward)
 
     def micro_batches(self) -> list[tuple[Rollout, torch.Tensor, torch.Tensor]]:
         """(rollout, its advantages, its response mask) per micro-batch, cut to its own R."""
@@ -366,6 +321,11 @@ class ScoredBatch:
             out.append((r, self.advantages[start : start + n, :R], self.response_mask[start : start + n, :R]))
             start += n
         return out
+
+
+def plugin_hooks(plugins: list, name: str) -> list[Callable]:
+    """The plug-ins' hooks of this name, in order."""
+    return [getattr(p, name) for p in plugins if hasattr(p, name)]
 
 
 @dataclass
@@ -381,6 +341,13 @@ class Models:
     student_forward: Callable | None = None
     sampling: object = None  # PART II's Sampling: how sample_rollouts draws; only generate_and_score needs it
     update_size: Callable | None = None  # (optimizer, accelerator) -> the update's size, a diagnostic; None: NaN
+    # the optional modules' plug-ins; each may define route(prompts, rollouts) -> rollouts, batch_extra(rollouts) ->
+    # dict, on_batch(batch, prompts, log), metric_sums(batch) -> dict, metrics(r, batch) -> dict, evaluate(one, model,
+    # rows) -> dict
+    plugins: list = field(default_factory=list)
+
+    def hooks(self, name: str) -> list[Callable]:
+        return plugin_hooks(self.plugins, name)
 
     def teacher_logps_of(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
@@ -437,10 +404,8 @@ def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=pri
     t_generate = time.time() - t0
     batch = score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args, log)
     t0 = time.time()
-    if args.score_std_floor > 0 or args.reward_weight:  # BEYOND THE PAPER (gndpo_extras), each off by default
-        optional("gndpo_extras", "--score_std_floor and --reward_weight").beyond_the_paper(
-            batch, args, whiten_or_skip, lambda: task_rewards(models.processor, rollouts, prompts.answers), log
-        )
+    for on_batch in models.hooks("on_batch"):  # BEYOND THE PAPER (gndpo_extras), each off by default
+        on_batch(batch, prompts, log)
     batch.seconds.update(generate=t_generate, score=batch.seconds["score"] + time.time() - t0)
     return batch
 
@@ -465,15 +430,8 @@ def score_rollouts(
     # ALGO: the clamped log-ratio (SCORES[args.score_type]), whitened over every valid token of the global batch
     scores = SCORES[args.score_type](teacher_logps, student_logps, mask, args)
     group_ids = torch.as_tensor(group_ids, device=mask.device)
-    extra = {}
-    if isinstance(models.teacher, dict):  # several teachers (gndpo_teachers): each row's, for per_teacher
-        extra = {
-            "teacher_names": list(models.teacher),
-            "teacher_ids": torch.cat([r.extra["teacher_ids"] for r in rollouts]).to(mask.device),
-        }  # (n,)
-    advantages = whiten_or_skip(
-        scores, mask, args.advantage_mode, group_ids, nonfinite, log, constant=args.constant_advantage, **extra
-    )
+    extra = {k: v for batch_extra in models.hooks("batch_extra") for k, v in batch_extra(rollouts).items()}
+    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log, extra, args)
     return ScoredBatch(
         rollouts,
         group_ids,
@@ -495,22 +453,14 @@ def whiten_or_skip(
     group_ids: torch.Tensor,
     nonfinite: int,
     log=print,
-    teacher_ids: torch.Tensor | None = None,
-    teacher_names: list | None = None,
-    constant: float = -1.0,
+    extra: dict | None = None,
+    args: Args | None = None,
 ):
-    """normalize_scores, or (n, R) NaN advantages with a log line when too few valid tokens are left: they make the
-    loss and, through the gradient all-reduce, every process's gradient non-finite, so all processes skip together."""
+    """ADVANTAGES[mode] (normalize_scores for global and none), or (n, R) NaN advantages with a log line when too few
+    valid tokens are left: they make the loss and, through the gradient all-reduce, every process's gradient
+    non-finite, so all processes skip together. extra: the batch's (ScoredBatch.extra), for the plug-ins' modes."""
     try:
-        return normalize_scores(
-            scores,
-            mask,
-            mode,
-            group_ids,
-            teacher_ids=teacher_ids,
-            num_teachers=len(teacher_names or ()),
-            constant=constant,
-        )
+        return ADVANTAGES[mode](scores, mask, group_ids, extra or {}, args)
     except ValueError as e:
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
         return torch.full_like(scores, float("nan"))
@@ -585,8 +535,8 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
             teacher_format_rate=t["format_rate"],
             student_accuracy_before=s["accuracy"],
             student_format_rate_before=s["format_rate"],
-            **per_teacher(t, "teacher_accuracy"),
-            **per_teacher(s, "student_accuracy_before"),
+            **by_part(t, "teacher_accuracy"),
+            **by_part(s, "student_accuracy_before"),
         )
         log(
             f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
@@ -625,15 +575,12 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
             step + 1,
             time.time() - t_step,
             args.score_clip if args.score_type == "log_ratio" else None,
+            models.plugins,
         )
         count_skips(run, batch, update, metrics)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and run.eval_rows:
             e = run.evaluate(run.policy, step + 1)
-            metrics.update(
-                eval_accuracy=e["accuracy"],
-                eval_format_rate=e["format_rate"],
-                **{f"teacher/{k}/eval_accuracy": v for k, v in e.get("accuracy_per_teacher", {}).items()},
-            )
+            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"], **e.get("metrics", {}))
             bar["acc"] = f"{e['accuracy']:.3f}"
         log_step(run, metrics, progress, bar)
         stop_if_stuck(args, run.counters, step + 1)
@@ -656,7 +603,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
         summary.update(
             student_accuracy_after=e["accuracy"],
             student_format_rate_after=e["format_rate"],
-            **per_teacher(e, "student_accuracy_after"),
+            **by_part(e, "student_accuracy_after"),
         )
     finish_run(run)
     return summary
@@ -725,15 +672,9 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
             generated = generate_rollouts(models, prompts, args, generator, False)
     row_prompts = sharing is None or not sharing.all_shared()  # while some forward may read a row's prompt whole
     parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
-    return route_to_teachers(models, prompts, parts, args) if prompts.teachers else parts
-
-
-def route_to_teachers(models: Models, prompts: StepPrompts, rollouts: list[Rollout], args: Args) -> list[Rollout]:
-    """Several teachers: each micro-batch's rows by teacher, a mixed one's prompts encoded again (gndpo_teachers)."""
-    encode = lambda part, rows, *flags: encode_rollout_prompts(  # rows: positions in the step's rows
-        models.processor, part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], args, *flags
-    )
-    return several_teachers().route_to_teachers(rollouts, prompts.teachers, list(models.teacher), encode)
+    for route in models.hooks("route"):  # several teachers: each micro-batch's rows by teacher
+        parts = route(prompts, parts)
+    return parts
 
 
 def generate_rollouts(
@@ -975,6 +916,11 @@ SCORES = {
     "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha),
 }  # PowerOPD's bounded score
 
+# --advantage_mode: (scores, mask, group_ids (n,), extra: the batch's, args) -> (n, R), read once by score_rollouts
+ADVANTAGES = {mode: lambda s, m, g, extra, args, mode=mode: normalize_scores(s, m, mode) for mode in ADVANTAGE_MODES}
+for module in filter(None, (extras, several)):  # the ablations (gndpo_extras) and per_teacher (gndpo_teachers)
+    ADVANTAGES.update(module.advantage_modes(_whiten, _global_sums))
+
 # --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
 
 
@@ -1046,25 +992,21 @@ def load_student(args: Args, dtype: torch.dtype):
     return model
 
 
-def optional(module: str, flags: str):
-    """An optional module beside this file, which `flags` ask for; start-up stops naming it when it is absent."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ValueError(
-            f"{flags} need the optional module {module}.py beside gndpo_minimal.py: copy it there, or run without them"
-        ) from e
-
-
-def several_teachers():
-    """gndpo_teachers, behind several teachers and the sharded teacher."""
-    return optional("gndpo_teachers", "several teachers (--teacher_model name=path,...) and --shard_teacher")
+def needs(module, name: str, flags: str):
+    """An optional module (imported at the top, None where absent) that `flags` ask for; stops naming it if absent."""
+    if module is None:
+        raise UsageError(
+            f"{flags} need the optional module {name}.py beside gndpo_minimal.py: copy it there, or run without them"
+        )
+    return module
 
 
 def teacher_paths(args: Args) -> dict[str, str]:
     """--teacher_model as {name: path}: one path, named 'teacher', or several teachers' name=path pairs."""
     value = args.teacher_model
-    return several_teachers().teacher_paths(value) if "=" in value else {"teacher": value}
+    if "=" not in value:
+        return {"teacher": value}
+    return needs(several, "gndpo_teachers", "several teachers (--teacher_model name=path,...)").teacher_paths(value)
 
 
 def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str | None = None):
@@ -1327,7 +1269,7 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
                 f"{ds.column_names}: pass {flag_prefix}{flag} with one of them"
             )
     if len(names := list(teacher_paths(args))) > 1:  # several teachers: every row names its own
-        several_teachers().check_teacher_column(ds, args.teacher_column, names, split)
+        several.check_teacher_column(ds, args.teacher_column, names, split)
         columns["teacher_column"] = args.teacher_column
     return columns
 
@@ -1574,9 +1516,9 @@ def evaluate(
     }
 
 
-def per_teacher(result: dict, key: str) -> dict:
-    """{key_per_teacher: accuracy by teacher} from a result of several teachers' rows; {} otherwise."""
-    return {f"{key}_per_teacher": result["accuracy_per_teacher"]} if "accuracy_per_teacher" in result else {}
+def by_part(result: dict, key: str) -> dict:
+    """An evaluation's accuracies by part (a plug-in's, e.g. accuracy_per_teacher) under `key`: summary.json's."""
+    return {key + k.removeprefix("accuracy"): v for k, v in result.items() if k.startswith("accuracy_")}
 
 
 # --- Checkpoints: atomic saves, resume, one run per output_dir
@@ -1792,7 +1734,7 @@ def check_args(args: Args, num_processes: int) -> int:
     if problems:  # the checks below divide by these
         raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
     for flag, choices in (
-        ("advantage_mode", ADVANTAGE_MODES),
+        ("advantage_mode", tuple(ADVANTAGES)),
         ("loss_type", LOSS_TYPES),
         ("score_type", tuple(SCORES)),
         ("optimizer", ("adamw", "sgd")),
@@ -1805,14 +1747,14 @@ def check_args(args: Args, num_processes: int) -> int:
             str(value(flag)).lower() not in ("auto", "true", "false"),
             f"--{flag} {value(flag)!r} is not one of auto, true, false",
         )
-    several = len(teacher_paths(args)) > 1
+    many = len(teacher_paths(args)) > 1
     problem(
-        args.advantage_mode == "per_teacher" and not several,
+        args.advantage_mode == "per_teacher" and not many,
         "--advantage_mode per_teacher whitens each "
         "teacher's tokens on their own: it needs several teachers (--teacher_model name=path,name=path)",
     )
     problem(
-        args.shard_teacher and (several or args.teacher_4bit),
+        args.shard_teacher and (many or args.teacher_4bit),
         "--shard_teacher shards one 16-bit or float32 "
         "teacher with FSDP2, which cannot shard bitsandbytes' 4-bit weights: pass --teacher_4bit false and a "
         "single --teacher_model",
@@ -1845,7 +1787,9 @@ def check_args(args: Args, num_processes: int) -> int:
     for flag in SPEEDUPS:
         speedup_on(args, flag)  # an explicit true without gndpo_fast stops here
     if args.score_std_floor > 0 or args.reward_weight:
-        optional("gndpo_extras", "--score_std_floor and --reward_weight")
+        needs(extras, "gndpo_extras", "--score_std_floor and --reward_weight")
+    if args.shard_teacher:
+        needs(several, "gndpo_teachers", "--shard_teacher")
     return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
 
 
@@ -1918,7 +1862,7 @@ def make_accelerator(args: Args):
 
 
 def load_models(args: Args, accelerator, log=print) -> tuple:
-    """(processor, student, frozen teacher or {name: teacher}), each teacher checked to read the student's inputs."""
+    """(processor, student, {name: frozen teacher}), each teacher checked to read the student's inputs."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
@@ -1939,7 +1883,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
     if args.shard_teacher and accelerator.num_processes > 1:
-        sharded = several_teachers().shard_frozen(
+        sharded = several.shard_frozen(
             next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes
         )
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
@@ -1952,7 +1896,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
         f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
         f"micro-batch(es) of {args.micro_batch_size} per step"
     )
-    return processor, student, teachers if len(teachers) > 1 else next(iter(teachers.values()))
+    return processor, student, teachers
 
 
 def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
@@ -2064,8 +2008,9 @@ def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, t
     return sharing
 
 
-def make_models(args: Args, accelerator, processor, student, teacher, log=print, teacher_forward=None) -> Models:
-    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling."""
+def make_models(args: Args, accelerator, processor, student, teachers: dict, log=print, teacher_forward=None) -> Models:
+    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, the
+    plug-ins. teachers: {name: model} (load_models'); several go to gndpo_teachers' plug-in."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
@@ -2096,31 +2041,37 @@ def make_models(args: Args, accelerator, processor, student, teacher, log=print,
         except ValueError as e:  # DoRA, a layer of another kind: sampling reads the adapters
             off["merged_sampling"] = str(e)
     sampling = Sampling(sample_config, draw, accelerator.device, synced_gpus, sharing, precision, weights)
-    for model in (student, *(teacher.values() if isinstance(teacher, dict) else [teacher])):
+    for model in (student, *teachers.values()):
         if runs("varlen_vision") and not fast.varlen_vision(model):  # a family without windowed vision attention
             off["varlen_vision"] = f"not for {type(unwrap(model)).__name__}'s vision attention, or no kernel here"
     log(startup_line(args, accelerator, student, off))
-    first_teacher = next(iter(teacher.values())) if isinstance(teacher, dict) else teacher
+    teacher = next(iter(teachers.values()))
     log(
         "log-probs: "
         + ", ".join(
             f"{role} {fast.head_path(m) if lean else 'full logits'}"
-            for role, m in (("student", student), ("teacher", first_teacher))
+            for role, m in (("student", student), ("teacher", teacher))
         )
     )
-    teacher_forward = teacher_forward or (sharing.forward("teacher") if sharing else plain)
-    if isinstance(teacher, dict):  # several teachers: each row scored by its own
-        teacher_forward = several_teachers().routed_forward(teacher_forward)
-    return Models(
+    models = Models(
         student,
         teacher,
         processor,
         ignore_ids,
-        teacher_forward,
+        teacher_forward or (sharing.forward("teacher") if sharing else plain),
         sharing.forward("student") if sharing else plain,
         sampling,
         extras and extras.update_size,
     )
+    if len(teachers) > 1:  # several teachers (gndpo_teachers): each row routed to its own, scored by it alone
+        encode = lambda part, *rest: encode_rollout_prompts(processor, part, *rest[:2], args, *rest[2:])  # noqa: E731
+        plugin = several.SeveralTeachers(teachers, encode, spread)
+        models.teacher, models.teacher_forward = teachers, plugin.forward(models.teacher_forward)
+        models.plugins.append(plugin)
+    if args.score_std_floor > 0 or args.reward_weight:  # beyond the paper (gndpo_extras)
+        grade = lambda rollouts, answers: task_rewards(processor, rollouts, answers)  # noqa: E731
+        models.plugins.append(extras.BeyondThePaper(args, grade, _whiten, _global_sums))
+    return models
 
 
 @dataclass
@@ -2157,9 +2108,8 @@ class Run:
             else models.sampling.synced_gpus
         )  # sharded weights: every process steps generate() alike
         one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config, synced_gpus=synced)
-        several = isinstance(models.teacher, dict)
-        each = model if isinstance(model, dict) else dict.fromkeys(models.teacher, model) if several else None
-        result = several_teachers().evaluate_each(one, each, self.eval_rows) if several else one(model, self.eval_rows)
+        each = models.hooks("evaluate")  # several teachers: each row with its own teacher
+        result = each[0](one, model, self.eval_rows) if each else one(model, self.eval_rows)
         name = "teacher" if model is models.teacher else "student"
         if self.accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "eval_rows.jsonl"), "a") as f:
@@ -2168,7 +2118,7 @@ class Run:
                         {
                             "step": step,
                             "row": r[0],
-                            "model": r[3] if name == "teacher" and several else name,
+                            "model": r[3] if name == "teacher" and len(r) > 3 else name,
                             "answer": r[1],
                             "correct": r[2],
                         }
@@ -2296,10 +2246,18 @@ class UpdateStats:
 
 
 def step_metrics(
-    accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float, score_clip: float | None = 5.0
+    accelerator,
+    batch: ScoredBatch,
+    update: dict,
+    step: int,
+    step_time: float,
+    score_clip: float | None = 5.0,
+    plugins: list = (),
 ) -> dict:
     """One step's metrics over the global batch, every valid token weighing alike (loss: the sum of the processes'
-    shares; grad_norm, lr: the same everywhere). score_clamped_frac: tokens at the clamp (none with score_clip None)."""
+    shares; grad_norm, lr: the same everywhere). score_clamped_frac: tokens at the clamp (none with score_clip None).
+    plugins: Models.plugins, whose metric_sums and metrics add their keys."""
+    hooks = lambda name: plugin_hooks(plugins, name)  # noqa: E731
     mask = batch.response_mask.bool()
     student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
     scores, advantages = batch.scores[mask], batch.advantages[mask]
@@ -2322,8 +2280,7 @@ def step_metrics(
             "ratio_sum": update["ratio_mean"] * update["tokens"],
             "mismatch_tokens": update["mismatch_tokens"],
             "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
-            **(extras.reward_sums(batch) if batch.rewards is not None else {}),
-            **(several_teachers().teacher_sums(batch) if batch.extra.get("teacher_names") else {}),
+            **{k: v for metric_sums in hooks("metric_sums") for k, v in metric_sums(batch).items()},
         },
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
         highs={
@@ -2359,12 +2316,8 @@ def step_metrics(
         "time_update": r["time_update"],
         "tokens_per_second": r["tokens"] / step_time,
     }
-    if batch.std_floored is not None:  # --score_std_floor: 1 when this step's scores were centered only
-        metrics["score_std_floored"] = int(batch.std_floored)
-    if batch.extra.get("teacher_names"):  # several teachers: the same statistics over each teacher's tokens
-        metrics.update(several_teachers().teacher_metrics(r, batch.extra["teacher_names"], spread))
-    if batch.rewards is not None:  # --reward_weight (gndpo_extras)
-        metrics.update(extras.reward_metrics(r))
+    for more in hooks("metrics"):  # the plug-ins': each teacher's statistics, the task reward
+        metrics.update(more(r, batch))
     return metrics
 
 
@@ -2432,8 +2385,8 @@ def count_skips(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> No
     counters = run.counters
     counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
     counters["skipped_steps"] += bool(update["skipped_updates"])
-    if batch.std_floored is not None:
-        counters["std_floored_steps"] = counters.get("std_floored_steps", 0) + int(batch.std_floored)
+    for key, n in batch.extra.get("counters", {}).items():  # the plug-ins' (std_floored_steps)
+        counters[key] = counters.get(key, 0) + n
     metrics["skipped_steps"] = counters["skipped_steps"]
     run.mismatch.see(metrics["step"], metrics["logp_mismatch"])
 
@@ -2460,8 +2413,7 @@ def finish_run(run: Run) -> None:
         train_rows=len(run.train_keep),
         eval_rows=len(run.eval_rows),
         skipped_train_rows=run.train_skipped,
-        skipped_steps=run.counters["skipped_steps"],
-        **{k: v for k, v in run.counters.items() if k == "std_floored_steps"},
+        **{k: v for k, v in run.counters.items() if k.endswith("_steps")},  # skipped, std-floored (a plug-in's)
         share_prompt_prefix=run.models.sampling.sharing_summary(),
         torch_threads=torch.get_num_threads(),
     )
@@ -2473,11 +2425,12 @@ def finish_run(run: Run) -> None:
                 f"  student           {summary['student_accuracy_before']:.3f}   "
                 f"{summary['student_accuracy_after']:.3f}"
             )
-            for name, after in summary.get("student_accuracy_after_per_teacher", {}).items():
-                log(
-                    f"  {name}: teacher {summary['teacher_accuracy_per_teacher'][name]:.3f}, student "
-                    f"{summary['student_accuracy_before_per_teacher'][name]:.3f} -> {after:.3f}"
-                )
+            for part in (k.removeprefix("teacher_accuracy") for k in summary if k.startswith("teacher_accuracy_")):
+                for name, after in summary[f"student_accuracy_after{part}"].items():  # by teacher, ...
+                    teacher, before = (
+                        summary[f"{k}{part}"][name] for k in ("teacher_accuracy", "student_accuracy_before")
+                    )
+                    log(f"  {name}: teacher {teacher:.3f}, student {before:.3f} -> {after:.3f}")
         with open(run.summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"the trained student, metrics.jsonl and summary.json in {args.output_dir}")

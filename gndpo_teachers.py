@@ -3,11 +3,12 @@
 Several teachers: --teacher_model name=path,name=path (a mapping in a recipe), and a data column (--teacher_column)
 naming each row's teacher. Every teacher scores only its own rows, on the ids and images the student's processor
 made. Normalization whitens all tokens together (global) or each teacher's on their own (--advantage_mode
-per_teacher, a mode of the script's normalize_scores), and the metrics line adds each teacher's statistics.
+per_teacher, registered in the script's ADVANTAGES), and the metrics line adds each teacher's statistics.
 The sharded teacher: --shard_teacher shards one frozen 16-bit teacher's layers over the processes (FSDP2).
 
-gndpo_minimal.py imports this module only when those flags are given; it imports nothing from the script: the
-script passes its own functions (the scoring forward, evaluate, the prompt encoder) as arguments. The method is GNDPO
+gndpo_minimal.py imports this module plainly and plugs SeveralTeachers into the step when --teacher_model names
+several; this module imports nothing from the script: the script passes its own functions (the scoring forward,
+evaluate, the prompt encoder, the whitening) as arguments. The method is GNDPO
 (arXiv 2606.09091); several teachers go beyond the paper.
 """
 
@@ -17,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 
 def teacher_paths(value: str) -> dict[str, str]:
@@ -149,6 +151,85 @@ def teacher_metrics(r: dict, names: list[str], spread: Callable) -> dict:
             }
         )
     return out
+
+
+def per_teacher_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    num_teachers: int,
+    whiten: Callable,
+    eps: float = 1e-8,
+    all_reduce: bool = True,
+) -> torch.Tensor:
+    """--advantage_mode per_teacher: each teacher's tokens whitened with that teacher's statistics over the global
+    batch. scores, response_mask (B, T); teacher_ids (B,) in 0..num_teachers-1, the same num_teachers on every
+    process; whiten(scores, mask, count, total, total_sq, eps) is the script's. Returns (B, T), 0 off the mask.
+    Raises ValueError unless every teacher that has tokens has at least 2."""
+    mask = response_mask.to(torch.float64)
+    s = scores.double() * mask
+    ids = teacher_ids.to(s.device)
+    zeros = torch.zeros(num_teachers, dtype=torch.float64, device=s.device)
+    sums = torch.stack([zeros.index_add(0, ids, x.sum(1)) for x in (mask, s, s * s)])  # (3, K) by teacher
+    if all_reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    if ((sums[0] > 0) & (sums[0] < 2)).any() or sums[0].sum() < 2:
+        raise ValueError(
+            f"per_teacher normalization needs at least 2 valid response tokens of every teacher that has any, got "
+            f"{sums[0].long().tolist()} by teacher: raise max_new_tokens or prompts_per_step"
+        )
+    return whiten(scores, mask, *(x[ids][:, None] for x in sums), eps)
+
+
+def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
+    """The script's ADVANTAGES entry for per_teacher: (scores, mask, group_ids, extra, args) -> advantages, extra
+    holding the batch's teacher_ids and teacher_names (SeveralTeachers.batch_extra)."""
+
+    def per_teacher(scores, mask, group_ids, extra, args):
+        if "teacher_ids" not in extra:
+            raise ValueError("per_teacher normalization needs several teachers: each row's teacher (teacher_ids)")
+        return per_teacher_advantages(scores, mask, extra["teacher_ids"], len(extra["teacher_names"]), whiten)
+
+    return {"per_teacher": per_teacher}
+
+
+class SeveralTeachers:
+    """The plug-in behind several teachers (the script's Models.plugins). teachers {name: model}; encode(part,
+    prompts, group_ids, row_prompts, distinct) encodes a rollout's prompts again (the script's
+    encode_rollout_prompts); spread(n, sum, sum of squares) is the script's std from running sums."""
+
+    def __init__(self, teachers: dict, encode: Callable, spread: Callable):
+        self.teachers, self.names, self.encode, self.spread = teachers, list(teachers), encode, spread
+
+    def forward(self, forward: Callable) -> Callable:
+        """The teacher scoring forward that scores each row with its own teacher (routed_forward)."""
+        return routed_forward(forward)
+
+    def route(self, prompts, rollouts: list) -> list:
+        """After sampling: each micro-batch's rows by teacher (route_to_teachers; prompts.teachers: each row's)."""
+
+        def encode(part, rows, *flags):  # rows: positions in the step's rows
+            return self.encode(part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], *flags)
+
+        return route_to_teachers(rollouts, prompts.teachers, self.names, encode)
+
+    def batch_extra(self, rollouts: list) -> dict:
+        """What per_teacher and the metrics read from a scored batch: the names, and (n,) each row's teacher index."""
+        ids = torch.cat([r.extra["teacher_ids"] for r in rollouts]).to(rollouts[0].response_ids.device)
+        return {"teacher_names": self.names, "teacher_ids": ids}
+
+    def metric_sums(self, batch) -> dict:
+        return teacher_sums(batch)
+
+    def metrics(self, r: dict, batch) -> dict:
+        return teacher_metrics(r, self.names, self.spread)
+
+    def evaluate(self, one: Callable, model, rows: list[tuple]) -> dict:
+        """one(model, rows) on each teacher's rows: the teachers each with their own, the student on all of them;
+        accuracy_per_teacher, and the metrics line's teacher/<name>/eval_accuracy."""
+        result = evaluate_each(one, model if model is self.teachers else dict.fromkeys(self.names, model), rows)
+        result["metrics"] = {f"teacher/{k}/eval_accuracy": v for k, v in result["accuracy_per_teacher"].items()}
+        return result
 
 
 def shard_frozen(model, device_type: str, num_processes: int) -> int:
