@@ -49,6 +49,10 @@ try:  # several teachers and the sharded teacher (asked for by their flags)
     import gndpo_teachers as several
 except ImportError:
     several = None
+try:  # the data formats beyond the plain one (chat prompts, image paths; used when the data asks)
+    import gndpo_data as formats
+except ImportError:
+    formats = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1119,69 +1123,14 @@ def row_images(row: dict, image_column: str) -> list:
     return [load_image(v) for v in values]
 
 
-def message_text(content) -> str | None:
-    """The text of a message's content (a string or a list of items), or None when it has none."""
-    if isinstance(content, (list, tuple)):
-        content = "\n".join(i.get("text") or "" for i in content if isinstance(i, dict) and i.get("type") == "text")
-    return content if isinstance(content, str) and content.strip() else None
-
-
-def split_chat(cell) -> tuple:
-    """A prompt cell as (prompt, its answer or None), chat messages cut after the first user turn; never raises."""
-    if not isinstance(cell, (list, tuple)) or not cell or not all(isinstance(m, dict) for m in cell):
-        return cell, None
-    prompt = []
-    for m in cell:
-        role = m.get("role") or m.get("from")
-        m = {
-            "role": {"human": "user", "gpt": "assistant"}.get(role, role) if isinstance(role, str) else role,
-            "content": m["content"] if m.get("content") is not None else m.get("value"),
-        }
-        if prompt and prompt[-1]["role"] == "user":
-            return prompt, message_text(m["content"]) if m["role"] == "assistant" else None
-        prompt.append(m)
-    return prompt, None
-
-
-def answer_text(cell) -> str | None:
-    """A reference answer from an answer cell: text, a number, or messages (TRL's `completion`); None when empty."""
-    chat = isinstance(cell, (list, tuple)) and cell and all(isinstance(m, dict) for m in cell)
-    return message_text(cell[0].get("content", cell[0].get("value")) if chat else cell if cell is None else str(cell))
-
-
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
-    """The chat to render from a prompt (text or messages), images at its markers or first; ValueError for a bad one."""
-    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
-        raise ValueError(f"the prompt is {prompt!r}, not text or chat messages")
-    if (roles := [m.get("role") for m in prompt])[-1] != "user" or any(r != "system" for r in roles[:-1]):
-        raise ValueError(f"a chat prompt must be system turns then a user turn, got the roles {roles}")
-    messages, markers = [], 0
-    for m in prompt:
-        items = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
-        if not isinstance(items, (list, tuple)) or not all(isinstance(item, dict) for item in items):
-            raise ValueError(f"a {m['role']} message's content is {items!r}, not text or a list of items")
-        if m["role"] == "user" and instruction:  # joined to the turn's last text, else a text of its own
-            last = items[-1] if items and items[-1].get("type") == "text" else None
-            text = instruction if last is None else (last.get("text") or "") + "\n" + instruction
-            items = [*items[: len(items) - (last is not None)], {"type": "text", "text": text}]
-        content: list[dict] = []
-        for item in items:
-            if item.get("type") not in ("text", "image"):
-                raise ValueError(f"a message content item of type {item.get('type')!r}, not 'text' or 'image'")
-            text = (item.get("text") or "") if item["type"] == "text" else "<image>"
-            pieces = text.split("<image>") if "<image>" in text else [text]
-            markers += len(pieces) - 1  # an image item counts as one marker; text without markers is kept as it is
-            for k, piece in enumerate(pieces):
-                content += [{"type": "image"}] if k else []
-                if piece.strip() or len(pieces) == 1:
-                    content.append({"type": "text", "text": piece if len(pieces) == 1 else piece.strip()})
-        messages.append({"role": m["role"], "content": content})
-    if markers == 0:
-        messages[-1]["content"] = [{"type": "image"}] * num_images + messages[-1]["content"]
-    elif markers != num_images:
-        raise ValueError(f"the prompt has {markers} <image> markers but the row has {num_images} images")
-    return messages
+    """The chat to render: one user turn of the images, then the question and the instruction. A chat prompt, or
+    <image> markers placing the images, go through gndpo_data (ValueError for a bad one)."""
+    if not isinstance(prompt, str) or "<image>" in prompt:
+        fmt = needs(formats, "gndpo_data", "chat prompts and <image> markers")
+        return fmt.build_messages(prompt, num_images, instruction)
+    text = prompt + "\n" + instruction if instruction else prompt
+    return [{"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}]
 
 
 def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> dict:
@@ -1198,34 +1147,21 @@ def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> di
     return processor(text=texts, images=[imgs for _, imgs in prompts], return_tensors="pt", padding=True, **extra)
 
 
-def split_files(name: str, split: str, strict: bool = True) -> list[str]:
-    """A file's or folder's data files of a split, so `datasets` sees no image folder; [] where it reads the name."""
-    if os.path.isfile(name):  # a single data file serves every split
-        return [name]
-    readme = os.path.join(name, "README.md")
-    if (
-        any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json"))
-        or os.path.isfile(readme)
-        and "\nconfigs:" in open(readme, encoding="utf-8", errors="replace").read()
-    ):
-        return []
-    by_split: dict[str, list[str]] = {}
-    for sub in (name, os.path.join(name, "data")):
-        for path in [os.path.join(sub, f) for f in sorted(os.listdir(sub))] if os.path.isdir(sub) else []:
-            stem, ext = os.path.splitext(os.path.basename(path))
-            if ext in (".parquet", ".jsonl", ".json", ".csv") and stem != "metadata" and os.path.isfile(path):
-                by_split.setdefault(stem.split("-")[0], []).append(path)  # train-00000-of-00002
-    if strict and by_split and split not in by_split:
-        raise ValueError(f"Unknown split {split!r}. Should be one of {list(by_split)}.")
-    return by_split.get(split, [])
-
-
 def load_split(args: Args, split: str):
-    """A split of the dataset as a `datasets.Dataset`, images left undecoded."""
+    """A split as a `datasets.Dataset`, images left undecoded: one data file (it serves every split), a save_to_disk
+    folder, or what datasets.load_dataset reads (a Hub id; a folder, whose split files gndpo_data finds)."""
     import datasets
 
+    name = args.dataset_name
     try:
-        if files := split_files(args.dataset_name, split):  # the extension names the builder
+        files = (
+            [name]
+            if os.path.isfile(name)
+            else formats.split_files(name, split)
+            if formats and os.path.isdir(name)
+            else []
+        )
+        if files:  # the extension names the builder
             ext = os.path.splitext(files[0])[1].lstrip(".")
             return datasets.load_dataset("json" if ext == "jsonl" else ext, data_files={split: files}, split=split)
         if any(os.path.isfile(os.path.join(args.dataset_name, f)) for f in ("dataset_dict.json", "state.json")):
@@ -1241,26 +1177,14 @@ def load_split(args: Args, split: str):
         ) from e
 
 
-def resolve_image(value, roots: list[str]):
-    """An image cell whose relative path is made absolute: the first of roots that holds the file (else the first)."""
-    path = value.get("path") if isinstance(value, dict) and value.get("bytes") is None else value
-    if not isinstance(path, str) or not path or os.path.isabs(path) or "://" in path:
-        return value
-    full = next((c for c in (os.path.join(r, path) for r in roots) if os.path.exists(c)), os.path.join(roots[0], path))
-    return {"bytes": None, "path": full} if isinstance(value, dict) else full
-
-
 def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
-    """{flag: its column (None: no answers)}, TRL's and LLaVA's names too at a default; stops naming a missing one."""
+    """{flag: its column (None: no answers)}, at a default other formats' names too (gndpo_data: TRL's, LLaVA's);
+    stops naming a missing one."""
     columns = {}
-    for flag, more in {
-        "image_column": ("images",),
-        "question_column": ("prompt", "messages", "conversations"),
-        "answer_column": ("completion",),
-    }.items():
+    for flag in ("image_column", "question_column", "answer_column"):
         name = getattr(args, flag)
         default = name == Args.__dataclass_fields__[flag].default
-        names = [name, *(more if default else ())]
+        names = [name, *(formats.ALSO[flag] if default and formats else ())]
         columns[flag] = next((c for c in names if c in ds.column_names), None)
         if columns[flag] is None and (flag != "answer_column" or (need_answer and not default)):
             also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
@@ -1274,17 +1198,35 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
     return columns
 
 
-def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str]) -> dict:
-    """Raw rows (a dict of columns) under args' column names: split_chat's prompts, image lists resolved, answers."""
-    prompts = examples[columns["question_column"]]
-    answers = examples[columns["answer_column"]] if columns["answer_column"] else [None] * len(prompts)
-    out = {args.question_column: [], args.image_column: [], args.answer_column: []}
-    for cell, images, answer in zip(prompts, examples[columns["image_column"]], answers):
-        prompt, chat_answer = split_chat(cell)
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        out[args.question_column].append(prompt)
-        out[args.image_column].append([resolve_image(v, roots) for v in images])
-        out[args.answer_column].append(answer_text(answer) or chat_answer)
+def other_format(row: dict, columns: dict, args: Args) -> bool:
+    """Whether a raw row needs gndpo_data: another format's columns, a chat prompt or answer, <image> markers, image
+    paths (a relative one is looked up beside the data file), or --image_root."""
+    prompt, images = row[columns["question_column"]], row[columns["image_column"]]
+    answer = row[columns["answer_column"]] if columns["answer_column"] else None
+    cells = images if isinstance(images, list) else [images]
+    paths = [isinstance(v, str) or isinstance(v, dict) and v.get("bytes") is None for v in cells]
+    renamed = any(
+        columns[f] not in (None, getattr(args, f)) for f in ("image_column", "question_column", "answer_column")
+    )
+    text = isinstance(prompt, str) and "<image>" not in prompt and isinstance(answer, (str, int, float, type(None)))
+    return bool(args.image_root) or renamed or not text or any(paths)
+
+
+def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str] | None) -> dict:
+    """Raw rows (a dict of columns) under args' column names: each row's images a list, its answer text or None.
+    roots: other formats, through gndpo_data (chat prompts cut to the first turn, relative image paths looked up in
+    roots); None: the plain layout."""
+    names = {f: getattr(args, f) for f in ("image_column", "question_column", "answer_column")}
+    if roots is not None:
+        out = formats.normalize_rows(examples, columns, names, roots)
+    else:
+        n = len(examples[columns["question_column"]])
+        answers = examples[columns["answer_column"]] if columns["answer_column"] else [None] * n
+        out = {
+            args.question_column: list(examples[columns["question_column"]]),
+            args.image_column: [v if isinstance(v, list) else [v] for v in examples[columns["image_column"]]],
+            args.answer_column: [str(a) if a is not None and str(a).strip() else None for a in answers],
+        }
     if "teacher_column" in columns:  # several teachers: each row's
         out[args.teacher_column] = list(examples[columns["teacher_column"]])
     return out
@@ -1304,28 +1246,16 @@ def prepare_split(
     feature, lazy = ds.features[columns["image_column"]], datasets.Image(decode=False)  # row_images decodes, so
     if isinstance(getattr(feature, "feature", feature), datasets.Image):  # that a broken image skips its row
         ds = ds.cast_column(columns["image_column"], datasets.List(lazy) if hasattr(feature, "feature") else lazy)
-    if args.image_root:  # the folders a relative image path is looked up in, in order, and whence (for messages)
-        roots, where = [root := os.path.abspath(args.image_root)], f"{root} ({flag_prefix}image_root)"
-    else:  # the data file's folder, then the current directory: paths relative to either keep working
-        name, cwd = args.dataset_name, os.getcwd()
-        files = split_files(name, split, strict=False)  # [] too for a split that load_split did not read from them
-        folder = os.path.dirname(os.path.abspath(files[0])) if files else os.path.isdir(name) and os.path.abspath(name)
-        roots = [folder, cwd] if folder and folder != cwd else [cwd]
-        where = " and ".join(f"{r} (the {'current directory' if r == cwd else 'data file folder'})" for r in roots)
+    roots, where = None, "the current directory"
+    if other_format(ds[0], columns, args):  # the folders a relative image path is looked up in, and whence
+        fmt = needs(
+            formats, "gndpo_data", f"the {split!r} split's layout (chat, <image> markers, image paths, columns)"
+        )
+        roots, where = fmt.image_roots(args.image_root, args.dataset_name, split, flag_prefix)
     raw, ds = ds, ds.with_transform(lambda examples: normalize_rows(examples, columns, args, roots))
     chat = isinstance(ds[0][args.question_column], list)
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
-        answers = (
-            f"answers from {columns['answer_column']!r}"
-            if columns["answer_column"]
-            else "answers from the first assistant turn"
-            if chat
-            else "no answers"
-        )
-        log(
-            f"{split}: prompts from column {columns['question_column']!r} ({'chat messages' if chat else 'text'}), "
-            f"images from {columns['image_column']!r}, {answers}"
-        )
+        log(formats.describe(split, columns, chat))
     n, keep, missing, block = min(len(ds), limit) if limit else len(ds), [], 0, 64  # block: rows per processor call
     skipped = dict.fromkeys(
         ["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"] + ["no_answer"] * need_answer, 0
@@ -1349,7 +1279,8 @@ def prepare_split(
         if missing == min(start + block, n):  # no row so far has its image file: a wrong folder, not bad rows
             cell = raw[0][columns["image_column"]]
             paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
-            path = next(p for p in paths if isinstance(p, str) and not os.path.exists(resolve_image(p, roots)))
+            found = lambda p: os.path.exists(formats.resolve_image(p, roots) if roots else p)  # noqa: E731
+            path = next(p for p in paths if isinstance(p, str) and not found(p))
             raise ValueError(
                 f"the images of the {split!r} split were not found: row 0's image {path!r} was looked "
                 f"for in {where}. Pass {flag_prefix}image_root with the folder that the image paths are "
@@ -1390,7 +1321,8 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     e = replace(args, **{"dataset_config": None, **pick} if args.eval_dataset_name else pick)  # another set: its config
     ds = load_split(e, args.eval_split)
     columns = check_columns(ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
-    if len(ds) and not columns["answer_column"] and split_chat(ds[columns["question_column"]][0])[1] is None:
+    chat_answer = formats and formats.split_chat(ds[columns["question_column"]][0])[1] if len(ds) else None
+    if len(ds) and not columns["answer_column"] and chat_answer is None:
         problem = (
             f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
             f"{e.answer_column!r}, no assistant turn in its prompts)"
