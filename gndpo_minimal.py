@@ -528,89 +528,25 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     on_step(step) is called with the 1-based step before it runs. teacher_forward(teacher, rollout, ignore_ids)
     replaces the teacher's scoring forward and loss_fn the policy loss (to record what a step used, or to feed
     broken numbers)."""
-    from tqdm.auto import tqdm
-
     run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
-    accelerator, models, log, summary = run.accelerator, run.models, run.log, run.summary
-    if run.eval_rows and "student_accuracy_before" not in summary:
-        t, s = run.evaluate(models.teacher, 0), run.evaluate(run.policy, 0)
-        summary.update(
-            teacher_accuracy=t["accuracy"],
-            teacher_format_rate=t["format_rate"],
-            student_accuracy_before=s["accuracy"],
-            student_format_rate_before=s["format_rate"],
-            **by_part(t, "teacher_accuracy"),
-            **by_part(s, "student_accuracy_before"),
-        )
-        log(
-            f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
-            f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows"
-        )
-        if accelerator.is_main_process:  # a resumed run reads "before" from it: its student is no longer the first
-            with open(run.summary_path, "w") as f:
-                json.dump(summary, f, indent=2)
-
-    # --- the loop: prompts, rollouts and their advantages, the update, the metrics ---
+    accelerator, models = run.accelerator, run.models
+    evaluate_before(run)  # the teacher's and the student's accuracy on the held-out rows, once per run
     models.student.train()
-    # Only the main process draws the bar; passing disable=False there would override TQDM_DISABLE=1.
-    progress = tqdm(
-        range(run.start_step, args.max_steps),
-        initial=run.start_step,
-        total=args.max_steps,
-        desc="GNDPO",
-        dynamic_ncols=True,
-        **({} if accelerator.is_main_process else {"disable": True}),
-    )
-    bar = {"acc": f"{summary['student_accuracy_before']:.3f}"} if "student_accuracy_before" in summary else {}
-    for step in progress:
+    for step in progress_bar(run):
         t_step = time.time()
         if on_step:
             on_step(step + 1)
-        step_log = lambda msg: log(f"step {step + 1}: {msg}")  # noqa: E731, B023 (called within the step)
+        step_log = lambda msg: run.log(f"step {step + 1}: {msg}")  # noqa: E731, B023 (called within the step)
         prompts = step_prompts(
             run.train_ds, run.train_keep, args, step, accelerator.num_processes, accelerator.process_index
         )
         batch = generate_and_score(models, prompts, args, step_log)
         update = update_student(models, run.optimizer, run.scheduler, accelerator, batch, args, loss_fn, step_log)
-        metrics = step_metrics(
-            accelerator,
-            batch,
-            update,
-            step + 1,
-            time.time() - t_step,
-            args.score_clip if args.score_type == "log_ratio" else None,
-            models.plugins,
-        )
-        count_skips(run, batch, update, metrics)
-        if args.eval_steps and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps and run.eval_rows:
-            e = run.evaluate(run.policy, step + 1)
-            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"], **e.get("metrics", {}))
-            bar["acc"] = f"{e['accuracy']:.3f}"
-        log_step(run, metrics, progress, bar)
-        stop_if_stuck(args, run.counters, step + 1)
-        if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.max_steps:
-            save_checkpoint(
-                accelerator,
-                models.student,
-                models.processor,
-                args.output_dir,
-                step + 1,
-                {"step": step + 1, "counters": run.counters, "args": asdict(args)},
-                args.save_total_limit,
-            )
-
-    # --- the end: the trained student (adapter/ or model/), evaluation, summary ---
-    accelerator.wait_for_everyone()
-    save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
-    if run.eval_rows:
-        e = run.evaluate(run.policy, args.max_steps)
-        summary.update(
-            student_accuracy_after=e["accuracy"],
-            student_format_rate_after=e["format_rate"],
-            **by_part(e, "student_accuracy_after"),
-        )
-    finish_run(run)
-    return summary
+        clip = args.score_clip if args.score_type == "log_ratio" else None  # the clamp whose hits are counted
+        metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step, clip, models.plugins)
+        end_step(run, batch, update, metrics)  # counters, evaluation, the metrics line, a checkpoint
+    finish_run(run)  # the trained student (adapter/ or model/), its evaluation, summary.json
+    return run.summary
 
 
 # =============================================================================================================
@@ -1574,38 +1510,20 @@ class UsageError(ValueError):
     """A mistake in the arguments or in the paths they name: the command line says so in one line and exits with 2."""
 
 
-# flags whose value must be at least 1, at least 0, above 0
-AT_LEAST_ONE = (
-    "steps_per_generation",
-    "num_iterations",
-    "prompts_per_step",
-    "num_generations",
-    "micro_batch_size",
-    "max_steps",
-    "max_new_tokens",
-    "max_prompt_length",
-    "max_consecutive_skips",
-    "process_timeout_minutes",
-    "save_total_limit",
+# each numeric flag's lowest value: 1, 0, or -1 for "above 0"
+RANGES = dict.fromkeys(
+    "steps_per_generation num_iterations prompts_per_step num_generations micro_batch_size max_steps max_new_tokens "
+    "max_prompt_length max_consecutive_skips process_timeout_minutes save_total_limit".split(),
+    1,
 )
-AT_LEAST_ZERO = (
-    "learning_rate",  # 0 measures gradients without moving the weights (tutorial 4)
-    "cpu_threads",
-    "min_new_tokens",
-    "lora_r",
-    "weight_decay",
-    "clip_low",
-    "clip_high",
-    "warmup_steps",
-    "max_train_samples",
-    "num_eval_samples",
-    "save_steps",
-    "eval_steps",
-    "logging_steps",
-    "lora_dropout",
-    "seed",
+RANGES |= dict.fromkeys(
+    "learning_rate cpu_threads min_new_tokens lora_r weight_decay clip_low clip_high warmup_steps max_train_samples "
+    "num_eval_samples save_steps eval_steps logging_steps lora_dropout seed generation_batch_size reward_weight "
+    "score_std_floor".split(),
+    0,
 )
-ABOVE_ZERO = ("max_grad_norm", "lora_alpha", "temperature", "power_alpha", "score_clip")
+RANGES |= dict.fromkeys("max_grad_norm lora_alpha temperature power_alpha score_clip".split(), -1)
+RANGE_WORDS = {1: "at least 1", 0: ">= 0", -1: "> 0"}
 DATA_FILES = (".jsonl", ".json", ".csv", ".parquet")
 
 
@@ -1645,12 +1563,9 @@ def check_args(args: Args, num_processes: int) -> int:
     returns the micro-batches per optimizer update (gradient accumulation)."""
     problems, value = [], lambda flag: getattr(args, flag)
     problem = lambda bad, text: problems.append(text) if bad else None
-    for flag in AT_LEAST_ONE:
-        problem(value(flag) < 1, f"--{flag} must be at least 1, got {value(flag)}")
-    for flag in AT_LEAST_ZERO:
-        problem(value(flag) < 0, f"--{flag} must be >= 0, got {value(flag)}")
-    for flag in ABOVE_ZERO:
-        problem(not value(flag) > 0, f"--{flag} must be > 0, got {value(flag)}")
+    for flag, low in RANGES.items():  # each numeric flag's own range
+        got = value(flag)
+        problem(got < low if low >= 0 else not got > 0, f"--{flag} must be {RANGE_WORDS[low]}, got {got}")
     problem(
         not 0 <= args.clip_low < 1, f"--clip_low must be in [0, 1) (the ratio's floor is 1 - it), got {args.clip_low}"
     )
@@ -1658,10 +1573,6 @@ def check_args(args: Args, num_processes: int) -> int:
     problem(
         args.min_new_tokens > args.max_new_tokens,
         f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}",
-    )
-    problem(
-        args.generation_batch_size < 0,
-        f"--generation_batch_size must be >= 0 (0 = all of a process's rollouts), got {args.generation_batch_size}",
     )
     if problems:  # the checks below divide by these
         raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
@@ -1672,8 +1583,6 @@ def check_args(args: Args, num_processes: int) -> int:
         ("optimizer", ("adamw", "sgd")),
     ):
         problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}")
-    for flag in ("reward_weight", "score_std_floor"):
-        problem(value(flag) < 0, f"--{flag} must be >= 0 (0 = off), got {value(flag)}")
     for flag in SPEEDUPS:
         problem(
             str(value(flag)).lower() not in ("auto", "true", "false"),
@@ -2024,6 +1933,8 @@ class Run:
     counters: dict = field(default_factory=lambda: {"skipped_steps": 0, "consecutive_skips": 0})
     summary: dict = field(default_factory=dict)  # summary.json's contents so far
     mismatch: object = None  # MismatchWatch
+    progress: object = None  # the tqdm bar over the steps (progress_bar), and its postfix's accuracy
+    bar: dict = field(default_factory=dict)
     wall_start: float = field(default_factory=time.time)
     policy = property(lambda self: unwrap(self.models.student))
     metrics_path = property(lambda self: os.path.join(self.args.output_dir, "metrics.jsonl"))
@@ -2300,43 +2211,103 @@ class MismatchWatch:
             )
 
 
-def log_step(run: Run, metrics: dict, progress, bar: dict) -> None:
-    """A step's metrics to metrics.jsonl, the progress bar (with `bar`), the full line every logging_steps, trackers."""
+def log_step(run: Run, metrics: dict) -> None:
+    """A step's metrics to metrics.jsonl, the progress bar, the full line every logging_steps, the trackers."""
     args, step = run.args, metrics["step"]
     if run.accelerator.is_main_process:
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **bar)
+        if run.progress is not None:
+            run.progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **run.bar)
         if args.logging_steps and (step % args.logging_steps == 0 or step == args.max_steps):
             run.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
     run.accelerator.log(metrics, step=step)
 
 
-def count_skips(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
-    """The run's counters after a step (skipped, std-floored steps), into the metrics; the mismatch watch."""
-    counters = run.counters
+def evaluate_before(run: Run) -> None:
+    """The teacher's and the untrained student's accuracy into the summary, saved at once: a resumed run reads its
+    "before" from it (its student is no longer the first)."""
+    if not run.eval_rows or "student_accuracy_before" in run.summary:
+        return
+    t, s = run.evaluate(run.models.teacher, 0), run.evaluate(run.policy, 0)
+    run.summary.update(
+        teacher_accuracy=t["accuracy"],
+        teacher_format_rate=t["format_rate"],
+        student_accuracy_before=s["accuracy"],
+        student_format_rate_before=s["format_rate"],
+        **by_part(t, "teacher_accuracy"),
+        **by_part(s, "student_accuracy_before"),
+    )
+    run.log(
+        f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
+        f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows"
+    )
+    if run.accelerator.is_main_process:
+        with open(run.summary_path, "w") as f:
+            json.dump(run.summary, f, indent=2)
+
+
+def progress_bar(run: Run):
+    """The steps left, as a tqdm bar drawn by the main process only (disable=False there would override
+    TQDM_DISABLE=1); its postfix shows the last accuracy."""
+    from tqdm.auto import tqdm
+
+    if "student_accuracy_before" in run.summary:
+        run.bar["acc"] = f"{run.summary['student_accuracy_before']:.3f}"
+    run.progress = tqdm(
+        range(run.start_step, run.args.max_steps),
+        initial=run.start_step,
+        total=run.args.max_steps,
+        desc="GNDPO",
+        dynamic_ncols=True,
+        **({} if run.accelerator.is_main_process else {"disable": True}),
+    )
+    return run.progress
+
+
+def end_step(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
+    """After a step: the run's counters (skipped steps, the plug-ins'), an evaluation every eval_steps, the metrics
+    line, a stop after max_consecutive_skips non-finite steps in a row, a checkpoint every save_steps and at the end."""
+    args, counters, step = run.args, run.counters, metrics["step"]
     counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
     counters["skipped_steps"] += bool(update["skipped_updates"])
     for key, n in batch.extra.get("counters", {}).items():  # the plug-ins' (std_floored_steps)
         counters[key] = counters.get(key, 0) + n
     metrics["skipped_steps"] = counters["skipped_steps"]
-    run.mismatch.see(metrics["step"], metrics["logp_mismatch"])
-
-
-def stop_if_stuck(args: Args, counters: dict, step: int) -> None:
-    """Stops after max_consecutive_skips non-finite steps in a row, naming the checkpoint to resume from."""
+    run.mismatch.see(step, metrics["logp_mismatch"])
+    if args.eval_steps and step % args.eval_steps == 0 and step < args.max_steps and run.eval_rows:
+        e = run.evaluate(run.policy, step)
+        metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"], **e.get("metrics", {}))
+        run.bar["acc"] = f"{e['accuracy']:.3f}"
+    log_step(run, metrics)
     if counters["consecutive_skips"] >= args.max_consecutive_skips:
         last = list_checkpoints(args.output_dir)
         raise RuntimeError(
-            f"{counters['consecutive_skips']} non-finite steps in a row at step {step}: stopping. The "
-            f"last good checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; "
-            f"lower --learning_rate or check the teacher's outputs, then resume from it."
+            f"{counters['consecutive_skips']} non-finite steps in a row at step {step}: stopping. The last good "
+            f"checkpoint is {last[-1][1] if last else 'none (no checkpoint saved yet)'}; lower --learning_rate or "
+            f"check the teacher's outputs, then resume from it."
+        )
+    if (args.save_steps and step % args.save_steps == 0) or step == args.max_steps:
+        state = {"step": step, "counters": counters, "args": asdict(args)}
+        models = run.models
+        save_checkpoint(
+            run.accelerator, models.student, models.processor, args.output_dir, step, state, args.save_total_limit
         )
 
 
 def finish_run(run: Run) -> None:
-    """Prints the accuracy table, completes summary.json; closes trackers and the process group."""
-    args, accelerator, summary, log = run.args, run.accelerator, run.summary, run.log
+    """Saves the trained student (adapter/ or model/) and evaluates it; prints the accuracy table, completes
+    summary.json; closes trackers and the process group."""
+    args, accelerator, summary, log, models = run.args, run.accelerator, run.summary, run.log, run.models
+    accelerator.wait_for_everyone()
+    save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
+    if run.eval_rows:
+        e = run.evaluate(run.policy, args.max_steps)
+        summary.update(
+            student_accuracy_after=e["accuracy"],
+            student_format_rate_after=e["format_rate"],
+            **by_part(e, "student_accuracy_after"),
+        )
     summary.update(
         steps=args.max_steps,
         wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
