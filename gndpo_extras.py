@@ -2,6 +2,7 @@
 
 Beyond the paper (arXiv 2606.09091), each off by default and asked for by its flag (without this module, start-up
 stops naming it), plugged into the script's step by BeyondThePaper:
+  --score_type power:  PowerOPD's bounded score p_T^a - p_S^a (registered in the script's SCORES);
   --score_std_floor f: a step whose scores spread less than f is only centered, not scaled to unit spread (noise,
                        as when the student is its own teacher, would otherwise be amplified into signal);
   --reward_weight w:   w * GRPO's group-normalized task reward (1 right, 0 wrong) added to every token's advantage.
@@ -19,6 +20,18 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+
+def power_scores(
+    teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor, alpha: float = 5.0
+) -> torch.Tensor:
+    """PowerOPD's score p_T^alpha - p_S^alpha (arXiv 2606.17199), in [-1, 1]: (B, T) float32, 0 off the mask."""
+    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
+    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
+
+
+# the script's SCORES entries: --score_type power, (teacher_logps, student_logps, mask, args) -> (B, T) scores
+SCORES = {"power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}
 
 
 def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:

@@ -839,26 +839,14 @@ def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, tem
     return gather_logps(logits[:, :-1], rollout.response_ids, ignore_ids, temperature)  # t's logits predict t + 1
 
 
-# --- Beyond the paper: a bounded score, a floor on the whitening's scale, a task reward. Each is off by default.
-
-
-def power_scores(
-    teacher_logps: torch.Tensor, student_logps: torch.Tensor, response_mask: torch.Tensor, alpha: float = 5.0
-) -> torch.Tensor:
-    """PowerOPD's score p_T^alpha - p_S^alpha (arXiv 2606.17199), in [-1, 1]: (B, T) float32, 0 off the mask."""
-    scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
-    return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
-
+# --- Beyond the paper: the optional modules' score types and advantage modes, registered beside the paper's
 
 # --score_type: (teacher_logps, student_logps, response_mask, args) -> (B, T) scores, read once by score_rollouts
-SCORES = {
-    "log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip),  # the paper's
-    "power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha),
-}  # PowerOPD's bounded score
-
+SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip)}  # the paper's
 # --advantage_mode: (scores, mask, group_ids (n,), extra: the batch's, args) -> (n, R), read once by score_rollouts
 ADVANTAGES = {mode: lambda s, m, g, extra, args, mode=mode: normalize_scores(s, m, mode) for mode in ADVANTAGE_MODES}
-for module in filter(None, (extras, several)):  # the ablations (gndpo_extras) and per_teacher (gndpo_teachers)
+for module in filter(None, (extras, several)):  # PowerOPD's score and the ablations (gndpo_extras), per_teacher
+    SCORES.update(getattr(module, "SCORES", {}))
     ADVANTAGES.update(module.advantage_modes(_whiten, _global_sums))
 
 # --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
@@ -1582,7 +1570,8 @@ def check_args(args: Args, num_processes: int) -> int:
         ("score_type", tuple(SCORES)),
         ("optimizer", ("adamw", "sgd")),
     ):
-        problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}")
+        more = "" if extras and several else " here (gndpo_extras.py and gndpo_teachers.py add more)"
+        problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}{more}")
     for flag in SPEEDUPS:
         problem(
             str(value(flag)).lower() not in ("auto", "true", "false"),
