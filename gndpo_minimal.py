@@ -2358,6 +2358,64 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return parser.parse_args_into_dataclasses(argv)[0]
 
 
+# The public surface: what the tutorials, bench/ and docs/code.md use (tests/test_public_surface.py holds them to it)
+__all__ = [
+    # Part I: the arguments, the math, the containers, the step, main()
+    "Args",
+    "ADVANTAGE_MODES",
+    "LOSS_TYPES",
+    "distill_scores",
+    "normalize_scores",
+    "policy_loss",
+    "Rollout",
+    "ScoredBatch",
+    "Models",
+    "StepPrompts",
+    "step_prompts",
+    "generate_and_score",
+    "score_rollouts",
+    "update_student",
+    "main",
+    # Part II: the pieces a reader steps through, in the order the step calls them
+    "step_seed",
+    "Sampling",
+    "sample_rollouts",
+    "rollout",
+    "unwrap",
+    "evaluating",
+    "generation_configs",
+    "pad_cat",
+    "response_logps",
+    "SCORES",
+    "ADVANTAGES",
+    "load_student",
+    "load_teacher",
+    "teacher_paths",
+    "vision_token_ids",
+    "row_images",
+    "build_messages",
+    "encode_prompts",
+    "load_split",
+    "prepare_split",
+    "load_eval_rows",
+    "extract_boxed",
+    "grade_answer",
+    "evaluate",
+    "list_checkpoints",
+    "UsageError",
+    "make_accelerator",
+    "load_models",
+    "load_data",
+    "make_optimizer",
+    "speedup_on",
+    "make_models",
+    "Run",
+    "setup",
+    "step_metrics",
+    "parse_args",
+]
+
+
 if __name__ == "__main__":
     try:
         main(parse_args())

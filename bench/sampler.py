@@ -48,10 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchutil import ROOT, add_json_flag, median, report, table, tiny_models  # noqa: E402
 
-try:  # the sampler is moving to a module of the speed-ups
-    from gndpo_fast import draw_tokens  # noqa: E402
-except ImportError:
-    from gndpo_minimal import draw_tokens  # noqa: E402
+from gndpo_fast import draw_tokens  # noqa: E402
 
 RECORD = os.path.join(ROOT, "docs", "bench_results", "sampler.json")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")

@@ -136,16 +136,9 @@ def with_row_prompts(
     start = 0
     for r in rollouts:
         n = r.response_ids.shape[0]
-        if r.row_inputs is None:
-            g.encode_rollout_prompts(
-                models.processor,
-                r,
-                prompts.prompts[start : start + n],
-                prompts.group_ids[start : start + n],
-                args,
-                True,
-                False,
-            )
+        if r.row_inputs is None:  # every row's prompt, on the rollout's device (pixels too: a bench's few rows)
+            rows = prompts.prompts[start : start + n]
+            r.row_inputs = dict(g.encode_prompts(models.processor, rows, args.instruction).to(r.response_ids.device))
         start += n
     return rollouts
 
@@ -200,7 +193,8 @@ def measure_world(flags: list[str], prompts_per_step: int, steps: tuple[int, ...
     args = dataclasses.replace(args, micro_batch_size=min(args.micro_batch_size, rows))
     run = g.setup(args)
     device = run.accelerator.device
-    dtype = g.resolve_dtype(args.dtype, device)
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # the script's --dtype auto
+    dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     reference = g.load_teacher(dataclasses.replace(args, teacher_4bit=False), dtype, device)
     per_step, tokens = [], []
     for step in steps:
