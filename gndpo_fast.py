@@ -957,6 +957,61 @@ def speedups_off(args, device_type: str, sharded: bool, rows: int) -> dict[str, 
     return off
 
 
+def static_cache(config, args) -> None:
+    """Sampling decodes on a KV cache of a fixed size, max_prompt_length + max_new_tokens, which generate() compiles
+    its decoding step for on CUDA (CUDA graphs: one per generation batch size). config: a GenerationConfig, in place."""
+    config.cache_implementation = "static"
+    config.max_cache_len = args.max_prompt_length + args.max_new_tokens
+
+
+def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: dict, log=print) -> dict[str, str]:
+    """The speed-ups asked for (auto or true) into the script's Models, in place, each where it runs: the lean
+    log-probs and prompt sharing in the scoring forwards (a teacher forward the caller set stays), the sampler,
+    merged adapters and the static cache in models.sampling, one vision attention call per layer in every model.
+    teachers: {name: model}; sharded: no process holds the student's whole weights (FSDP); script: the script's
+    response_logps, sequence_inputs, logps_tolerance and compute_dtype (its mixed precision's, or None). Logs each
+    model's log-prob path; returns {flag: why} for the speed-ups asked for that do not run here."""
+    rows = args.prompts_per_step * args.num_generations // accelerator.num_processes
+    off = speedups_off(args, accelerator.device.type, sharded, rows)
+    asked = lambda flag: str(getattr(args, flag)).lower() != "false"  # noqa: E731
+    runs = lambda flag: asked(flag) and flag not in off  # noqa: E731
+    sampling, policy = models.sampling, _unwrap(models.student)
+    if runs("static_cache"):
+        static_cache(sampling.config, args)
+    plain = lean_forward(script["sequence_inputs"]) if asked("lean_logps") else script["response_logps"]
+    if asked("share_prompt_prefix"):
+        n, device = accelerator.num_processes, accelerator.device
+        agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=device), reduction="sum").item() == n  # noqa: E731
+        reason = off.get("share_prompt_prefix") or (sharded and "the weights are sharded: each forward gathers them")
+        teacher = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else reason
+        reasons = {"student": reason, "rollout": reason, "teacher": teacher}
+        sampling.sharing = PrefixSharing(
+            plain, script["logps_tolerance"], log, agree, reasons, asked("lean_logps"), script["compute_dtype"]
+        )
+        if models.teacher_forward is not None:  # a teacher forward of the caller's own is not ours to check
+            sampling.sharing.decided["teacher"] = False
+    sharing = sampling.sharing
+    models.teacher_forward = models.teacher_forward or (sharing.forward("teacher") if sharing else plain)
+    models.student_forward = sharing.forward("student") if sharing else plain
+    if asked("fast_sampler"):
+        sampling.draw = draw_tokens
+    if runs("merged_sampling"):
+        try:
+            sampling.weights = MergedAdapters(policy).merged
+        except ValueError as e:  # DoRA, a layer of another kind: sampling reads the adapters
+            off["merged_sampling"] = str(e)
+    for model in (models.student, *teachers.values()):
+        if runs("varlen_vision") and not varlen_vision(model):  # a family without windowed vision attention
+            off["varlen_vision"] = f"not for {type(_unwrap(model)).__name__}'s vision attention, or no kernel here"
+    teacher = next(iter(teachers.values()))
+    paths = [
+        f"{role} {head_path(m) if asked('lean_logps') else 'full logits'}"
+        for role, m in (("student", models.student), ("teacher", teacher))
+    ]
+    log("log-probs: " + ", ".join(paths))
+    return off
+
+
 VARLEN_VISION = "flash_varlen_windows"  # transformers passes cu_seqlens only to implementations named "flash..."
 
 

@@ -712,10 +712,8 @@ class SampledTokenLogps:
         return torch.stack(self.logps, 1)
 
 
-def generation_configs(tokenizer, model, args: Args, static_cache: bool = False) -> tuple:
-    """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily.
-    static_cache: sampling decodes on a KV cache of a fixed size, max_prompt_length + max_new_tokens, which
-    generate() compiles its decoding step for on CUDA (CUDA graphs: one per generation batch size)."""
+def generation_configs(tokenizer, model, args: Args) -> tuple:
+    """(sampling, greedy) configs; SampledTokenLogps draws from the full distribution, so sampling decodes greedily."""
     from transformers import GenerationConfig
 
     model_eos = model.generation_config.eos_token_id  # an int, a list or None
@@ -734,11 +732,6 @@ def generation_configs(tokenizer, model, args: Args, static_cache: bool = False)
         min_p=None,
         repetition_penalty=1.0,
         **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}),
-        **(
-            {"cache_implementation": "static", "max_cache_len": args.max_prompt_length + args.max_new_tokens}
-            if static_cache
-            else {}
-        ),
         **common,
     )
     return sample, GenerationConfig(do_sample=False, **common)
@@ -1805,39 +1798,6 @@ def speedup_on(args: Args, flag: str) -> bool:
     return value == "true" or (value == "auto" and fast is not None)
 
 
-def speedups_off(args: Args, accelerator) -> dict[str, str]:
-    """{flag: why} for the speed-ups of gndpo_fast that do not run in this launch though asked for (gndpo_fast's
-    speedups_off: the device, sharded weights, full fine-tuning, an uneven generation batch); {} without it."""
-    rows = args.prompts_per_step * args.num_generations // accelerator.num_processes
-    sharded = weights_are_sharded(accelerator)
-    return fast.speedups_off(args, accelerator.device.type, sharded, rows) if fast else {}
-
-
-def prefix_sharing(args: Args, accelerator, log=print, plain: Callable = None, teacher_replaced: bool = False):
-    """gndpo_fast's checks of which forwards read each prompt once, agreed on by every process. Sharded weights are
-    gathered by every forward, so all processes must run the same ones; a replaced teacher forward is not ours."""
-    n = accelerator.num_processes
-    agree = lambda ok: (
-        accelerator.reduce(torch.tensor(float(ok), device=accelerator.device), reduction="sum").item() == n
-    )
-    reason = "the weights are sharded: each forward gathers them" if weights_are_sharded(accelerator) else None
-    teacher_reason = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
-    auto_off = speedups_off(args, accelerator).get("share_prompt_prefix")
-    reason, teacher_reason = reason or auto_off, teacher_reason or auto_off
-    sharing = fast.PrefixSharing(
-        plain or response_logps,
-        logps_tolerance,
-        log,
-        agree,
-        {"student": reason, "rollout": reason, "teacher": teacher_reason},
-        speedup_on(args, "lean_logps"),
-        compute_dtype(accelerator),
-    )
-    if teacher_replaced:
-        sharing.decided["teacher"] = False
-    return sharing
-
-
 def make_models(args: Args, accelerator, processor, student, teachers: dict, log=print, teacher_forward=None) -> Models:
     """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, the
     plug-ins. teachers: {name: model} (load_models'); several go to gndpo_teachers' plug-in."""
@@ -1846,53 +1806,29 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
     # generate() never calls the FSDP2 root's forward, which would leave the root's own parameters sharded
     register_fsdp_forward_method(policy, "generate")  # a no-op unless FSDP2
-    off = speedups_off(args, accelerator)
-    runs = lambda flag: speedup_on(args, flag) and flag not in off  # noqa: E731
-    sample_config, _ = generation_configs(processor.tokenizer, policy, args, static_cache=runs("static_cache"))
+    sample_config, _ = generation_configs(processor.tokenizer, policy, args)
     ignore_ids = (
         torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
         if sample_config.suppress_tokens
         else None
     )
-    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1  # all step to the end
-    lean = speedup_on(args, "lean_logps")
-    plain = fast.lean_forward(sequence_inputs) if lean else response_logps
-    sharing = (
-        prefix_sharing(args, accelerator, log, plain, teacher_replaced=teacher_forward is not None)
-        if speedup_on(args, "share_prompt_prefix")
-        else None
-    )
+    sharded = weights_are_sharded(accelerator)
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
-    draw = fast.draw_tokens if speedup_on(args, "fast_sampler") else multinomial
-    weights = contextlib.nullcontext
-    if runs("merged_sampling"):
-        try:
-            weights = fast.MergedAdapters(policy).merged
-        except ValueError as e:  # DoRA, a layer of another kind: sampling reads the adapters
-            off["merged_sampling"] = str(e)
-    sampling = Sampling(sample_config, draw, accelerator.device, synced_gpus, sharing, precision, weights)
-    for model in (student, *teachers.values()):
-        if runs("varlen_vision") and not fast.varlen_vision(model):  # a family without windowed vision attention
-            off["varlen_vision"] = f"not for {type(unwrap(model)).__name__}'s vision attention, or no kernel here"
-    log(startup_line(args, accelerator, student, off))
-    teacher = next(iter(teachers.values()))
-    log(
-        "log-probs: "
-        + ", ".join(
-            f"{role} {fast.head_path(m) if lean else 'full logits'}"
-            for role, m in (("student", student), ("teacher", teacher))
+    synced_gpus = sharded and accelerator.num_processes > 1  # every process steps generate() to the last's end
+    sampling = Sampling(sample_config, device=accelerator.device, synced_gpus=synced_gpus, precision=precision)
+    teacher, update_size = next(iter(teachers.values())), extras and extras.update_size
+    models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling, update_size)
+    off = {}
+    if fast:  # the speed-ups of gndpo_fast, each checked against the plain path it replaces
+        script = dict(
+            response_logps=response_logps,
+            sequence_inputs=sequence_inputs,
+            logps_tolerance=logps_tolerance,
+            compute_dtype=compute_dtype(accelerator),
         )
-    )
-    models = Models(
-        student,
-        teacher,
-        processor,
-        ignore_ids,
-        teacher_forward or (sharing.forward("teacher") if sharing else plain),
-        sharing.forward("student") if sharing else plain,
-        sampling,
-        extras and extras.update_size,
-    )
+        off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log)
+    models.teacher_forward = models.teacher_forward or response_logps
+    log(startup_line(args, accelerator, student, off))
     if len(teachers) > 1:  # several teachers (gndpo_teachers): each row routed to its own, scored by it alone
         encode = lambda part, *rest: encode_rollout_prompts(processor, part, *rest[:2], args, *rest[2:])  # noqa: E731
         plugin = several.SeveralTeachers(teachers, encode, spread)
