@@ -6,7 +6,6 @@ the update's backward, and which speed-ups a launch runs."""
 
 import dataclasses
 import os
-import types
 
 import pytest
 import torch
@@ -87,12 +86,13 @@ def test_a_decoding_step_launches_as_many_operations_as_plain_generate(deep_stud
     args = g.Args(student_model=deep_student, share_prompt_prefix="false", max_train_samples=16, num_eval_samples=0)
     processor, prompts = step_prompts(args)
     student = lora_student(args)
-    config, _ = g.generation_configs(processor.tokenizer, student, args, static_cache=True)
+    config, _ = g.generation_configs(processor.tokenizer, student, args)
     merged = fast.MergedAdapters(student).merged
 
     def ours(n, weights):
         forced = dataclasses.replace(args, max_new_tokens=n, min_new_tokens=n)
-        sampling = g.Sampling(g.generation_configs(processor.tokenizer, student, forced, True)[0], fast.draw_tokens)
+        sampling = g.Sampling(g.generation_configs(processor.tokenizer, student, forced)[0], fast.draw_tokens)
+        fast.static_cache(sampling.config, forced)
         with weights():
             g.rollout(student, processor, prompts.prompts, prompts.group_ids, sampling, forced, torch.Generator())
 
@@ -124,7 +124,9 @@ def test_the_static_cache_samples_the_tokens_and_log_probs_of_the_dynamic_cache(
     student = lora_student(args)
     out = {}
     for static in (False, True):
-        config, _ = g.generation_configs(processor.tokenizer, student, args, static_cache=static)
+        config, _ = g.generation_configs(processor.tokenizer, student, args)
+        if static:
+            fast.static_cache(config, args)
         assert (getattr(config, "cache_implementation", None) == "static") is static
         sampling = g.Sampling(config, fast.draw_tokens)
         generator = torch.Generator().manual_seed(3)
@@ -239,23 +241,25 @@ def test_the_frozen_vision_tower_stays_out_of_the_backward(untrained_models):
     torch.testing.assert_close(grads[True], grads[False], atol=1e-6, rtol=1e-5)
 
 
-def launch(device: str, distributed: str = "NO", processes: int = 1):
-    return types.SimpleNamespace(device=torch.device(device), distributed_type=distributed, num_processes=processes)
+def speedups_off(args, device: str, distributed: str = "NO", processes: int = 1) -> dict:
+    """What fast.plug_in leaves off in a launch: its rows are a process's rollouts per step."""
+    rows = args.prompts_per_step * args.num_generations // processes
+    return fast.speedups_off(args, device, distributed == "FSDP", rows)
 
 
 def test_which_rollout_speed_ups_a_launch_runs_and_why_not():
     args = g.Args(prompts_per_step=32, num_generations=4, generation_batch_size=16)
-    assert g.speedups_off(args, launch("cpu")) == {
+    assert speedups_off(args, "cpu") == {
         "static_cache": fast.OFF_AUTO["static_cache"][1],
         "varlen_vision": fast.OFF_AUTO["varlen_vision"][1],
     }
-    assert g.speedups_off(args, launch("cuda")) == {"share_prompt_prefix": fast.OFF_AUTO["share_prompt_prefix"][1]}
+    assert speedups_off(args, "cuda") == {"share_prompt_prefix": fast.OFF_AUTO["share_prompt_prefix"][1]}
     forced = dataclasses.replace(args, static_cache="true", varlen_vision="true", share_prompt_prefix="true")
-    assert g.speedups_off(forced, launch("cpu")) == {}  # true runs them on a CPU too
-    sharded = g.speedups_off(args, launch("cuda", "FSDP", 2))
+    assert speedups_off(forced, "cpu") == {}  # true runs them on a CPU too
+    sharded = speedups_off(args, "cuda", "FSDP", 2)
     assert "sharded" in sharded["merged_sampling"] and "sharded" in sharded["static_cache"]
-    assert "no adapter" in g.speedups_off(dataclasses.replace(args, lora_r=0), launch("cuda"))["merged_sampling"]
-    uneven = g.speedups_off(dataclasses.replace(args, generation_batch_size=48), launch("cuda"))
+    assert "no adapter" in speedups_off(dataclasses.replace(args, lora_r=0), "cuda")["merged_sampling"]
+    uneven = speedups_off(dataclasses.replace(args, generation_batch_size=48), "cuda")
     assert "does not divide 128 rows" in uneven["static_cache"]
     off = dataclasses.replace(args, merged_sampling="false", static_cache="false", varlen_vision="false")
-    assert "static_cache" not in g.speedups_off(off, launch("cpu"))  # what is not asked for is not reported off
+    assert "static_cache" not in speedups_off(off, "cpu")  # what is not asked for is not reported off
