@@ -981,7 +981,10 @@ def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: di
     plain = lean_forward(script["sequence_inputs"]) if asked("lean_logps") else script["response_logps"]
     if asked("share_prompt_prefix"):
         n, device = accelerator.num_processes, accelerator.device
-        agree = lambda ok: accelerator.reduce(torch.tensor(float(ok), device=device), reduction="sum").item() == n  # noqa: E731
+
+        def agree(ok: bool) -> bool:  # every process takes the same decision
+            return accelerator.reduce(torch.tensor(float(ok), device=device), reduction="sum").item() == n
+
         reason = off.get("share_prompt_prefix") or (sharded and "the weights are sharded: each forward gathers them")
         teacher = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else reason
         reasons = {"student": reason, "rollout": reason, "teacher": teacher}
