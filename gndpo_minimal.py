@@ -1105,9 +1105,10 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
         columns[flag] = next((c for c in names if c in ds.column_names), None)
         if columns[flag] is None and (flag != "answer_column" or (need_answer and not default)):
             also = f" nor {', '.join(map(repr, names[1:]))}" if names[1:] else ""
-            raise ValueError(
+            other = "" if formats else " (TRL's and LLaVA's columns need the optional module gndpo_data.py)"
+            raise UsageError(
                 f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
-                f"{ds.column_names}: pass {flag_prefix}{flag} with one of them"
+                f"{ds.column_names}: pass {flag_prefix}{flag} with one of them{other}"
             )
     if len(names := list(teacher_paths(args))) > 1:  # several teachers: every row names its own
         several.check_teacher_column(ds, args.teacher_column, names, split)

@@ -223,6 +223,24 @@ def test_llava_conversations_are_cut_to_the_first_turn_with_its_answer(data, pro
     assert [r[2] for r in g.load_eval_rows(args, processor, log=None)] == ["one"] * 3
 
 
+def test_the_plain_layout_needs_no_module_and_another_names_the_one_it_needs(data, processor, monkeypatch):
+    """The script reads the plain layout (an image column, a question column of text) itself: without gndpo_data the
+    default data still loads, while chat prompts stop before any row is checked, naming the module."""
+    monkeypatch.setattr(g, "formats", None)
+    args = g.Args(max_train_samples=8)
+    ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=8, log=None)
+    row = ds[keep[0]]
+    assert isinstance(row["question"], str) and len(g.row_images(row, "image")) == 1
+    assert g.build_messages(row["question"], 1, "Box it.") == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": row["question"] + "\nBox it."}]}
+    ]
+    chat = g.Args(dataset_name=data["trl.parquet"])
+    with pytest.raises(g.UsageError, match="gndpo_data.py"):
+        g.prepare_split(g.load_split(chat, "train"), chat, processor, "train", log=None)
+    with pytest.raises(g.UsageError, match="gndpo_data.py"):
+        g.build_messages("<image> How many?", 1)
+
+
 def test_evaluation_without_answers_is_skipped_or_stops_when_asked_for(data, processor):
     lines = []
     args = g.Args(dataset_name=data["no_answers"])  # the default --num_eval_samples: evaluation not asked for

@@ -12,7 +12,16 @@ import pytest
 import gndpo_minimal as g
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROJECT_MODULES = ("gndpo_fast", "gndpo_teachers", "gndpo_extras", "estimate_memory", "worlds", "tutorials", "bench")
+PROJECT_MODULES = (
+    "gndpo_fast",
+    "gndpo_teachers",
+    "gndpo_extras",
+    "gndpo_data",
+    "estimate_memory",
+    "worlds",
+    "tutorials",
+    "bench",
+)
 FLAGS = [
     "--max_steps",
     "2",
