@@ -728,8 +728,10 @@ class PrefixSharing:
                 "rollout", _unwrap(models.student), rollout, models.ignore_ids, args.temperature, held_back
             )
             resample = not self.decided["rollout"]
-        if self.decided["teacher"] is None:  # several teachers: shared only where every one passes
-            teachers = list(models.teacher.values()) if isinstance(models.teacher, dict) else [models.teacher]
+        teachers = list(models.teacher.values()) if isinstance(models.teacher, dict) else [models.teacher]
+        # several teachers: shared only where every one passes; a teacher that is no model of its own (the
+        # self-teacher's starting weights) is checked where it first scores, on its own prompts
+        if self.decided["teacher"] is None and all(isinstance(t, torch.nn.Module) for t in teachers):
             self.decided["teacher"] = all(self.check("teacher", t, rollout, models.ignore_ids) for t in teachers)
         if self.decided["student"] is None:
             self.decided["student"] = self.check(
@@ -781,7 +783,10 @@ class PrefixSharing:
         valid = rollout.response_mask.bool()
         try:
             if rollout.extra.get("prompt_index") is None:
-                raise ValueError("the rollouts carry no distinct prompts (--share_prompt_prefix off when made)")
+                raise ValueError(
+                    "the rollouts carry no distinct prompts (the model reads prompts of its own, or "
+                    "--share_prompt_prefix was off when they were made)"
+                )
             if role == "rollout":
                 with torch.no_grad(), _dropout_off(model):
                     plain = self.plain(model, rollout, ignore_ids, temperature)

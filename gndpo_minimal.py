@@ -97,9 +97,18 @@ class Args:
     student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student checkpoint: Hub id or path.")
     teacher_model: str = arg(
         os.path.join(HERE, "assets/tiny/teacher"),
-        "Teacher checkpoint (the student's tokenizer); several: name=path pairs, comma-separated (gndpo_teachers.py).",
+        "Teacher checkpoint (the student's tokenizer); several: name=path pairs; self (gndpo_teachers.py).",
     )
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
+    # --- the self-teacher (--teacher_model self): the student's starting weights, reading privileged context ---
+    privileged_column: str | None = arg(
+        None, "Self-teacher: the column of context its prompt holds (answer, solution)."
+    )
+    privileged_template: str = arg("\n\nReference solution: {context}", "Appended to the teacher's user turn.")
+    privileged_source: str = arg("own", "own (OPSD) | other: another prompt's (OP2SD) | none: the plain self-teacher.")
+    max_teacher_prompt_length: int = arg(
+        1024, "Skip (and count) rows whose teacher prompt, context included, is longer."
+    )
     shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers.py).")
     dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
@@ -372,6 +381,7 @@ class StepPrompts:
     group_ids: list[int]  # (n,) each row's prompt id, unique over the run
     answers: list  # (n,) each row's reference answer, None where the data has none
     teachers: list[str] | None = None  # several teachers: (n,) each row's teacher name (its --teacher_column)
+    contexts: list | None = None  # the self-teacher: (n,) each row's privileged context (its --privileged_column)
 
 
 # --- The step: prompts -> rollouts -> scores and advantages -> student update
@@ -381,7 +391,7 @@ def step_prompts(
     train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1, process_index: int = 0
 ) -> StepPrompts:
     """This process's share of the step's B prompts, each repeated G times, and the step's sampling seed."""
-    prompts, group_ids, answers, teachers = [], [], [], []
+    prompts, group_ids, answers, teachers, contexts = [], [], [], [], []
     for group_id, position in process_prompts(
         step, len(train_keep), args.prompts_per_step, args.seed, num_processes, process_index
     ):
@@ -390,6 +400,7 @@ def step_prompts(
         group_ids += [group_id] * args.num_generations
         answers += [row[args.answer_column]] * args.num_generations
         teachers += [row.get(args.teacher_column)] * args.num_generations
+        contexts += [row.get(args.privileged_column)] * args.num_generations
     return StepPrompts(
         step,
         step_seed(args.seed, step, process_index),
@@ -397,6 +408,7 @@ def step_prompts(
         group_ids,
         answers,
         teachers if len(teacher_paths(args)) > 1 else None,
+        contexts if args.privileged_column else None,
     )
 
 
@@ -1113,6 +1125,13 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
     if len(names := list(teacher_paths(args))) > 1:  # several teachers: every row names its own
         several.check_teacher_column(ds, args.teacher_column, names, split)
         columns["teacher_column"] = args.teacher_column
+    if args.privileged_column:  # the self-teacher's context
+        if args.privileged_column not in ds.column_names:
+            raise UsageError(
+                f"the {split!r} split has no column {args.privileged_column!r} (--privileged_column); its columns "
+                f"are {ds.column_names}: pass --privileged_column with the one that holds the context"
+            )
+        columns["privileged_column"] = args.privileged_column
     return columns
 
 
@@ -1145,8 +1164,9 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str] |
             args.image_column: [v if isinstance(v, list) else [v] for v in examples[columns["image_column"]]],
             args.answer_column: [str(a) if a is not None and str(a).strip() else None for a in answers],
         }
-    if "teacher_column" in columns:  # several teachers: each row's
-        out[args.teacher_column] = list(examples[columns["teacher_column"]])
+    for key in ("teacher_column", "privileged_column"):  # several teachers' names, the self-teacher's context
+        if key in columns and columns[key] not in out:
+            out[columns[key]] = list(examples[columns[key]])
     return out
 
 
@@ -1175,8 +1195,9 @@ def prepare_split(
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
         log(formats.describe(split, columns, chat))
     n, keep, missing, block = min(len(ds), limit) if limit else len(ds), [], 0, 64  # block: rows per processor call
+    privileged = ["no_privileged_context", "teacher_prompt_too_long"] if args.privileged_column else []
     skipped = dict.fromkeys(
-        ["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"] + ["no_answer"] * need_answer, 0
+        ["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"] + ["no_answer"] * need_answer + privileged, 0
     )
     for start in tqdm(range(0, n, block), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
         good, notes = [], []  # (row index, prompt, images); skip lines, logged once the block is judged
@@ -1185,11 +1206,14 @@ def prepare_split(
             try:
                 if need_answer and row[args.answer_column] is None:
                     raise ValueError("no reference answer")
+                reason, context = "no_privileged_context", row.get(args.privileged_column)
+                if args.privileged_column and several.context_text(context) is None:
+                    raise ValueError(f"no privileged context in column {args.privileged_column!r}")
                 reason = "no_or_unreadable_image"
                 images = row_images(row, args.image_column)
                 reason = "unusable_prompt"  # neither text nor chat, <image> markers that do not match the images, ...
                 build_messages(row[args.question_column], len(images), args.instruction)
-                good.append((i, row[args.question_column], images))
+                good.append((i, row[args.question_column], images, context))
             except ValueError as e:
                 skipped[reason] += 1
                 missing += isinstance(e.__cause__, FileNotFoundError)
@@ -1206,11 +1230,7 @@ def prepare_split(
             )
         for note in notes if log else ():
             log(note)
-        if good:
-            inputs = encode_prompts(processor, [(q, imgs) for _, q, imgs in good], args.instruction)
-            too_long = (inputs["attention_mask"].sum(1) > args.max_prompt_length).tolist()
-            skipped["prompt_too_long"] += sum(too_long)
-            keep += [i for (i, _, _), long in zip(good, too_long) if not long]
+        keep += fitting(processor, good, args, skipped) if good else []
     if log and skipped["prompt_too_long"]:
         log(
             f"skipping {skipped['prompt_too_long']} {split} rows whose prompt is longer than "
@@ -1222,12 +1242,30 @@ def prepare_split(
             "unusable_prompt": "{0}question_column",
             "prompt_too_long": "--max_prompt_length",
             "no_answer": "{0}answer_column",
+            "no_privileged_context": "--privileged_column",
+            "teacher_prompt_too_long": "--max_teacher_prompt_length",
         }
         raise ValueError(
             f"no usable row in the {split!r} split ({skipped}): check "
             + ", ".join(fixes[k].format(flag_prefix) for k, v in skipped.items() if v)
         )
     return ds, keep, skipped
+
+
+def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int]:
+    """The rows of `good` [(index, prompt, images, context)] whose prompt fits --max_prompt_length and, for a
+    self-teacher reading privileged context, whose teacher prompt (the row's own context placed) fits
+    --max_teacher_prompt_length: never cut to the student's bound. Counts the others in `skipped`."""
+    rows = [(q, imgs) for _, q, imgs, _ in good]
+    fits = encode_prompts(processor, rows, args.instruction)["attention_mask"].sum(1) <= args.max_prompt_length
+    skipped["prompt_too_long"] += int((~fits).sum())
+    if args.privileged_column and args.privileged_source != "none":
+        place = lambda q, c: several.privileged_prompt(q, several.context_text(c), args.privileged_template)  # noqa: E731
+        placed = [(place(q, c), imgs) for _, q, imgs, c in good]
+        lengths = encode_prompts(processor, placed, args.instruction)["attention_mask"].sum(1)
+        skipped["teacher_prompt_too_long"] += int((fits & (lengths > args.max_teacher_prompt_length)).sum())
+        fits &= lengths <= args.max_teacher_prompt_length
+    return [i for (i, *_), ok in zip(good, fits.tolist()) if ok]
 
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
@@ -1259,6 +1297,7 @@ def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     return [
         (row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
         + ((row[e.teacher_column],) if "teacher_column" in columns else ())
+        + ((row[e.privileged_column],) if "privileged_column" in columns else ())
         for row in map(ds.__getitem__, keep)
     ]
 
@@ -1495,7 +1534,8 @@ class UsageError(ValueError):
 # each numeric flag's lowest value: 1, 0, or -1 for "above 0"
 RANGES = dict.fromkeys(
     "steps_per_generation num_iterations prompts_per_step num_generations micro_batch_size max_steps max_new_tokens "
-    "max_prompt_length max_consecutive_skips process_timeout_minutes save_total_limit".split(),
+    "max_prompt_length max_consecutive_skips process_timeout_minutes save_total_limit "
+    "max_teacher_prompt_length".split(),
     1,
 )
 RANGES |= dict.fromkeys(
@@ -1605,6 +1645,8 @@ def check_args(args: Args, num_processes: int) -> int:
         f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
         "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation",
     )
+    if args.teacher_model == "self" or args.privileged_column:  # the self-teacher's flags, together
+        problems += needs(several, "gndpo_teachers", "--teacher_model self").check_self_teacher(args, num_processes)
     problems += check_paths(args)
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
@@ -1690,7 +1732,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
-    paths = teacher_paths(args)
+    self_teacher = args.teacher_model == "self"  # the student's starting weights: no teacher of its own to load
+    paths = {} if self_teacher else teacher_paths(args)
     for name, path in paths.items():
         teacher_processor = AutoProcessor.from_pretrained(path)
         try:
@@ -1706,17 +1749,24 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     dtype = resolve_dtype(args.dtype, accelerator.device)
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
+    if self_teacher:  # LoRA: the student itself, its adapter disabled; full fine-tuning: a frozen copy, counted
+        copy = None if args.lora_r else load_student(args, dtype).eval().requires_grad_(False).to(accelerator.device)
+        teachers = {"self": copy or student}
     if args.shard_teacher and accelerator.num_processes > 1:
         sharded = several.shard_frozen(
             next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes
         )
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    teacher = f"{args.teacher_model}{' in 4-bit nf4' if args.teacher_4bit else ''}"
+    if self_teacher:  # in the student's precision: --teacher_4bit does not apply
+        size = sum(p.numel() for p in teachers["self"].parameters()) / 1e6
+        teacher = "self: the student with its adapter disabled" if args.lora_r else f"self: a frozen copy ({size:.2f}M)"
     log(
         f"student {args.student_model}: {trainable / 1e6:.3f}M trainable "
         f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}) of "
-        f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {args.teacher_model}"
-        f"{' in 4-bit nf4' if args.teacher_4bit else ''}; {accelerator.num_processes} process(es), "
+        f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {teacher}; "
+        f"{accelerator.num_processes} process(es), "
         f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
         f"micro-batch(es) of {args.micro_batch_size} per step"
     )
@@ -1758,6 +1808,9 @@ def startup_line(args: Args, accelerator, student, off: dict | None = None) -> s
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
     device = accelerator.device
     teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    teacher = (
+        "self, the student's precision (--teacher_4bit does not apply)" if args.teacher_model == "self" else teacher
+    )
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     off = off or {}
     on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag) and flag not in off]
@@ -1830,6 +1883,12 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
         off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log)
     models.teacher_forward = models.teacher_forward or response_logps
     log(startup_line(args, accelerator, student, off))
+    if args.teacher_model == "self":  # the self-teacher (gndpo_teachers): the starting weights, with the context
+        encode = lambda rows, device: pixels_on_host(encode_prompts(processor, rows, args.instruction), device)  # noqa: E731
+        start = several.StartingWeights(unwrap(teacher), lora=args.lora_r > 0)
+        plugin = several.SelfTeacher(start, encode, args.privileged_template, args.privileged_source)
+        models.teacher, models.teacher_forward = start, plugin.forward(models.teacher_forward)
+        models.plugins.append(plugin)
     if len(teachers) > 1:  # several teachers (gndpo_teachers): each row routed to its own, scored by it alone
         encode = lambda part, *rest: encode_rollout_prompts(processor, part, *rest[:2], args, *rest[2:])  # noqa: E731
         plugin = several.SeveralTeachers(teachers, encode, spread)

@@ -14,6 +14,7 @@ evaluate, the prompt encoder, the whitening) as arguments. The method is GNDPO
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -253,3 +254,160 @@ def shard_frozen(model, device_type: str, num_processes: int) -> int:
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     return len(layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-teacher (--teacher_model self): the student's own starting weights, reading privileged context
+# ---------------------------------------------------------------------------------------------
+
+SELF = "self"  # --teacher_model's value for the self-teacher
+SOURCES = ("own", "other", "none")  # --privileged_source: the row's own context (OPSD), another prompt's (OP2SD), none
+
+
+def context_text(context) -> str | None:
+    """A privileged context cell as text: a string, a number, or chat messages (their text contents joined, roles
+    named; never str() of the list); None when it holds no text."""
+    if isinstance(context, (list, tuple)):
+        parts = []
+        for m in context:
+            content = m.get("content", m.get("value")) if isinstance(m, dict) else m
+            if isinstance(content, (list, tuple)):
+                content = "\n".join(i.get("text") or "" for i in content if isinstance(i, dict))
+            role = m.get("role") or m.get("from") if isinstance(m, dict) else None
+            if isinstance(content, str) and content.strip():
+                parts.append(f"{role}: {content}" if role and len(context) > 1 else content)
+        context = "\n".join(parts)
+    text = None if context is None else str(context)
+    return text if text and text.strip() else None
+
+
+def privileged_prompt(prompt, context: str, template: str):
+    """The teacher's prompt: `prompt` (text or chat messages) with template.format(context=context) appended to its
+    user turn's text, so the context sits inside the user turn, before the assistant marker."""
+    extra = template.format(context=context)
+    if isinstance(prompt, str):
+        return prompt + extra
+    messages = [dict(m) for m in prompt]
+    last = messages[-1]
+    if isinstance(last.get("content"), str):
+        last["content"] = last["content"] + extra
+    else:
+        items = list(last.get("content") or [])
+        if items and isinstance(items[-1], dict) and items[-1].get("type") == "text":
+            items[-1] = {**items[-1], "text": (items[-1].get("text") or "") + extra}
+        else:
+            items.append({"type": "text", "text": extra.lstrip("\n")})
+        last["content"] = items
+    return messages
+
+
+def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
+    """Each row's context under --privileged_source: own (the row's), other (the next distinct prompt's of the
+    batch, cyclically: the G rows of one prompt share one context, never their own), none (None)."""
+    if source == "none":
+        return [None] * len(contexts)
+    if source == "own":
+        return list(contexts)
+    first = {}
+    for context, group in zip(contexts, group_ids):
+        first.setdefault(group, context)
+    groups = list(first)
+    if len(groups) < 2:
+        raise ValueError("--privileged_source other needs at least 2 distinct prompts on each process")
+    shifted = {g: first[groups[(k + 1) % len(groups)]] for k, g in enumerate(groups)}
+    return [shifted[g] for g in group_ids]
+
+
+def check_self_teacher(args, num_processes: int) -> list[str]:
+    """The problems with a self-teacher's flags, each a line naming the flag and the fix."""
+    problems = []
+    if "=" in args.teacher_model and SELF in [p.split("=", 1)[-1].strip() for p in args.teacher_model.split(",")]:
+        problems.append("--teacher_model self is one teacher, the student itself: it does not mix with several")
+    if args.privileged_column and args.teacher_model != SELF:
+        problems.append("--privileged_column feeds the self-teacher's prompt: it needs --teacher_model self")
+    if "{context}" not in args.privileged_template:
+        problems.append(f"--privileged_template {args.privileged_template!r} holds no {{context}} placeholder")
+    if args.privileged_source not in SOURCES:
+        problems.append(f"--privileged_source {args.privileged_source!r} is not one of {SOURCES}")
+    if args.teacher_model == SELF and args.privileged_source != "none" and not args.privileged_column:
+        problems.append("--teacher_model self reads privileged context: name its column with --privileged_column")
+    other = args.privileged_source == "other" and args.teacher_model == SELF
+    if other and args.prompts_per_step // max(num_processes, 1) < 2:
+        problems.append(
+            "--privileged_source other takes another prompt's context: --prompts_per_step needs 2 per process"
+        )
+    if args.teacher_model == SELF and args.shard_teacher:
+        problems.append("--shard_teacher shards a teacher of its own; the self-teacher is the student")
+    return problems
+
+
+class StartingWeights:
+    """The self-teacher as the step sees it (the script's Models.teacher): `model`, the student's starting weights.
+    lora: the student itself, read with its adapter disabled (no second copy); else a frozen copy."""
+
+    def __init__(self, model, lora: bool):
+        self.model, self.lora = model, lora
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Within it self.model computes as the starting weights, in eval mode (no dropout); restored after."""
+        was_training = self.model.training
+        adapter_off = self.model.disable_adapter() if self.lora else contextlib.nullcontext()
+        try:
+            with adapter_off:
+                yield self.model.eval()
+        finally:
+            self.model.train(was_training)
+
+
+class SelfTeacher:
+    """The plug-in behind --teacher_model self (the script's Models.plugins): the teacher is the student's frozen
+    starting weights (StartingWeights) reading the student's prompt with the privileged context appended to its user
+    turn (privileged_prompt); the response ids are the rollout's own, after that prompt. encode(prompts, device) ->
+    a processor batch (the script's encode_prompts, pixels on the host); template and source: --privileged_template
+    and --privileged_source."""
+
+    def __init__(self, teacher: StartingWeights, encode: Callable, template: str, source: str):
+        self.teacher, self.encode, self.template, self.source = teacher, encode, template, source
+
+    def prompts(self, prompts: list, contexts: list) -> list:
+        """(prompt, images) pairs with each row's context placed (a row without one keeps its prompt)."""
+        texts = [None if c is None else context_text(c) for c in contexts]
+        return [
+            (q if c is None else privileged_prompt(q, c, self.template), imgs) for (q, imgs), c in zip(prompts, texts)
+        ]
+
+    def route(self, prompts, rollouts: list) -> list:
+        """After sampling: each micro-batch's teacher prompts, encoded (rollout.extra["teacher_inputs"])."""
+        if self.source == "none":  # the plain self-teacher reads the student's own prompt
+            return rollouts
+        contexts, start = row_contexts(prompts.contexts, prompts.group_ids, self.source), 0
+        for r in rollouts:
+            n = r.response_ids.shape[0]
+            rows = self.prompts(prompts.prompts[start : start + n], contexts[start : start + n])
+            r.extra["teacher_inputs"] = self.encode(rows, r.response_ids.device)
+            start += n
+        return rollouts
+
+    def forward(self, forward: Callable) -> Callable:
+        """The teacher's scoring forward: forward(model, rollout, ignore_ids) on the teacher's prompts, in the
+        starting weights."""
+
+        def self_teacher(teacher: StartingWeights, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
+            if "teacher_inputs" in rollout.extra:  # the distinct prompts are the student's: the teacher reads its own
+                extra = {k: v for k, v in rollout.extra.items() if k not in ("prompt_inputs", "prompt_index")}
+                rollout = dataclasses.replace(rollout, row_inputs=rollout.extra["teacher_inputs"], extra=extra)
+            with teacher.reading() as model:
+                return forward(model, rollout, ignore_ids)
+
+        return self_teacher
+
+    def evaluate(self, one: Callable, model, rows: list[tuple]) -> dict:
+        """one(model, rows) on the eval rows; the teacher reads each row's own context (row[3]) in its weights."""
+        if model is not self.teacher:
+            return one(model, rows)
+        if self.source != "none":
+            contexts = [row[3] if len(row) > 3 else None for row in rows]
+            rows = [(*pair, *row[2:]) for pair, row in zip(self.prompts([r[:2] for r in rows], contexts), rows)]
+        with self.teacher.reading() as inner:
+            return one(inner, rows)
