@@ -19,10 +19,11 @@ a time, per process, counting what today's code allocates:
   resident    the student's weights (full fine-tuning on a GPU: float32 master weights, computed in bf16 through
               Accelerate's mixed precision), the optimizer state (AdamW's two float32 moments of what trains; a
               LoRA adapter's own float32 weights), the teacher (bf16 or nf4, one replica per process; with
-              --shard_teacher 1 / N of its blocks plus its whole embeddings and head), the CUDA context; under
-              --sharding fsdp the student's share is 1 / N plus the units FSDP2 gathers: two blocks and, whole,
-              everything outside the blocks (the embeddings; the LM head, whose unit stays gathered from a forward
-              to its backward)
+              --shard_teacher 1 / N of its blocks plus its whole embeddings and head; --teacher_model self: none for
+              a LoRA student, whose weights serve with the adapter disabled, else a frozen copy of the student in
+              its dtype), the CUDA context; under --sharding fsdp the student's share is 1 / N plus the units FSDP2
+              gathers: two blocks and, whole, everything outside the blocks (the embeddings; the LM head, whose unit
+              stays gathered from a forward to its backward)
   rollout     one generate() call over a generation batch, at its highest of: the vision tower over the prompts'
               images (float32 rotary copies in Qwen-VL's attention); the prompts' forward beside the KV cache it
               fills (a static cache, --static_cache, whole: every row at max_prompt_length + max_new_tokens
@@ -31,10 +32,11 @@ a time, per process, counting what today's code allocates:
               cache with the sampler's (n, V) float32 rows. A hybrid model's linear-attention layers keep a
               fixed-size state; under FSDP2 the all-gather buffer of the largest unit a forward gathers
   teacher_eval the teacher's greedy evaluation before training (a dynamic cache), likewise
-  scoring     the teacher's forward on prompt + response: the vision tower, or a decoder layer's working set over
-              every token with what the tower left; with --lean_logps no (n, R, V) logits: head_logps makes them
-              chunk by chunk (TRL's tile on CUDA); with --share_prompt_prefix the prompt once and its cache
-              indexed to the rows
+  scoring     the teacher's forward on prompt + response (a self-teacher's prompt, holding its privileged context, up
+              to max_teacher_prompt_length tokens; the same in teacher_eval): the vision tower, or a decoder layer's
+              working set over every token with what the tower left; with --lean_logps no (n, R, V) logits:
+              head_logps makes them chunk by chunk (TRL's tile on CUDA); with --share_prompt_prefix the prompt once
+              and its cache indexed to the rows
   update      the student's forward/backward and its gradients: checkpointed activations (one hidden state per
               layer, and a recomputed layer's backward: LAYER_BACKWARD_FACTOR times its saved tensors) or all of
               them; the frozen vision tower runs forward once and keeps nothing (vision_in_backward: what it kept
@@ -79,6 +81,7 @@ import gndpo_fast as fast
 from gndpo_extras import UPDATE_SIZE_CHUNK
 from gndpo_fast import check_rollout, head_logps
 from gndpo_minimal import speedup_on
+from gndpo_teachers import SELF
 
 
 def script_default(fn, name: str):
@@ -442,6 +445,8 @@ class RunSizes:
     param_b: int  # bytes per element of the student's weights
     P: int  # prompt tokens
     R: int  # response tokens
+    Pt: int  # the teacher's prompt tokens: P, or a self-teacher's own bound where it reads privileged context
+    self_teacher: bool  # --teacher_model self: the teacher is the student's starting weights
     mb: int  # micro-batch rows
     G: int  # rows per prompt
     student: object  # the student's meta model, its requires_grad as training sets it
@@ -473,11 +478,48 @@ class RunSizes:
         return self.P + self.R
 
 
+def self_teacher(args) -> bool:
+    """--teacher_model self (gndpo_teachers.SelfTeacher): the teacher is the student's starting weights, in the
+    student's dtype (--teacher_4bit does not apply): for a LoRA student the student itself with its adapter disabled
+    (no weights of its own), under full fine-tuning a frozen copy loaded from --student_model."""
+    return args.teacher_model == SELF
+
+
+def teacher_reads_context(args) -> bool:
+    """Whether the teacher reads prompts of its own: a self-teacher given privileged context (--privileged_source
+    own or other). Each row's prompt then holds its context, so the teacher reads every row's prompt (no distinct
+    prompts to share), up to --max_teacher_prompt_length tokens."""
+    return self_teacher(args) and args.privileged_source != "none"
+
+
+def teacher_nf4(args) -> bool:
+    """Whether the teacher's weights are nf4: --teacher_4bit, which a self-teacher ignores."""
+    return args.teacher_4bit and not self_teacher(args)
+
+
+def teacher_prompt_length(args, prompt: int) -> int:
+    """The teacher's prompt tokens beside the student's `prompt`: a self-teacher reading privileged context has its
+    own bound, --max_teacher_prompt_length (never cut to the student's); its images are the student's, so its image
+    tokens stay within `prompt`. Every other teacher reads the student's prompt."""
+    return args.max_teacher_prompt_length if teacher_reads_context(args) else prompt
+
+
+def teacher_label(args) -> str:
+    """The teacher in a few words: its name and precision, or what a self-teacher is."""
+    if self_teacher(args):
+        return "self: the student, its adapter disabled" if args.lora_r else "self: a frozen copy of the student"
+    return f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'})"
+
+
 def teacher_bytes(args, teachers: list, teacher, teacher_params: int, b: int, N: int) -> tuple[dict, int]:
     """(the weight bytes of every teacher a process holds, the bytes a sharded teacher's forward gathers). Several
     teachers (name=path pairs): every process holds all of them. --shard_teacher (16-bit only): shard_frozen
     divides the teacher's blocks over the N processes and keeps its embeddings and LM head whole; a forward
-    gathers one block at a time (and prefetches the next)."""
+    gathers one block at a time (and prefetches the next). A self-teacher (`teacher` is then the student's meta
+    model): none for a LoRA student, whose own weights serve; a whole copy of the student in its dtype, on every
+    process, under full fine-tuning."""
+    if self_teacher(args):
+        return {"bytes": 0 if args.lora_r else teacher_params * b}, 0
     numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
     for other in teachers:
@@ -507,23 +549,26 @@ def run_sizes(
     num_processes: int,
     sharding: str,
     device: str,
-    lengths: tuple[int, int] | None,
+    lengths: tuple[int, ...] | None,
     vision_in_backward: bool = False,
 ) -> RunSizes:
     """The RunSizes of estimate()'s arguments, from the meta models. The order matters: trainable_params freezes
-    the student's vision tower, and a 4-bit teacher's layers are replaced after its shapes are read."""
+    the student's vision tower, and a 4-bit teacher's layers are replaced after its shapes are read. A self-teacher's
+    shape is the student's (its model config; no path to read)."""
     from gndpo_minimal import teacher_paths
 
     N, shard = num_processes, num_processes if sharding == "fsdp" else 1
     cuda = device == "cuda"
     b = dtype_bytes(args.dtype, device)
     mixed = args.lora_r == 0 and args.dtype == "auto" and cuda
-    P, R = lengths or (args.max_prompt_length, args.max_new_tokens)
+    P, R = lengths[:2] if lengths else (args.max_prompt_length, args.max_new_tokens)
+    Pt = lengths[2] if lengths and len(lengths) > 2 else P if lengths else teacher_prompt_length(args, P)
     G = args.num_generations
-    # a phase's bound is the largest teacher's
-    teachers = [meta_model(path) for path in teacher_paths(args).values()]
     numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    student, teacher = meta_model(args.student_model), max(teachers, key=numel)
+    student = meta_model(args.student_model)
+    # a phase's bound is the largest teacher's
+    teachers = [student] if self_teacher(args) else [meta_model(path) for path in teacher_paths(args).values()]
+    teacher = max(teachers, key=numel)
     s, t = text_shape(student), text_shape(teacher)
     sv, tv = vision_shape(student), vision_shape(teacher)
     lora = lora_layers(student, args.lora_target_modules) if args.lora_r else []
@@ -548,6 +593,8 @@ def run_sizes(
         param_b=4 if mixed else b,
         P=P,
         R=R,
+        Pt=Pt,
+        self_teacher=self_teacher(args),
         mb=args.micro_batch_size,
         G=G,
         student=student,
@@ -905,18 +952,25 @@ def phase_rollout(r: RunSizes) -> int:
 def phase_teacher_eval(r: RunSizes) -> int:
     """The teacher's greedy evaluation before training (generate() on a dynamic cache: the static one is the
     rollouts'): its prompts' forward while their cache grows, then the cache at full length with one float32 row of
-    logits per sequence and, in 4 bits, a layer's weight dequantized at each step."""
-    t, evals, b = r.t, r.evals, r.b
-    prompts = no_grad_forward(
-        r, t, r.tv, evals, r.P, evals, cache=kv_cache(t, evals, r.P, b), dequantized=r.dequantized
-    )
-    decode = kv_cache(t, evals, r.T, b) + device_pixels(r, evals) + evals * t["vocab"] * 4 + r.dequantized
+    logits per sequence and, in 4 bits, a layer's weight dequantized at each step. A self-teacher's prompts hold
+    their context (up to r.Pt tokens)."""
+    t, evals, b, Pt = r.t, r.evals, r.b, r.Pt
+    prompts = no_grad_forward(r, t, r.tv, evals, Pt, evals, cache=kv_cache(t, evals, Pt, b), dequantized=r.dequantized)
+    decode = kv_cache(t, evals, Pt + r.R, b) + device_pixels(r, evals) + evals * t["vocab"] * 4 + r.dequantized
     return max(prompts, decode) + r.teacher_gathered
 
 
 def phase_scoring(r: RunSizes) -> int:
-    """The teacher's scoring forward of one micro-batch."""
-    return scoring_forward(r, r.t, r.tv, r.mb, r.P, r.R, r.share, r.dequantized) + r.teacher_gathered
+    """The teacher's scoring forward of one micro-batch. A self-teacher runs on the student's weights (LoRA: its
+    adapter disabled) in the student's dtype, over prompts of up to r.Pt tokens; reading privileged context, it reads
+    every row's prompt (they hold the context); without, where prompts are shared, its check runs both forwards on
+    its first micro-batch (the start-up checks skip it: it is no model of its own)."""
+    forward = lambda shared: (  # noqa: E731
+        scoring_forward(r, r.t, r.tv, r.mb, r.Pt, r.R, shared, r.dequantized) + r.teacher_gathered
+    )
+    if not r.self_teacher:
+        return forward(r.share)
+    return max(forward(False), forward(True) if r.share and not teacher_reads_context(r.args) else 0)
 
 
 def phase_check(r: RunSizes) -> int:
@@ -926,9 +980,9 @@ def phase_check(r: RunSizes) -> int:
         return 0
     t, tv, P, dequantized = r.t, r.tv, r.P, r.dequantized
     n_c, R_c = CHECK_PROMPTS * r.G, min(r.R, CHECK_TOKENS)
-    roles = [
-        scoring_forward(r, t, tv, n_c, P, R_c, False, dequantized) + r.teacher_gathered,
-        scoring_forward(r, t, tv, n_c, P, R_c, True, dequantized) + r.teacher_gathered,
+    roles = [  # a self-teacher is checked where it first scores (phase_scoring)
+        scoring_forward(r, t, tv, n_c, P, R_c, shared, dequantized) + r.teacher_gathered
+        for shared in ((False, True) if not r.self_teacher else ())
     ]
     if r.student_shared:  # the student's plain forward, then both forwards' gradients flattened to float32
         unmerged = adapters_on_mlp(r)  # the rollout's check: the plain forward reads the adapters unmerged
@@ -942,7 +996,7 @@ def phase_check(r: RunSizes) -> int:
                 2 * flat + grads,
             )
         )
-    return max(roles) + host_pixels(r, n_c + CHECK_PROMPTS)
+    return max(roles) + host_pixels(r, n_c + CHECK_PROMPTS) if roles else 0
 
 
 def resident_state(r: RunSizes) -> tuple[int, int, int]:
@@ -961,7 +1015,7 @@ def estimate(
     num_processes: int = 1,
     sharding: str = "none",
     device: str = "cuda",
-    lengths: tuple[int, int] | None = None,
+    lengths: tuple[int, ...] | None = None,
     vision_in_backward: bool = False,
 ) -> dict:
     """Memory of one process of the run `args` describes (an Args), in bytes; see the module docstring.
@@ -969,9 +1023,10 @@ def estimate(
     num_processes: N processes, each generating and scoring its B * G / N rollouts; sharding "fsdp" divides the
     student's weights, gradients and optimizer state over them (and turns off the student's shared prompt, as the
     script does). device "cpu": no CUDA context, the dtype auto means float32, and the processor's pixels, which
-    stay on the host, count too. lengths: (prompt, response) tokens in place of the args' bounds (a measured run's
-    own lengths). vision_in_backward: the update's backward runs through the vision tower, as it did before
-    load_student removed transformers' input-require-grads hooks (vision_kept): for records made before that change.
+    stay on the host, count too. lengths: (prompt, response[, the teacher's prompt]) tokens in place of the args'
+    bounds (a measured run's own lengths; a self-teacher's prompt, without the third, is the student's).
+    vision_in_backward: the update's backward runs through the vision tower, as it did before load_student removed
+    transformers' input-require-grads hooks (vision_kept): for records made before that change.
     The rollout's paths (merged adapters, a static cache) are the args' own (rollout_paths): their false values
     estimate the eager paths. Each phase_* is what the phase adds above the resident bytes."""
     if sharding not in ("none", "fsdp"):
@@ -984,6 +1039,7 @@ def estimate(
         "sharding": sharding,
         "device": device,
         "prompt_tokens": r.P,
+        "teacher_prompt_tokens": r.Pt,
         "response_tokens": R,
         "student_params": r.student_params,
         "trainable_params": r.trainable,
@@ -995,6 +1051,7 @@ def estimate(
         "fsdp_gathered": gathered,
         "fsdp_unsharded_grads": fsdp_unsharded_grads(r),
         "fsdp_gather_buffer": fsdp_gather_buffer(r),
+        "self_teacher": r.self_teacher,
         "teacher_params": r.teacher_params,
         "teacher_weights": r.teacher_w["bytes"],
         "teacher_gathered": r.teacher_gathered,
@@ -1009,7 +1066,7 @@ def estimate(
         "kv_cache_student": kv_cache(
             r.s, r.gen, args.max_prompt_length + args.max_new_tokens if r.static else r.T, r.b
         ),
-        "kv_cache_teacher": kv_cache(r.t, r.evals, r.T, r.b),
+        "kv_cache_teacher": kv_cache(r.t, r.evals, r.Pt + R, r.b),
         "logits_scoring": head_forward(r, r.t["vocab"], mb * (R + 1)),
         "logits_update": head_backward(r, mb * (R + 1)),
         "activations_update": update_forward(r, mb, r.P, R, r.student_shared),
@@ -1060,13 +1117,13 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
         f"  {state}",
         *([f"  FSDP2 gathered units {g(e['fsdp_gathered'])}"] if e["fsdp_gathered"] else []),
         f"  teacher weights      {g(e['teacher_weights'])}   {e['teacher_params'] / 1e9:.2f}B params"
-        + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if args.teacher_4bit else "")
+        + (f", {e['teacher_quantized_params'] / 1e9:.2f}B of them in nf4" if teacher_nf4(args) else "")
         + (
             f", sharded over {num_processes} (+{g(e['teacher_gathered']).strip()} gathered in its forwards)"
             if e["teacher_gathered"]
             else ""
         )
-        + f" ({args.teacher_model})",
+        + f" ({teacher_text(args)})",
         f"  CUDA context, slack  {g(e['cuda_context'])}",
         f"  = resident           {g(e['resident'])}",
         "  + the largest phase (bounds at full length):",
@@ -1085,6 +1142,19 @@ def print_estimate(args, num_processes: int = 1, sharding: str = "none") -> dict
     ]
     print("\n".join(lines))
     return e
+
+
+def teacher_text(args) -> str:
+    """The teacher's line of print_estimate: its path, or what a self-teacher holds and reads."""
+    if not self_teacher(args):
+        return args.teacher_model
+    held = "the student's weights, its adapter disabled" if args.lora_r else "a frozen copy of the student"
+    reads = (
+        f"its prompts with {args.privileged_column!r} up to {args.max_teacher_prompt_length} tokens"
+        if teacher_reads_context(args)
+        else "the student's prompts"
+    )
+    return f"self: {held}, in the student's dtype; {reads}"
 
 
 def fit_text(e: dict, args, batch_flag: str) -> str:
@@ -1195,11 +1265,23 @@ def attention_flops(shape: dict, n: int, tokens: float, start: float = 0) -> flo
 
 
 def forward_flops(
-    shape: dict, f: dict, v: dict, n: int, prompt: int, response: int, prompts_read: int, head_tokens: int
+    shape: dict,
+    f: dict,
+    v: dict,
+    n: int,
+    prompt: int,
+    response: int,
+    prompts_read: int,
+    head_tokens: int,
+    image_tokens: int | None = None,
 ) -> float:
-    """n rows of prompt + response, the prompts of prompts_read of them read (the others' taken from them)."""
+    """n rows of prompt + response, the prompts of prompts_read of them read (the others' taken from them), the
+    vision tower over image_tokens of each prompt read (default: every prompt token; a self-teacher's prompt adds its
+    context's text to the student's)."""
     tokens = prompts_read * prompt + n * response
-    vision = 2 * f["vision"] * v["patches_per_token"] * prompt * prompts_read
+    vision = (
+        2 * f["vision"] * v["patches_per_token"] * (prompt if image_tokens is None else image_tokens) * prompts_read
+    )
     return (
         2 * f["body"] * tokens
         + 2 * f["head"] * head_tokens
@@ -1347,16 +1429,18 @@ def evaluation_time(c: Roofline, args, models: dict, lora: list, student_sharded
     eval_batch = args.generation_batch_size or eval_rows
     eval_calls = math.ceil(eval_rows / eval_batch) if eval_rows else 0
     trainable = sum(args.lora_r * (i + o) for _, i, o in lora)
-    teacher_step = decode_step(c, t, ft, eval_batch, args.teacher_4bit, 0, args.shard_teacher and N > 1)[0]
+    Pt = teacher_prompt_length(args, P)  # a self-teacher's prompts hold their context
+    sharded = args.shard_teacher and N > 1
+    teacher_step = decode_step(dataclasses.replace(c, P=Pt), t, ft, eval_batch, teacher_nf4(args), 0, sharded)[0]
     student_step = decode_step(c, s, fs, eval_batch, False, trainable, student_sharded, len(lora))[0]
 
-    def eval_prefill(shape, f, v, adapters):
-        flops = forward_flops(shape, f, v, eval_rows, P, 0, eval_rows, eval_rows)
+    def eval_prefill(shape, f, v, adapters, prompt):
+        flops = forward_flops(shape, f, v, eval_rows, prompt, 0, eval_rows, eval_rows, image_tokens=P)
         host = eval_calls * (text_host(shape, adapters) + vision_host(v, eval_batch, P, varlen))
         return flops / c.rate + host
 
-    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv, 0)
-    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv, len(lora))
+    teacher_eval = eval_calls * R * teacher_step + eval_prefill(t, ft, tv, 0, Pt)
+    student_eval = eval_calls * R * student_step + eval_prefill(s, fs, sv, len(lora), P)
     return {
         "eval_rows": eval_rows,
         "eval_calls": eval_calls,
@@ -1466,12 +1550,13 @@ def roofline(args, gpu: GPU, num_processes: int) -> Roofline:
 
 def time_shapes(args) -> dict:
     """What step_time() counts with: text_shape ("s", "t"), flop_shape ("fs", "ft") and vision_shape ("sv", "tv") of
-    the student and the (largest) teacher, and the student's LoRA layers ("lora")."""
+    the student and the (largest) teacher, and the student's LoRA layers ("lora"); a self-teacher is the student."""
     from gndpo_minimal import teacher_paths
 
     numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     student = meta_model(args.student_model)
-    teacher = max((meta_model(path) for path in teacher_paths(args).values()), key=numel)
+    teachers = [student] if self_teacher(args) else [meta_model(path) for path in teacher_paths(args).values()]
+    teacher = max(teachers, key=numel)
     return {
         "s": text_shape(student),
         "t": text_shape(teacher),
@@ -1522,11 +1607,13 @@ def scoring_time(c: Roofline, args, m: dict, rows: int, mb: int, read: int, varl
     """(the FLOPs of a step's scoring, the seconds of one micro-batch's): the teacher's no-grad forwards of mb rows,
     `read` prompts of each read (each once where --share_prompt_prefix reads it once), at the reached rate or, for a
     4-bit teacher, at the bandwidth its layers' dequantization takes (once per forward) if that is longer, and the
-    host's launches."""
+    host's launches. A self-teacher reading privileged context reads every row's own prompt, context included."""
     t, ft, tv = m["t"], m["ft"], m["tv"]
     forwards = math.ceil(rows / mb)
-    flops = forward_flops(t, ft, tv, rows, c.P, c.R, read * forwards, rows * (c.R + 1))
-    device = max(flops / forwards / c.rate, decode_weight_bytes(ft, args.teacher_4bit, mb, c.b) / c.bandwidth)
+    read = mb if teacher_reads_context(args) else read
+    Pt = teacher_prompt_length(args, c.P)
+    flops = forward_flops(t, ft, tv, rows, Pt, c.R, read * forwards, rows * (c.R + 1), image_tokens=c.P)
+    device = max(flops / forwards / c.rate, decode_weight_bytes(ft, teacher_nf4(args), mb, c.b) / c.bandwidth)
     return flops, device + text_host(t, 0) + vision_host(tv, read, c.P, varlen)
 
 

@@ -32,6 +32,7 @@ from estimate_memory import (  # noqa: E402  (the repository root is on the path
     gpu_for,
     recipe_launch,
     step_time,
+    teacher_label,
     time_assumptions,
 )
 
@@ -75,10 +76,7 @@ def markdown_table(paths: list[str]) -> str:
             f"{os.path.basename(args.student_model)} ({'LoRA' if args.lora_r else 'full, float32 master'}), "
             f"{gib(e['student_weights'] + e['train_state'] + e['fsdp_gathered'])}"
         )
-        teacher = (
-            f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'}), "
-            f"{gib(e['teacher_weights'])}"
-        )
+        teacher = f"{teacher_label(args)}, {gib(e['teacher_weights'])}"
         where = f"{n}, FSDP2" if sharding == "fsdp" else str(n)
         shares = speedup_on(args, "share_prompt_prefix")
         lines.append(

@@ -36,6 +36,7 @@ from estimate_memory import (
     LOGIT_GRAD_COPIES,
     RTX_4090,
     SAMPLER_COPIES,
+    SELF,
     TRL_TILE_COLUMNS,
     TRL_TILE_ROWS,
     GiB,
@@ -72,11 +73,14 @@ GB = 1e9
 
 
 def with_fixture_configs(args: g.Args) -> g.Args:
-    """The recipe with its Hub ids replaced by the shipped config.json folders of the same names."""
+    """The recipe with its Hub ids replaced by the shipped config.json folders of the same names (a self-teacher
+    stays the student)."""
     return dataclasses.replace(
         args,
         student_model=os.path.join(CONFIGS, os.path.basename(args.student_model)),
-        teacher_model=os.path.join(CONFIGS, os.path.basename(args.teacher_model)),
+        teacher_model=args.teacher_model
+        if args.teacher_model == SELF
+        else os.path.join(CONFIGS, os.path.basename(args.teacher_model)),
     )
 
 
@@ -209,8 +213,9 @@ def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
     assert (args.advantage_mode, args.loss_type, args.clip_low, args.clip_high) == ("global", "gspo", 0.2, 0.2)
     if args.lora_r:
         assert 1e-5 <= args.learning_rate <= 1e-4  # LoRA: about 10x the paper's full fine-tuning 1e-6
-        # one 24 GB GPU
-        assert args.teacher_4bit and args.gradient_checkpointing and args.dtype == "auto"
+        # one 24 GB GPU: a 4-bit teacher, or the student as its own (--teacher_4bit does not apply to it)
+        assert args.teacher_4bit != (args.teacher_model == SELF)
+        assert args.gradient_checkpointing and args.dtype == "auto"
         assert args.lora_dropout == 0.0  # the training forward must be the sampling policy
         assert processes == 1 and sharding == "none"
     else:  # the paper's own setting: full fine-tuning at 1e-6, constant, a bf16 teacher, FSDP2 over 8 GPUs
@@ -303,6 +308,96 @@ def test_fsdp2_update_holds_the_whole_head_gradient_and_no_syncs_unsharded_gradi
     assert estimate(args, 1, "none")["fsdp_unsharded_grads"] == 0
     lora = estimate(dataclasses.replace(args, lora_r=16, micro_batch_size=rows), 8, "fsdp")
     assert lora["fsdp_unsharded_grads"] == (lora["trainable_params"] // s["layers"]) * 4  # a block's adapters
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-teacher's recipe (issue 45): one model, the student its own teacher
+# ---------------------------------------------------------------------------------------------
+
+SELF_RECIPE = os.path.join(ROOT, "recipes", "geometry3k_qwen2.5vl_3b_self.yaml")
+FULL_RECIPE = os.path.join(ROOT, "recipes", "geometry3k_internvl3.5_1b_full.yaml")
+# what the self recipe changes of the Qwen 3B one: the teacher and its privileged context, the generation batch the
+# teacher's weights leave room for, the output folder
+SELF_CHANGES = {
+    "teacher_model",
+    "teacher_4bit",
+    "privileged_column",
+    "privileged_template",
+    "privileged_source",
+    "max_teacher_prompt_length",
+    "generation_batch_size",
+    "output_dir",
+}
+
+
+def test_the_self_recipe_is_the_3b_recipe_with_the_student_as_its_teacher_reading_the_answer():
+    """recipes/geometry3k_qwen2.5vl_3b_self.yaml parses and passes check_args for its one process (the self-teacher's
+    flags together, whole micro-batches); it is the Qwen 3B recipe (data, LoRA, gradient checkpointing, lengths,
+    GNDPO) but for the teacher: self, reading the answer column through a template with one {context}, its prompts
+    bounded a little above the student's (the template and a LaTeX answer)."""
+    args, base = g.parse_args([SELF_RECIPE]), g.parse_args([QWEN_RECIPE])
+    assert recipe_launch(SELF_RECIPE) == (1, "none")
+    assert g.check_args(args, num_processes=1) * args.micro_batch_size == args.prompts_per_step * args.num_generations
+    assert (args.teacher_model, args.privileged_column, args.privileged_source) == (SELF, "answer", "own")
+    assert args.privileged_column == base.answer_column and not args.teacher_4bit and args.lora_r
+    assert args.privileged_template.count("{context}") == 1
+    changed = {f.name for f in dataclasses.fields(g.Args) if getattr(args, f.name) != getattr(base, f.name)}
+    assert changed <= SELF_CHANGES, changed - SELF_CHANGES
+    assert 32 <= args.max_teacher_prompt_length - args.max_prompt_length <= 256
+
+
+def test_the_self_recipe_fits_24gb_and_holds_no_teacher_weights():
+    """Its estimate fits a 24 GB GPU. A LoRA self-teacher holds no weights of its own: the resident bytes are those of
+    the same run with the 4-bit 7B teacher less exactly that teacher's weights. It scores and evaluates on the
+    student's shape in the student's dtype (its cache is the student's layers' in bf16) over prompts of
+    max_teacher_prompt_length tokens, which cost more than the student's bound would; without privileged context
+    (the plain self-teacher) it reads the student's prompts."""
+    args = with_fixture_configs(g.parse_args([SELF_RECIPE]))
+    own = estimate(args)
+    seven = estimate(
+        dataclasses.replace(
+            args,
+            teacher_model=os.path.join(CONFIGS, "Qwen2.5-VL-7B-Instruct"),
+            teacher_4bit=True,
+            privileged_column=None,
+        )
+    )
+    assert own["fits_24gb"] and own["peak"] <= GPU_GIB * GiB
+    assert own["self_teacher"] and not seven["self_teacher"]
+    assert own["teacher_weights"] == 0 and seven["teacher_weights"] > 5 * GiB
+    assert own["resident"] == seven["resident"] - seven["teacher_weights"]
+    assert own["student_weights"] == seven["student_weights"] and own["teacher_params"] == own["student_params"]
+    assert own["teacher_prompt_tokens"] == args.max_teacher_prompt_length
+    assert seven["teacher_prompt_tokens"] == args.max_prompt_length
+    tokens = args.max_teacher_prompt_length + args.max_new_tokens
+    shape = text_shape(meta_model(args.student_model))
+    assert own["kv_cache_teacher"] == estimate_memory.kv_cache(shape, args.generation_batch_size, tokens, 2)
+    short = estimate(dataclasses.replace(args, max_teacher_prompt_length=args.max_prompt_length))
+    assert short["phase_scoring"] < own["phase_scoring"] and short["phase_teacher_eval"] < own["phase_teacher_eval"]
+    plain = estimate(dataclasses.replace(args, privileged_source="none"))
+    assert plain["teacher_prompt_tokens"] == args.max_prompt_length
+    assert (plain["phase_scoring"], plain["phase_teacher_eval"]) == (
+        short["phase_scoring"],
+        short["phase_teacher_eval"],
+    )
+
+
+def test_a_full_fine_tuning_self_teacher_counts_a_frozen_copy_of_the_student():
+    """lora_r 0: the self-teacher is a frozen copy loaded from --student_model in the student's dtype (bf16 on the
+    GPU, where the student's own are float32 master weights; float32 on a CPU, as the student's), whole on every
+    process (FSDP2 shards the student, not the copy); a LoRA self-teacher of the same run holds none."""
+    recipe = g.parse_args([FULL_RECIPE])
+    flags = dict(teacher_model=SELF, teacher_4bit=False, privileged_column="answer")
+    assert g.check_args(dataclasses.replace(recipe, **flags), num_processes=8)
+    args = dataclasses.replace(with_fixture_configs(recipe), **flags)
+    gpu, cpu = estimate(args, 8, "fsdp"), estimate(args, 1, "none", device="cpu")
+    params = gpu["student_params"]
+    assert gpu["teacher_params"] == params and gpu["teacher_weights"] == params * 2 and gpu["teacher_gathered"] == 0
+    assert cpu["teacher_weights"] == cpu["student_weights"] == params * 4
+    with_teacher = estimate(with_fixture_configs(recipe), 8, "fsdp")
+    assert gpu["resident"] == with_teacher["resident"] - with_teacher["teacher_weights"] + params * 2
+    lora = estimate(dataclasses.replace(args, lora_r=16), 1, "none", device="cpu")
+    assert lora["teacher_weights"] == 0 and lora["student_weights"] == params * 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,12 +927,13 @@ def test_every_recipe_runs_one_step_on_its_familys_stand_in(recipe, geometry3k_d
     family = next(f for key, f in RECIPE_FAMILY.items() if key in os.path.basename(recipe))
     models = tiny_families.build(family, str(tmp_path / "models"))
     recipe_args = g.parse_args([recipe])
+    self_teacher = recipe_args.teacher_model == SELF  # the student's starting weights, reading the answer
     args = dataclasses.replace(  # 2 x 2 rows: the recipe's micro-batch, at most those 4
         recipe_args,
         micro_batch_size=min(recipe_args.micro_batch_size, 4),
         dataset_name=geometry3k_dir,
         student_model=os.path.join(models, "student"),
-        teacher_model=os.path.join(models, "teacher"),
+        teacher_model=SELF if self_teacher else os.path.join(models, "teacher"),
         max_new_tokens=8,
         prompts_per_step=2,
         num_generations=2,
@@ -846,7 +942,8 @@ def test_every_recipe_runs_one_step_on_its_familys_stand_in(recipe, geometry3k_d
         save_steps=0,
         output_dir=str(tmp_path / "run"),
     )
-    assert args.gradient_checkpointing and args.require_think and args.teacher_4bit == bool(args.lora_r)
+    assert args.gradient_checkpointing and args.require_think
+    assert args.teacher_4bit == (bool(args.lora_r) and not self_teacher)
     summary = g.main(args)
     with open(os.path.join(args.output_dir, "metrics.jsonl")) as f:
         (m,) = [json.loads(line) for line in f]
