@@ -1260,8 +1260,7 @@ def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int
     fits = encode_prompts(processor, rows, args.instruction)["attention_mask"].sum(1) <= args.max_prompt_length
     skipped["prompt_too_long"] += int((~fits).sum())
     if args.privileged_column and args.privileged_source != "none":
-        place = lambda q, c: several.privileged_prompt(q, several.context_text(c), args.privileged_template)  # noqa: E731
-        placed = [(place(q, c), imgs) for _, q, imgs, c in good]
+        placed = several.place_contexts(rows, [c for *_, c in good], args.privileged_template)
         lengths = encode_prompts(processor, placed, args.instruction)["attention_mask"].sum(1)
         skipped["teacher_prompt_too_long"] += int((fits & (lengths > args.max_teacher_prompt_length)).sum())
         fits &= lengths <= args.max_teacher_prompt_length
@@ -1884,7 +1883,10 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
     models.teacher_forward = models.teacher_forward or response_logps
     log(startup_line(args, accelerator, student, off))
     if args.teacher_model == "self":  # the self-teacher (gndpo_teachers): the starting weights, with the context
-        encode = lambda rows, device: pixels_on_host(encode_prompts(processor, rows, args.instruction), device)  # noqa: E731
+
+        def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
+            return pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
+
         start = several.StartingWeights(unwrap(teacher), lora=args.lora_r > 0)
         plugin = several.SelfTeacher(start, encode, args.privileged_template, args.privileged_source)
         models.teacher, models.teacher_forward = start, plugin.forward(models.teacher_forward)

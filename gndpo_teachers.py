@@ -301,6 +301,13 @@ def privileged_prompt(prompt, context: str, template: str):
     return messages
 
 
+def place_contexts(prompts: list, contexts: list, template: str) -> list:
+    """(prompt, images) pairs with each row's context placed by privileged_prompt (a row without one keeps its
+    prompt): the teacher's prompts."""
+    texts = [None if c is None else context_text(c) for c in contexts]
+    return [(q if c is None else privileged_prompt(q, c, template), imgs) for (q, imgs), c in zip(prompts, texts)]
+
+
 def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
     """Each row's context under --privileged_source: own (the row's), other (the next distinct prompt's of the
     batch, cyclically: the G rows of one prompt share one context, never their own), none (None)."""
@@ -371,11 +378,7 @@ class SelfTeacher:
         self.teacher, self.encode, self.template, self.source = teacher, encode, template, source
 
     def prompts(self, prompts: list, contexts: list) -> list:
-        """(prompt, images) pairs with each row's context placed (a row without one keeps its prompt)."""
-        texts = [None if c is None else context_text(c) for c in contexts]
-        return [
-            (q if c is None else privileged_prompt(q, c, self.template), imgs) for (q, imgs), c in zip(prompts, texts)
-        ]
+        return place_contexts(prompts, contexts, self.template)
 
     def route(self, prompts, rollouts: list) -> list:
         """After sampling: each micro-batch's teacher prompts, encoded (rollout.extra["teacher_inputs"])."""
