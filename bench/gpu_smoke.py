@@ -667,7 +667,7 @@ def check_phase(smoke: Smoke, setup: dict, check_args: g.Args, estimates: dict, 
     lines = []
     try:
         shared = g.make_models(
-            check_args, setup["accelerator"], models.processor, models.student, models.teacher, lines.append
+            check_args, setup["accelerator"], models.processor, models.student, setup["teachers"], lines.append
         )
         sharing, seen = shared.sampling.sharing, {}
         run_checks = sharing.run_checks

@@ -121,15 +121,16 @@ def setup_step(args: g.Args, log) -> dict:
 
     accelerator, accum = g.make_accelerator(args)
     set_seed(args.seed)
-    processor, student, teacher = g.load_models(args, accelerator, log)
+    processor, student, teachers = g.load_models(args, accelerator, log)  # teachers: {name: model}
     train_ds, train_keep, _, _ = g.load_data(args, processor, True, log)
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
     # the Models main() steps with: each prompt read once where --share_prompt_prefix and its checks allow
-    models = g.make_models(args, accelerator, processor, student, teacher, log)
+    models = g.make_models(args, accelerator, processor, student, teachers, log)
     models.student.train()
     return {
         "accelerator": accelerator,
         "models": models,
+        "teachers": teachers,
         "optimizer": optimizer,
         "scheduler": scheduler,
         "train_ds": train_ds,
@@ -172,6 +173,7 @@ def one_step(
         step + 1,
         time.perf_counter() - start,
         args.score_clip if args.score_type == "log_ratio" else None,
+        models.plugins,
     )
     total = time.perf_counter() - start
 
@@ -279,7 +281,7 @@ def measure_steps(args: g.Args, warmup: int, steps: int, compare: bool, log) -> 
         sides["plain"] = (
             plain_args,
             g.make_models(
-                plain_args, setup["accelerator"], models.processor, models.student, models.teacher, setup["log"]
+                plain_args, setup["accelerator"], models.processor, models.student, setup["teachers"], setup["log"]
             ),
         )
     runs = {side: [] for side in sides}

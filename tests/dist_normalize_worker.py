@@ -1,9 +1,10 @@
 """One rank of the multi-process normalization check in test_distributed.py (run it with torchrun, gloo).
 
 Every rank rebuilds the same seeded global batch, keeps its own very uneven share of it, calls
-normalize_scores on that share in "global", "center", "scale", "group" and "per_teacher" mode, counts the collective
-calls made, and
-saves what it got to OUT_DIR/rank<r>.pt for the test to compare with one process holding everything.
+the advantages of that share in "global" mode (the script's normalize_scores), "center", "scale", "group" (gndpo_extras'
+ablation_advantages) and "per_teacher" (gndpo_teachers' per_teacher_advantages), each on the script's own statistics,
+counts the collective calls made, and saves what it got to OUT_DIR/rank<r>.pt for the test to compare with one
+process holding everything.
 """
 
 import os
@@ -13,7 +14,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gndpo_minimal import normalize_scores  # noqa: E402
+from gndpo_extras import ablation_advantages  # noqa: E402
+from gndpo_minimal import _global_sums, _whiten, normalize_scores  # noqa: E402
+from gndpo_teachers import per_teacher_advantages  # noqa: E402
+
+NUM_TEACHERS = 3
+
+
+def advantages(scores, mask, mode, group_ids=None, teacher_ids=None):
+    """The advantages of one mode as the script's step computes them (ADVANTAGES): global by normalize_scores, the
+    ablations by gndpo_extras, per_teacher (of NUM_TEACHERS) by gndpo_teachers, all on the script's _whiten."""
+    if mode == "global":
+        return normalize_scores(scores, mask, mode)
+    if mode == "per_teacher":
+        return per_teacher_advantages(scores, mask, teacher_ids, NUM_TEACHERS, _whiten)
+    return ablation_advantages(scores, mask, mode, _whiten, _global_sums, group_ids)
 
 
 def global_batch(seed: int = 0, G: int = 2) -> dict:
@@ -59,12 +74,10 @@ def main() -> None:
         ("group", mine["mask"], "group"),
     ]:
         calls.clear()
-        out[name] = normalize_scores(mine["scores"], mask, mode, mine["group_ids"])
+        out[name] = advantages(mine["scores"], mask, mode, mine["group_ids"])
         out[name + "_calls"] = list(calls)
     calls.clear()  # several teachers: each teacher's tokens on their own, all three teachers' sums in one call
-    out["per_teacher"] = normalize_scores(
-        mine["scores"], mine["mask"], "per_teacher", teacher_ids=mine["teacher_ids"], num_teachers=3
-    )
+    out["per_teacher"] = advantages(mine["scores"], mine["mask"], "per_teacher", teacher_ids=mine["teacher_ids"])
     out["per_teacher_calls"] = list(calls)
     dist.all_reduce = all_reduce
     torch.save(out, os.path.join(os.environ["OUT_DIR"], f"rank{rank}.pt"))

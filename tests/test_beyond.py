@@ -32,18 +32,18 @@ def default_world(out: str, **changes) -> g.Args:
 
 
 def step_on(args: g.Args, answers=None) -> tuple:
-    """(accelerator, ScoredBatch) of step 0 on the arguments' models and data; answers(rows' answers) replaces
-    the rows' reference answers."""
+    """(accelerator, Models, ScoredBatch) of step 0 on the arguments' models and data; answers(rows' answers)
+    replaces the rows' reference answers."""
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)
-    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
-    models = g.make_models(args, accelerator, processor, student, teacher, lambda msg: None)
+    models = g.make_models(args, accelerator, processor, student, teachers, lambda msg: None)
     student.train()
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     if answers is not None:
         prompts = dataclasses.replace(prompts, answers=answers(prompts.answers))
-    return accelerator, g.generate_and_score(models, prompts, args)
+    return accelerator, models, g.generate_and_score(models, prompts, args)
 
 
 def advantages_by_hand(scores: list, mask: list, rewards: list, G: int, mode: str, weight: float) -> tuple:
@@ -86,11 +86,13 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
     def some_missing(answers):
         return [None if i in without_answer else a for i, a in enumerate(answers)]
 
-    accelerator, batch = step_on(args, answers=some_missing)
-    assert torch.isnan(batch.rewards[:4]).all() and set(batch.rewards[4:].tolist()) <= {0.0, 1.0}
-    assert 0 < batch.rewards[4:].sum() < 28  # the tiny student answers some right and some wrong
+    accelerator, models, batch = step_on(args, answers=some_missing)
+    assert [type(p) for p in models.plugins] == [gndpo_extras.BeyondThePaper]  # --reward_weight's plug-in
+    rewards = batch.extra["rewards"]  # (n,), set by the plug-in
+    assert torch.isnan(rewards[:4]).all() and set(rewards[4:].tolist()) <= {0.0, 1.0}
+    assert 0 < rewards[4:].sum() < 28  # the tiny student answers some right and some wrong
     advantages, reward_advantages = advantages_by_hand(
-        batch.scores.tolist(), batch.response_mask.tolist(), batch.rewards.tolist(), args.num_generations, mode, 0.5
+        batch.scores.tolist(), batch.response_mask.tolist(), rewards.tolist(), args.num_generations, mode, 0.5
     )
     torch.testing.assert_close(batch.advantages, torch.tensor(advantages, dtype=batch.advantages.dtype))
     assert any(reward_advantages)  # some prompt's samples differ in reward: the task term is exercised
@@ -107,9 +109,9 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
         "update_norm": 0.0,
         "time_update": 0.0,
     }
-    metrics = g.step_metrics(accelerator, batch, no_update, 1, 1.0, args.score_clip)
+    metrics = g.step_metrics(accelerator, batch, no_update, 1, 1.0, args.score_clip, models.plugins)
     assert metrics["reward_no_answer"] == 4
-    assert metrics["reward_mean"] == pytest.approx(batch.rewards[4:].mean().item())
+    assert metrics["reward_mean"] == pytest.approx(rewards[4:].mean().item())
     G = args.num_generations  # a prompt's G samples are consecutive rows
     moving = sum(any(reward_advantages[i : i + G]) for i in range(0, len(reward_advantages), G))
     assert metrics["reward_groups_nonzero"] == pytest.approx(moving / args.prompts_per_step)
@@ -178,27 +180,30 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
         run_args = dataclasses.replace(args, score_std_floor=floor)
         accelerator, _ = g.make_accelerator(run_args)
         set_seed(0)
-        processor, student, teacher = g.load_models(run_args, accelerator, log=lambda msg: None)
+        processor, student, teachers = g.load_models(run_args, accelerator, log=lambda msg: None)
         moved = torch.Generator().manual_seed(1)
         for name, p in sorted(student.named_parameters()):
             if "lora_B" in name:  # B starts at 0: a small step away from the base
                 p.data = torch.randn(p.shape, generator=moved) * 2e-3
         train_ds, keep, _, _ = g.load_data(run_args, processor, True, log=lambda msg: None)
         holder["models"] = g.make_models(
-            run_args, accelerator, processor, student, teacher, lambda m: None, base_of_the_student
+            run_args, accelerator, processor, student, teachers, lambda m: None, base_of_the_student
         )
         batch = g.generate_and_score(holder["models"], g.step_prompts(train_ds, keep, run_args, 0), run_args)
         valid = batch.response_mask.bool()
         results[floor] = (
             gndpo_extras.score_std(batch.scores, batch.response_mask),
             batch.advantages[valid].double().std().item(),
-            batch.std_floored,
+            batch.extra.get("std_floored"),  # --score_std_floor's plug-in sets it; absent without the flag
+            batch.extra.get("counters", {}).get("std_floored_steps"),
         )
-    noise, spread, flag = results[0.0]
+    noise, spread, flag, counted = results[0.0]
     assert 1e-4 < noise < 0.05  # the scores are small noise
     assert spread == pytest.approx(1.0, abs=1e-2) and flag is None  # GNDPO: the noise at unit spread
-    noise, spread, flag = results[0.1]
+    assert counted is None
+    noise, spread, flag, counted = results[0.1]
     assert flag is True and spread == pytest.approx(noise, rel=1e-5)  # centered only: the noise's own scale
+    assert counted == 1  # main() adds it to summary.json's std_floored_steps
 
 
 def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
@@ -221,11 +226,11 @@ def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
     )
     accelerator, accum = g.make_accelerator(args)
     set_seed(0)
-    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, student, accum)
     assert isinstance(optimizer.optimizer, torch.optim.SGD)
-    models = g.make_models(args, accelerator, processor, student, teacher, lambda msg: None)
+    models = g.make_models(args, accelerator, processor, student, teachers, lambda msg: None)
     student.train()
     batch = g.generate_and_score(models, g.step_prompts(train_ds, keep, args, 0), args)
     update = g.update_student(models, optimizer, scheduler, accelerator, batch, args, log=lambda msg: None)

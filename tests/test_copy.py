@@ -218,7 +218,8 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
         num_eval_samples=0,
     )
     accelerator, _ = g.make_accelerator(args)  # the copier's loop runs under Accelerate; the pasted module imports none
-    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
+    teacher = teachers["teacher"]  # one teacher: {"teacher": model}
     config, _ = g.generation_configs(processor.tokenizer, student, args)
     ignore_ids = torch.tensor(config.suppress_tokens)
     prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(4, seed=5) for _ in range(2)]

@@ -1,12 +1,30 @@
 """The math functions against the spec (slow, obvious transcriptions of it), on random tensors."""
 
+import types
+
 import pytest
 import torch
 
 import gndpo_fast as fast
-from gndpo_extras import group_reward_advantages, score_std
+from gndpo_extras import ABLATIONS, ablation_advantages, group_reward_advantages, power_scores, score_std
 from gndpo_fast import head_logps, token_logps
-from gndpo_minimal import ADVANTAGE_MODES, distill_scores, normalize_scores, policy_loss, power_scores
+from gndpo_minimal import (
+    ADVANTAGE_MODES,
+    ADVANTAGES,
+    _global_sums,
+    _whiten,
+    distill_scores,
+    normalize_scores,
+    policy_loss,
+)
+
+
+def advantages(scores, mask, mode, group_ids=None, **kw):
+    """Any advantage mode: the script's (global, none) by normalize_scores, the ablations by gndpo_extras'
+    ablation_advantages with the script's own statistics."""
+    if mode in ADVANTAGE_MODES:
+        return normalize_scores(scores, mask, mode, **kw)
+    return ablation_advantages(scores, mask, mode, _whiten, _global_sums, group_ids, **kw)
 
 
 def random_mask(B, T, gen, min_len=1):
@@ -106,7 +124,7 @@ def test_identical_teacher_and_student_give_zero_scores_and_zero_gradient():
     scores = distill_scores(logps.detach(), logps.detach(), mask)
     assert torch.all(scores == 0)
     for mode in ("none", "global", "sequence", "group", "center", "scale"):
-        adv = normalize_scores(scores, mask, mode, group_ids=torch.tensor([0, 0, 1, 1]))
+        adv = advantages(scores, mask, mode, group_ids=torch.tensor([0, 0, 1, 1]))
         assert torch.all(adv == 0), mode
         loss, _ = policy_loss(logps, logps.detach(), adv, mask)
         student_logits.grad = None
@@ -183,7 +201,7 @@ def test_center_and_scale_match_spec_and_split_global():
     gen = torch.Generator().manual_seed(13)
     scores, mask = torch.randn(8, 9, generator=gen) * 3 + 1, random_mask(8, 9, gen)
     scores = scores * mask
-    center, scale = normalize_scores(scores, mask, "center"), normalize_scores(scores, mask, "scale")
+    center, scale = advantages(scores, mask, "center"), advantages(scores, mask, "scale")
     torch.testing.assert_close(center, spec_center(scores, mask))
     torch.testing.assert_close(scale, spec_scale(scores, mask))
     valid, raw = mask.bool(), scores[mask.bool()].double()
@@ -191,7 +209,7 @@ def test_center_and_scale_match_spec_and_split_global():
     torch.testing.assert_close(center[valid].double().std(), raw.std())  # the spread is untouched
     assert abs(scale[valid].double().std() - 1) < 1e-4
     torch.testing.assert_close(scale[valid].double().mean(), raw.mean() / raw.std(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(normalize_scores(center, mask, "scale"), normalize_scores(scores, mask, "global"))
+    torch.testing.assert_close(advantages(center, mask, "scale"), normalize_scores(scores, mask, "global"))
     for adv in (center, scale):
         assert torch.all(adv[~valid] == 0)
 
@@ -208,10 +226,10 @@ def test_center_and_scale_from_two_halves_through_summed_statistics():
     mu = s1 / n
     std = torch.sqrt((s2 - n * mu**2) / (n - 1) + 1e-8)
     torch.testing.assert_close(
-        normalize_scores(scores, mask, "center"), torch.cat([((s.double() - mu) * m).float() for s, m in halves])
+        advantages(scores, mask, "center"), torch.cat([((s.double() - mu) * m).float() for s, m in halves])
     )
     torch.testing.assert_close(
-        normalize_scores(scores, mask, "scale"), torch.cat([(s.double() / std * m).float() for s, m in halves])
+        advantages(scores, mask, "scale"), torch.cat([(s.double() / std * m).float() for s, m in halves])
     )
 
 
@@ -224,8 +242,8 @@ def test_padding_never_changes_results():
     padded_logps = torch.cat([logps, torch.randn(4, 3, generator=gen) * 50], 1)
     for mode in ("none", "global", "sequence", "group", "center", "scale"):
         g = torch.tensor([0, 0, 1, 1])
-        a = normalize_scores(scores * mask, mask, mode, g)
-        b = normalize_scores(padded_scores * padded_mask, padded_mask, mode, g)
+        a = advantages(scores * mask, mask, mode, g)
+        b = advantages(padded_scores * padded_mask, padded_mask, mode, g)
         torch.testing.assert_close(a, b[:, :5])
         la, _ = policy_loss(logps, logps - 0.1, a, mask)
         lb, _ = policy_loss(padded_logps, padded_logps - 0.1, b, padded_mask)
@@ -235,11 +253,11 @@ def test_padding_never_changes_results():
 def test_sequence_and_group_modes():
     gen = torch.Generator().manual_seed(6)
     scores, mask = torch.randn(4, 6, generator=gen) * 2, random_mask(4, 6, gen, min_len=2)
-    seq = normalize_scores(scores, mask, "sequence")
+    seq = advantages(scores, mask, "sequence")
     for i in range(4):
         torch.testing.assert_close(seq[i : i + 1], spec_global(scores[i : i + 1], mask[i : i + 1]))
     groups = torch.tensor([7, 3, 7, 3])  # any ids; rows 0 and 2 form one group
-    grp = normalize_scores(scores, mask, "group", groups)
+    grp = advantages(scores, mask, "group", groups)
     for rows in ([0, 2], [1, 3]):
         torch.testing.assert_close(grp[rows], spec_global(scores[rows], mask[rows]))
 
@@ -253,9 +271,31 @@ def test_none_mode_is_plain_opd():
 def test_too_few_tokens_is_a_clear_error():
     mask = torch.zeros(2, 3, dtype=torch.long)
     mask[0, 0] = 1
-    for mode in ("global", "center", "scale"):
+    for mode in ("global", "center", "scale", "sequence", "group"):
         with pytest.raises(ValueError, match=f"{mode} normalization needs at least 2 valid"):
-            normalize_scores(torch.randn(2, 3), mask, mode)
+            advantages(torch.randn(2, 3), mask, mode, torch.tensor([0, 1]))
+
+
+def test_the_script_knows_only_gndpo_and_opd_and_adds_the_ablations_to_advantages():
+    """normalize_scores is the paper's global whitening and OPD's none; the ablations are gndpo_extras', reached
+    through the script's ADVANTAGES, which gives the same advantages as calling them directly."""
+    assert ADVANTAGE_MODES == ("global", "none")
+    scores, mask = torch.randn(4, 5), torch.ones(4, 5, dtype=torch.long)
+    for mode in ABLATIONS:
+        with pytest.raises(ValueError, match="unknown advantage mode"):
+            normalize_scores(scores, mask, mode)
+    assert set(ADVANTAGE_MODES) | set(ABLATIONS) | {"per_teacher"} == set(ADVANTAGES)
+    group_ids, args = torch.tensor([0, 0, 1, 1]), types.SimpleNamespace(constant_advantage=-1.5)
+    for mode in (*ADVANTAGE_MODES, *ABLATIONS):
+        torch.testing.assert_close(
+            ADVANTAGES[mode](scores, mask, group_ids, {}, args),
+            advantages(scores, mask, mode, group_ids, **({"constant": -1.5} if mode == "constant" else {})),
+            rtol=0,
+            atol=0,
+            msg=mode,
+        )
+    with pytest.raises(ValueError, match="unknown advantage mode"):
+        ablation_advantages(scores, mask, "global", _whiten, _global_sums)
 
 
 # --- policy_loss -------------------------------------------------------------------------------
@@ -550,7 +590,7 @@ def test_constant_mode_gives_every_valid_token_the_constant_whatever_the_scores(
     """advantage_mode constant: A = constant * mask, the same for any scores (the critics' control)."""
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     for scores in (torch.randn(2, 3), torch.full((2, 3), 7.0)):
-        out = normalize_scores(scores, mask, "constant", constant=-1.5)
+        out = advantages(scores, mask, "constant", constant=-1.5)
         torch.testing.assert_close(out, torch.tensor([[-1.5, -1.5, 0.0], [-1.5, 0.0, 0.0]]))
-    assert "constant" in ADVANTAGE_MODES
-    assert (normalize_scores(torch.randn(2, 3), mask, "constant") == -1.0 * mask).all()  # the default: -1
+    assert "constant" in ABLATIONS and "constant" in ADVANTAGES
+    assert (advantages(torch.randn(2, 3), mask, "constant") == -1.0 * mask).all()  # the default: -1

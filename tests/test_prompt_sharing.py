@@ -175,7 +175,9 @@ def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
         (args, "lean_response_logps", fast.draw_tokens),
         (plain, "response_logps", g.multinomial),
     ):
-        models = g.make_models(flags, Accelerator(cpu=True), pair["processor"], pair["student"], pair["teacher"])
+        teachers = {"teacher": pair["teacher"]}  # make_models takes load_models' {name: teacher}
+        models = g.make_models(flags, Accelerator(cpu=True), pair["processor"], pair["student"], teachers)
+        assert models.teacher is pair["teacher"] and models.plugins == []  # one teacher: the model, no plug-in
         assert models.sampling.sharing is None and models.sampling.draw is draw
         assert models.teacher_forward is models.student_forward and models.student_forward.__name__ == forward
     assert models.sampling.sharing_summary() == {"teacher": False, "student": False, "rollout": False}

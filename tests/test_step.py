@@ -41,9 +41,9 @@ def setup(untrained_models):
     )
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)  # the LoRA's random init: the same starting student whatever ran before in this process
-    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
-    models = g.make_models(args, accelerator, processor, student, teacher, log=lambda msg: None)
+    models = g.make_models(args, accelerator, processor, student, teachers, log=lambda msg: None)
     student.train()
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     batch = g.generate_and_score(models, prompts, args)
@@ -237,9 +237,9 @@ def setup32(untrained_models):
     )  # no clipping: the gradient itself is compared
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)
-    processor, student, teacher = g.load_models(args, accelerator, log=lambda msg: None)
+    processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
-    models = g.make_models(args, accelerator, processor, student, teacher, log=lambda msg: None)
+    models = g.make_models(args, accelerator, processor, student, teachers, log=lambda msg: None)
     student.train()
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     batch = g.generate_and_score(models, prompts, args)
@@ -320,8 +320,11 @@ def math_section() -> str:
 
 def test_math_section_runs_pasted_alone():
     """Pasted alone after `import torch`, the section's functions give the spec's numbers (the slow transcriptions
-    in test_math.py), and their error paths raise ValueError, never NameError for a name it does not define."""
+    in test_math.py), and their error paths raise ValueError, never NameError for a name it does not define. The
+    ablation modes (gndpo_extras) give theirs on the pasted section's _whiten and _global_sums."""
     from test_math import random_mask, spec_center, spec_global, spec_gspo, spec_scale
+
+    from gndpo_extras import ablation_advantages
 
     ns: dict = {}
     exec(compile("import torch\n" + math_section(), "pasted.py", "exec"), ns)
@@ -331,11 +334,16 @@ def test_math_section_runs_pasted_alone():
     mask = random_mask(4, 6, gen, min_len=2)
     scores = ns["distill_scores"](teacher, student, mask)
     torch.testing.assert_close(scores, ((teacher - student).clamp(-5, 5) * mask).float())
-    oracles = {"none": lambda s, m: s * m, "global": spec_global, "center": spec_center, "scale": spec_scale}
-    for mode, oracle in oracles.items():
+    for mode, oracle in {"none": lambda s, m: s * m, "global": spec_global}.items():
         torch.testing.assert_close(ns["normalize_scores"](scores, mask, mode), oracle(scores, mask), msg=mode)
-    seq = ns["normalize_scores"](scores, mask, "sequence")
-    grp = ns["normalize_scores"](scores, mask, "group", torch.tensor([0, 1, 0, 1]))
+    # the ablations are gndpo_extras', on the pasted section's own statistics (_whiten, _global_sums)
+    ablation = lambda mode, *rest: ablation_advantages(  # noqa: E731
+        scores, mask, mode, ns["_whiten"], ns["_global_sums"], *rest
+    )
+    for mode, oracle in {"center": spec_center, "scale": spec_scale}.items():
+        torch.testing.assert_close(ablation(mode), oracle(scores, mask), msg=mode)
+    seq = ablation("sequence")
+    grp = ablation("group", torch.tensor([0, 1, 0, 1]))
     for i in range(4):
         torch.testing.assert_close(seq[i : i + 1], spec_global(scores[i : i + 1], mask[i : i + 1]))
     torch.testing.assert_close(grp[[1, 3]], spec_global(scores[[1, 3]], mask[[1, 3]]))
@@ -346,14 +354,15 @@ def test_math_section_runs_pasted_alone():
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(torch.autograd.grad(loss, new)[0], torch.autograd.grad(reference, new)[0])
     assert 0 < metrics["clip_frac"] < 1
-    with pytest.raises(ValueError, match="unknown advantage mode"):
-        ns["normalize_scores"](scores, mask, "batch")
+    for mode in ("batch", "group"):  # the ablations are not the section's
+        with pytest.raises(ValueError, match="unknown advantage mode"):
+            ns["normalize_scores"](scores, mask, mode)
     with pytest.raises(ValueError, match="unknown loss_type"):
         ns["policy_loss"](new, student, advantages, mask, "dpo")
     with pytest.raises(ValueError, match="at least 2 valid"):
         ns["normalize_scores"](scores, torch.zeros(4, 6))
     with pytest.raises(ValueError, match="needs group_ids"):
-        ns["normalize_scores"](scores, mask, "group")
+        ablation("group")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_per_teacher_equals_the_oracle_and_differs_from_global():
     scores = torch.randn(9, 7, generator=gen) * torch.tensor([0.2, 3.0, 1.0]).repeat(3)[:, None]  # 3 spreads
     mask = (torch.rand(9, 7, generator=gen) > 0.25).long()
     teacher_ids = torch.tensor([0, 1, 2] * 3)
-    adv = g.normalize_scores(scores, mask, "per_teacher", teacher_ids=teacher_ids, num_teachers=4)  # teacher 3: none
+    adv = gt.per_teacher_advantages(scores, mask, teacher_ids, 4, g._whiten)  # teacher 3: none
     torch.testing.assert_close(adv, oracle_per_teacher(scores, mask, teacher_ids), rtol=1e-5, atol=1e-5)
     for k in range(3):  # every teacher's advantages at unit spread, whatever its scores' spread
         a = adv[teacher_ids == k][mask[teacher_ids == k].bool()]
@@ -68,16 +68,21 @@ def test_per_teacher_equals_the_oracle_and_differs_from_global():
     glob = g.normalize_scores(scores, mask, "global")
     assert glob[teacher_ids == 0].abs().max() < 0.5 * adv[teacher_ids == 0].abs().max()  # global shrinks the narrow one
     # with one teacher per_teacher is global
-    one = g.normalize_scores(scores, mask, "per_teacher", teacher_ids=torch.zeros(9, dtype=torch.long), num_teachers=1)
+    one = gt.per_teacher_advantages(scores, mask, torch.zeros(9, dtype=torch.long), 1, g._whiten)
     torch.testing.assert_close(one, glob)
+    # the script reaches it through ADVANTAGES, reading the batch's teacher ids and names (ScoredBatch.extra)
+    extra = {"teacher_ids": teacher_ids, "teacher_names": ["a", "b", "c", "d"]}
+    torch.testing.assert_close(g.ADVANTAGES["per_teacher"](scores, mask, None, extra, g.Args()), adv, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unknown advantage mode"):
+        g.normalize_scores(scores, mask, "per_teacher")  # not the script's own mode
 
 
 def test_per_teacher_needs_two_tokens_of_every_teacher_that_has_any():
     scores, mask = torch.randn(2, 3), torch.tensor([[1, 0, 0], [1, 1, 1]])
     with pytest.raises(ValueError, match="every teacher"):
-        g.normalize_scores(scores, mask, "per_teacher", teacher_ids=torch.tensor([0, 1]), num_teachers=2)
+        gt.per_teacher_advantages(scores, mask, torch.tensor([0, 1]), 2, g._whiten)
     with pytest.raises(ValueError, match="teacher_ids"):
-        g.normalize_scores(scores, mask, "per_teacher")
+        g.ADVANTAGES["per_teacher"](scores, mask, None, {}, g.Args())  # one teacher: no teacher_ids in the batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +207,9 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
         mixed = [r for r in rollouts if len(set(r.extra["teachers"])) == 2]
         assert mixed
         every_row = g.cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)  # every row's prompt
-        for r in g.route_to_teachers(models, prompts, every_row, args):
+        assert models.teacher is teachers  # several teachers: the dict, routed by the plug-in
+        (several,) = [p for p in models.plugins if isinstance(p, gt.SeveralTeachers)]
+        for r in several.route(prompts, every_row):
             got = models.teacher_logps_of(r)
             for name, teacher in teachers.items():
                 rows = torch.tensor([i for i, t in enumerate(r.extra["teachers"]) if t == name], dtype=torch.long)

@@ -220,7 +220,7 @@ print(f"tokens at the clamp (|teacher - student| >= {args.score_clip:g}): {int((
 
 # %%
 accelerator, _ = make_accelerator(args)  # as setup() does for main(): one process, on the CPU here
-models = make_models(args, accelerator, processor, student, teacher)  # from the models loaded above
+models = make_models(args, accelerator, processor, student, {"teacher": teacher})  # the teachers by name
 step_in = StepPrompts(step=0, seed=step_seed(args.seed, 0, 0), prompts=prompts, group_ids=group_ids, answers=references)
 step_batch = generate_and_score(models, step_in, args)
 print(

@@ -23,10 +23,12 @@
 #
 # $$A = \frac{s - \mu}{\sqrt{\sigma^2 + 10^{-8}}}\, m, \qquad \mu,\ \sigma^2 \text{ over the batch's valid tokens}.$$
 #
-# The script's `normalize_scores` also offers two local variants for comparison: `sequence` (whiten within each
-# response) and `group` (within the G responses of one prompt). This notebook sets up as `main()` does (`setup(args)`),
-# builds **one batch** with the step functions `main()` calls, puts all four modes side by side on it, and measures with
-# the step's update function what each does to the gradient of one update of the LoRA student.
+# The script's `normalize_scores` computes those two (`none`, `global`); its registry `ADVANTAGES` (one entry per
+# `--advantage_mode`, what the step reads) also holds two local variants for comparison, from the optional module
+# gndpo_extras.py beside the script: `sequence` (whiten within each response) and `group` (within the G responses of
+# one prompt). This notebook sets up as `main()` does (`setup(args)`), builds **one batch** with the step functions
+# `main()` calls, puts all four modes side by side on it, and measures with the step's update function what each
+# does to the gradient of one update of the LoRA student.
 
 # %%
 import dataclasses
@@ -43,10 +45,10 @@ import torch
 from matplotlib.ticker import NullLocator
 
 from gndpo_minimal import (
+    ADVANTAGES,
     Args,
     generate_and_score,
     make_models,
-    normalize_scores,
     pad_cat,
     setup,
     step_prompts,
@@ -100,7 +102,8 @@ print(
 
 # %%
 MODES = ("none", "global", "sequence", "group")  # OPD, GNDPO and the two local variants (center/scale are ablations)
-advantages = {mode: normalize_scores(scores, mask, mode, group_ids) for mode in MODES}
+# ADVANTAGES[mode](scores, mask, group_ids, the batch's extra, args): what generate_and_score calls for the mode
+advantages = {mode: ADVANTAGES[mode](scores, mask, group_ids, batch.extra, args) for mode in MODES}
 names = {"none": "OPD (none)", "global": "GNDPO (global)", "sequence": "sequence", "group": "group"}
 print(
     f"generate_and_score's advantages (advantage_mode={args.advantage_mode!r}) equal these: "
@@ -234,7 +237,7 @@ factors = [0.25, 1.0, 4.0]
 
 def grad_norm_of_scaled(k, mode):
     """The pre-clip gradient norm of one update on the batch, its advantages those of the scores times k."""
-    adv = normalize_scores(scores * k, mask, mode, group_ids)
+    adv = ADVANTAGES[mode](scores * k, mask, group_ids, batch.extra, args)
     update = update_student(models, optimizer, scheduler, accelerator, dataclasses.replace(batch, advantages=adv), args)
     return update["grad_norm"]
 
@@ -287,8 +290,9 @@ assert not moved, moved
 # scales that noise up to unit spread, and the step's gradient is as large as on a real distillation batch (or larger),
 # driven by noise. `--score_std_floor f` (`Args(score_std_floor=f)`; its code is in gndpo_extras.py, beside the script)
 # guards against that: when the batch's score std (`score_std(scores, mask)`, what global whitening divides by) is below
-# f, `generate_and_score` only centers the scores (the `center` mode, no scaling) and sets `ScoredBatch.std_floored`
-# (True; False above the floor; None when no floor is set).
+# f, `generate_and_score` only centers the scores (the `center` mode, no scaling) and sets
+# `ScoredBatch.extra["std_floored"]` (True; False above the floor; absent when no floor is set). `make_models` plugs
+# that in (into `Models.plugins`) when its `args` set a floor, so each floor below gets its own `Models`.
 #
 # To see both behaviours, the student becomes its own teacher, a step or two into self-distillation: its LoRA
 # adapter is moved a small random step away from the base (every `lora_B`, which starts at 0, set to
@@ -314,17 +318,21 @@ def base_of_the_student(teacher, rollout, ignore_ids):
         return response_logps(policy, rollout, ignore_ids)
 
 
-models = make_models(
-    args,
-    accelerator,
-    models.processor,
-    student,
-    models.teacher,
-    log=lambda m: None,
-    teacher_forward=base_of_the_student,
-)
 floors = (0.0, 0.1)
-self_batches = {f: generate_and_score(models, prompts, dataclasses.replace(args, score_std_floor=f)) for f in floors}
+teachers = {"teacher": models.teacher}  # make_models takes the teachers by name, as load_models gives them
+self_batches = {}
+for f in floors:
+    floor_args = dataclasses.replace(args, score_std_floor=f)
+    models = make_models(
+        floor_args,
+        accelerator,
+        models.processor,
+        student,
+        teachers,
+        log=lambda m: None,
+        teacher_forward=base_of_the_student,
+    )  # with a floor, Models.plugins holds gndpo_extras' BeyondThePaper
+    self_batches[f] = generate_and_score(models, prompts, floor_args)
 
 # %% [markdown]
 # The two batches sampled the same responses (same prompts, same step seed), so their scores are identical; only
@@ -346,7 +354,7 @@ def stats_of(b, adv, norm):
         "score mean": b.scores[v].mean().item(),
         "advantage mean": adv[v].double().mean().item(),
         "advantage std": adv[v].double().std().item(),
-        "std_floored": repr(b.std_floored),
+        "std_floored": repr(b.extra.get("std_floored")),
         "grad_norm": norm,
     }
 

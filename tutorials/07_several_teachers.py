@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from gndpo_minimal import generate_and_score, normalize_scores, parse_args, setup, step_prompts, teacher_paths
+from gndpo_minimal import ADVANTAGES, generate_and_score, parse_args, setup, step_prompts, teacher_paths
 
 recipe = parse_args([os.path.join(ROOT, "recipes", "tiny_two_teachers.yaml")])  # the recipe's paths: from ROOT
 teachers = ",".join(f"{name}={os.path.join(ROOT, path)}" for name, path in teacher_paths(recipe).items())
@@ -127,17 +127,18 @@ plt.show()
 # %% [markdown]
 # ## The advantages: global against per_teacher
 #
-# `normalize_scores` is the pure function the step calls. Under `global` one mean and one standard deviation serve
-# both teachers; under `per_teacher` each teacher gets its own. The last column is the teacher's share of the
-# batch's $\sum |A|$, a stand-in for its share of the update's gradient.
+# `ADVANTAGES[mode]` is what the step calls for `args.advantage_mode`: the script's `normalize_scores` for `global`,
+# gndpo_teachers.py's `per_teacher_advantages` for `per_teacher`, which reads each row's teacher from the batch's
+# `extra`. Under `global` one mean and one standard deviation serve both teachers; under `per_teacher` each teacher
+# gets its own. The last column is the teacher's share of the batch's $\sum |A|$, a stand-in for its share of the
+# update's gradient.
 
 # %%
-advantages = {
-    "global": normalize_scores(scores, mask, "global"),
-    "per_teacher": normalize_scores(scores, mask, "per_teacher", teacher_ids=ids, num_teachers=len(names)),
+advantages = {  # (scores, mask, group_ids, the batch's extra: teacher_ids and teacher_names, args)
+    mode: ADVANTAGES[mode](scores, mask, batch.group_ids, batch.extra, args) for mode in ("global", "per_teacher")
 }
 print(
-    f"the step's own advantages ({args.advantage_mode}) equal normalize_scores': "
+    f"the step's own advantages ({args.advantage_mode}) equal ADVANTAGES': "
     f"{torch.equal(batch.advantages, advantages[args.advantage_mode])}"
 )
 rows = {}
