@@ -112,7 +112,7 @@ def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
     """The script's ADVANTAGES entries for the ablations: (scores, mask, group_ids, extra, args) -> advantages."""
     return {
         mode: lambda s, m, g, extra, args, mode=mode: ablation_advantages(
-            s, m, mode, whiten, global_sums, g, args.constant_advantage
+            s, m, mode, whiten, global_sums, g, getattr(args, "constant_advantage", -1.0)
         )
         for mode in ABLATIONS
     }

@@ -990,8 +990,10 @@ def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: di
         def agree(ok: bool) -> bool:  # every process takes the same decision
             return accelerator.reduce(torch.tensor(float(ok), device=device), reduction="sum").item() == n
 
-        reason = off.get("share_prompt_prefix") or (sharded and "the weights are sharded: each forward gathers them")
-        teacher = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else reason
+        auto_off = off.get("share_prompt_prefix")  # the student's and the teacher's reasons apart: a whole teacher
+        reason = auto_off or ("the weights are sharded: each forward gathers them" if sharded else None)
+        teacher = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
+        teacher = teacher or auto_off
         reasons = {"student": reason, "rollout": reason, "teacher": teacher}
         sampling.sharing = PrefixSharing(
             plain, script["logps_tolerance"], log, agree, reasons, asked("lean_logps"), script["compute_dtype"]
