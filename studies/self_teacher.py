@@ -1,0 +1,206 @@
+"""Self-distillation with privileged context (issue 45, item 5): OPSD, OP2SD and the plain self-teacher, each under
+`--advantage_mode global` and `none`, 6 paired seeds, on the hint world (assets/hint, docs/world.md).
+
+Every run is `gndpo_minimal.py --student_model assets/hint/student --teacher_model self` (the teacher is the
+student's starting weights with its LoRA adapter disabled) with the short setting in RUN_FLAGS, one change per arm:
+
+  OPSD    --privileged_column answer --privileged_source own    the teacher reads the row's own answer as a hint
+  OP2SD   --privileged_column answer --privileged_source other  the teacher reads another prompt's answer
+  plain   no --privileged_column                                the teacher reads the student's prompt alone
+
+Seed s is the same in every arm (the same initial LoRA, the same prompts at every step, the same evaluation rows).
+
+PRIMARY ENDPOINT (fixed before the runs): the final greedy accuracy (summary.json's student_accuracy_after, 100
+held-out rows) of OPSD-global minus that of plain-global, paired by seed; its mean over seeds 0-5 and an exact
+two-sided sign-flip permutation test over the 6 per-seed differences (all 2^6 = 64 sign patterns; the smallest
+possible p is 2/64 = 0.031). Secondary (same statistic, reported, not tested for a claim): OP2SD-global minus
+plain-global, and OPSD-global minus OPSD-none.
+
+    python studies/self_teacher.py              # 36 runs one at a time, then the page and its JSON
+    python studies/self_teacher.py --no_run     # only the page and the JSON, from existing runs
+
+It writes docs/studies/self_teacher.md and docs/studies/self_teacher.json; the page's first lines name the commit,
+the command and the machine each run was made with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_opd_gndpo import ROOT, load, made_by_lines, run_all  # noqa: E402
+
+OUT_DIR = os.path.join(ROOT, "docs", "studies")
+SEEDS = [0, 1, 2, 3, 4, 5]
+RUN_FLAGS = [
+    "--student_model", os.path.join(ROOT, "assets", "hint", "student"),
+    "--teacher_model", "self",
+    "--max_steps", "30",
+    "--learning_rate", "2e-3",
+    "--prompts_per_step", "16",
+    "--num_generations", "4",
+    "--micro_batch_size", "64",
+    "--num_eval_samples", "100",
+    "--max_train_samples", "512",
+    "--logging_steps", "1000",
+]  # fmt: skip
+SOURCES = {  # arm name: the flags that make it
+    "OPSD": ["--privileged_column", "answer", "--privileged_source", "own"],
+    "OP2SD": ["--privileged_column", "answer", "--privileged_source", "other"],
+    "plain": [],
+}
+MODES = ["global", "none"]
+PRIMARY = (("OPSD", "global"), ("plain", "global"))
+SECONDARY = [(("OP2SD", "global"), ("plain", "global")), (("OPSD", "global"), ("OPSD", "none"))]
+
+
+def folder(runs_dir: str, source: str, mode: str, seed: int) -> str:
+    return os.path.join(runs_dir, f"{source}_{mode}_seed{seed}")
+
+
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided sign-flip permutation p-value of the mean of paired differences: the share of the 2^n sign
+    patterns whose mean is at least as far from 0 as the observed one (the observed pattern counts)."""
+    observed = abs(statistics.mean(diffs))
+    patterns = list(itertools.product((1, -1), repeat=len(diffs)))
+    hits = sum(abs(statistics.mean(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12 for signs in patterns)
+    return hits / len(patterns)
+
+
+def mean_of(steps: list[dict], key: str, first: bool) -> float:
+    values = [s[key] for s in (steps[:5] if first else steps[-5:]) if key in s]
+    return statistics.mean(values) if values else float("nan")
+
+
+def run_record(out: str) -> dict:
+    """One run's numbers: accuracy before and after, the self-teacher's accuracy before training, reverse KL and
+    advantage std over the first and last 5 steps."""
+    steps, summary = load(out)
+    nan = float("nan")
+    return {
+        "before": summary.get("student_accuracy_before", nan),
+        "after": summary.get("student_accuracy_after", nan),
+        "teacher": summary.get("teacher_accuracy", nan),
+        "kl_first": mean_of(steps, "reverse_kl", True),
+        "kl_last": mean_of(steps, "reverse_kl", False),
+        "adv_std_last": mean_of(steps, "adv_std", False),
+        "steps": len(steps),
+        "wall": summary.get("wall_seconds", nan),
+    }
+
+
+def contrast(records: dict, a: tuple, b: tuple, seeds: list[int]) -> dict:
+    diffs = [records[(*a, s)]["after"] - records[(*b, s)]["after"] for s in seeds]
+    return {
+        "a": " ".join(a),
+        "b": " ".join(b),
+        "per_seed": dict(zip(map(str, seeds), diffs)),
+        "mean": statistics.mean(diffs),
+        "higher_in": sum(d > 0 for d in diffs),
+        "lower_in": sum(d < 0 for d in diffs),
+        "p_sign_flip": sign_flip_p(diffs),
+    }
+
+
+def arm_table(records: dict, seeds: list[int]) -> list[str]:
+    avg = statistics.mean
+    lines = [
+        "| arm | student before | student after, mean (per seed 0-5) | self-teacher before training | "
+        "reverse KL first 5 -> last 5 steps | advantage std last 5 | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for source, mode in itertools.product(SOURCES, MODES):
+        rs = [records[source, mode, s] for s in seeds]
+        per_seed = ", ".join(f"{r['after']:.2f}" for r in rs)
+        lines.append(
+            f"| {source}, {mode} | {avg(r['before'] for r in rs):.3f} | **{avg(r['after'] for r in rs):.3f}** "
+            f"({per_seed}) | {avg(r['teacher'] for r in rs):.3f} | {avg(r['kl_first'] for r in rs):.3f} -> "
+            f"{avg(r['kl_last'] for r in rs):.3f} | {avg(r['adv_std_last'] for r in rs):.3f} | "
+            f"{avg(r['wall'] for r in rs):.0f} |"
+        )
+    return lines
+
+
+def contrast_line(name: str, c: dict) -> str:
+    per_seed = ", ".join(f"{d:+.2f}" for d in c["per_seed"].values())
+    return (
+        f"| {name}: {c['a']} - {c['b']} | {c['mean']:+.3f} | {per_seed} | "
+        f"{c['higher_in']} / {c['lower_in']} | {c['p_sign_flip']:.3f} |"
+    )
+
+
+def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict], seeds: list[int]) -> str:
+    lines = [
+        "# Self-distillation with privileged context: OPSD, OP2SD and the plain self-teacher",
+        "",
+        "Made by [studies/self_teacher.py](../../studies/self_teacher.py) (its docstring fixes the primary endpoint",
+        "before the runs); the JSON record beside this page is [self_teacher.json](self_teacher.json).",
+        "",
+        *("- " + line for line in made_by if line),
+        "",
+        "Run flags: `" + " ".join(os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for f in RUN_FLAGS) + "`, "
+        f"seeds {', '.join(map(str, seeds))}, one run at a time.",
+        "",
+        *arm_table(records, seeds),
+        "",
+        "The self-teacher's accuracy is the start-up evaluation of the teacher as the run configures it (greedy, the",
+        "same 100 rows): in OPSD and OP2SD it reads the privileged context, in plain it is the student's own start.",
+        "",
+        "Paired by seed; p: exact two-sided sign-flip permutation test over the seeds (64 patterns for 6 seeds,",
+        "smallest possible p 2/64 = 0.031).",
+        "",
+        "| contrast (final greedy accuracy) | mean difference | per seed | higher / lower in | p |",
+        "|---|---|---|---|---|",
+        contrast_line("**primary**", primary),
+        *(contrast_line("secondary", c) for c in secondary),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    p.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "self_teacher"))
+    p.add_argument("--tag", default="self_teacher", help="the page's file name in docs/studies/ (no extension)")
+    p.add_argument("--no_run", action="store_true", help="only write the page from existing runs")
+    p.add_argument("--skip_existing", action="store_true", help="run only the jobs without a summary.json")
+    args = p.parse_args(argv)
+    grid = [(src, mode, s) for s in args.seeds for src in SOURCES for mode in MODES]  # seed-major: a stop leaves pairs
+    outs = {key: folder(args.runs_dir, *key) for key in grid}
+    if not args.no_run:
+        todo = [
+            (mode, None, seed, outs[src, mode, seed], SOURCES[src])
+            for src, mode, seed in grid
+            if not (args.skip_existing and os.path.exists(os.path.join(outs[src, mode, seed], "summary.json")))
+        ]
+        run_all(todo, RUN_FLAGS, 1)
+    records = {key: run_record(out) for key, out in outs.items()}
+    primary = contrast(records, *PRIMARY, args.seeds)
+    secondary = [contrast(records, a, b, args.seeds) for a, b in SECONDARY]
+    made_by = made_by_lines(list(outs.values()))
+    text = page(made_by, records, primary, secondary, args.seeds)
+    record = {
+        "made_by": [line for line in made_by if line],
+        "run_flags": [os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for f in RUN_FLAGS],
+        "seeds": args.seeds,
+        "primary_endpoint": primary,
+        "secondary": secondary,
+        "runs": {"_".join(map(str, key)): r for key, r in records.items()},
+    }
+    os.makedirs(OUT_DIR, exist_ok=True)
+    with open(os.path.join(OUT_DIR, f"{args.tag}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(OUT_DIR, f"{args.tag}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
