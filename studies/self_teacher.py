@@ -48,6 +48,7 @@ RUN_FLAGS = [
     "--num_eval_samples", "100",
     "--max_train_samples", "512",
     "--logging_steps", "1000",
+    "--cpu_threads", "1",  # the machine's 2 cores are shared: one thread, no oversubscription
 ]  # fmt: skip
 SOURCES = {  # arm name: the flags that make it
     "OPSD": ["--privileged_column", "answer", "--privileged_source", "own"],
