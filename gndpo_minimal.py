@@ -100,6 +100,9 @@ class Args:
         "Teacher checkpoint (the student's tokenizer); several: name=path pairs; self (gndpo_teachers.py).",
     )
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
+    shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers.py).")
+    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
+    gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
     # --- the self-teacher (--teacher_model self): the student's starting weights, reading privileged context ---
     privileged_column: str | None = arg(
         None, "Self-teacher: the column of context its prompt holds (answer, solution)."
@@ -109,9 +112,6 @@ class Args:
     max_teacher_prompt_length: int = arg(
         1024, "Skip (and count) rows whose teacher prompt, context included, is longer."
     )
-    shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers.py).")
-    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
-    gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
     # --- LoRA on the language model (the vision tower stays frozen), or full fine-tuning ---
     lora_r: int = arg(16, "LoRA rank; 0 = full fine-tuning (the paper's): language model, projector and LM head.")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")

@@ -2,6 +2,7 @@
 order and groups of `Args` (the `# --- group ---` lines), each at its default; its Metrics table names every key
 that a run writes to metrics.jsonl, and nothing a run never writes (runs of main() on the tiny random models)."""
 
+import ast
 import dataclasses
 import inspect
 import json
@@ -92,6 +93,8 @@ def matches_default(written: str, default) -> bool:
             return float(written) == default
         except ValueError:
             return False
+    if written[:1] in "\"'" and written[-1:] == written[:1]:  # a quoted literal: a default with escapes ("\n\n...")
+        return ast.literal_eval(written) == default
     return written == (os.path.relpath(default, ROOT) if os.path.isabs(default) else default)
 
 
