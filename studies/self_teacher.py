@@ -6,7 +6,7 @@ student's starting weights with its LoRA adapter disabled) with the short settin
 
   OPSD    --privileged_column answer --privileged_source own    the teacher reads the row's own answer as a hint
   OP2SD   --privileged_column answer --privileged_source other  the teacher reads another prompt's answer
-  plain   no --privileged_column                                the teacher reads the student's prompt alone
+  plain   --privileged_source none (no --privileged_column)     the teacher reads the student's prompt alone
 
 Seed s is the same in every arm (the same initial LoRA, the same prompts at every step, the same evaluation rows).
 
@@ -53,7 +53,7 @@ RUN_FLAGS = [
 SOURCES = {  # arm name: the flags that make it
     "OPSD": ["--privileged_column", "answer", "--privileged_source", "own"],
     "OP2SD": ["--privileged_column", "answer", "--privileged_source", "other"],
-    "plain": [],
+    "plain": ["--privileged_source", "none"],
 }
 MODES = ["global", "none"]
 PRIMARY = (("OPSD", "global"), ("plain", "global"))
@@ -135,6 +135,40 @@ def contrast_line(name: str, c: dict) -> str:
     )
 
 
+def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[int]) -> list[str]:
+    """The page's reading of its numbers: each sentence computed from the records."""
+    avg = statistics.mean
+    acc = {(src, mode): avg(records[src, mode, s]["after"] for s in seeds) for src in SOURCES for mode in MODES}
+    before = avg(r["before"] for r in records.values())
+    teacher = {src: avg(records[src, "global", s]["teacher"] for s in seeds) for src in SOURCES}
+
+    def said(c: dict) -> str:
+        return (
+            f"{c['mean']:+.3f} on average, higher in {c['higher_in']} of {len(seeds)} seeds and lower in "
+            f"{c['lower_in']}, p = {c['p_sign_flip']:.3f}"
+        )
+
+    op2sd, within = secondary
+    return [
+        f"- **Before training** the student scores {before:.3f} (every run: the same rows and starting weights); "
+        f"the self-teacher reading the row's own answer scores {teacher['OPSD']:.3f} (the start-up evaluation of "
+        f"OPSD and of OP2SD, whose teacher is evaluated with each row's own answer too: {teacher['OP2SD']:.3f}), "
+        f"and the plain self-teacher, which is the student, {teacher['plain']:.3f}.",
+        f"- **Primary endpoint, OPSD-global minus plain-global final accuracy: {said(primary)}** (two-sided exact "
+        f"sign-flip test over the 64 sign patterns; the smallest p 6 seeds can give is 0.031).",
+        f"- Secondary, OP2SD-global minus plain-global: {said(op2sd)}. OPSD-global minus OPSD-none: {said(within)}.",
+        f"- Mean final accuracy: OPSD {acc['OPSD', 'global']:.3f} (global) and {acc['OPSD', 'none']:.3f} (none), "
+        f"OP2SD {acc['OP2SD', 'global']:.3f} and {acc['OP2SD', 'none']:.3f}, plain {acc['plain', 'global']:.3f} "
+        f"and {acc['plain', 'none']:.3f}, after {RUN_FLAGS[RUN_FLAGS.index('--max_steps') + 1]} steps.",
+        "- The reverse KL of each arm is measured against that arm's own teacher, so it does not compare across "
+        "arms: the plain self-teacher starts as the student (KL 0 at the first step, its LoRA adapter still zero).",
+        "- **The world's caveat**: the hint student scores 0.9975 with the row's answer as a hint and still 0.77 "
+        "with another row's answer (assets/hint/world.json): in this world the hint's presence, not its content, "
+        "does most of the work, so OP2SD coming close to OPSD is what the world leads one to expect, and these runs "
+        "cannot tell privilege from context in general. The runs are short (one setting, no learning-rate search).",
+    ]
+
+
 def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict], seeds: list[int]) -> str:
     lines = [
         "# Self-distillation with privileged context: OPSD, OP2SD and the plain self-teacher",
@@ -159,6 +193,8 @@ def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict]
         "|---|---|---|---|---|",
         contrast_line("**primary**", primary),
         *(contrast_line("secondary", c) for c in secondary),
+        "",
+        *findings(records, primary, secondary, seeds),
         "",
     ]
     return "\n".join(lines)
