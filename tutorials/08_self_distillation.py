@@ -102,6 +102,9 @@ print("teacher reads:", repr(teacher_prompt))
 # prompts from the same rollouts and calling `score_rollouts` again scores the very same tokens by the same starting
 # weights reading the student's prompt alone: the plain self-teacher. At step 0 the LoRA adapter is still zero, so
 # the plain self-teacher is the student and its scores are 0 up to rounding.
+# The first step prints the speed-ups' start-up checks: the teacher's line says it falls back to one full forward
+# per sample, because its prompts (with the answer) are not the student's, so the student's shared prompt reads do not
+# serve it.
 
 # %%
 batch = generate_and_score(run.models, prompts, args, log=lambda msg: None)  # with the answer (OPSD)
