@@ -160,11 +160,15 @@ def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[in
         f"- Mean final accuracy: OPSD {acc['OPSD', 'global']:.3f} (global) and {acc['OPSD', 'none']:.3f} (none), "
         f"OP2SD {acc['OP2SD', 'global']:.3f} and {acc['OP2SD', 'none']:.3f}, plain {acc['plain', 'global']:.3f} "
         f"and {acc['plain', 'none']:.3f}, after {RUN_FLAGS[RUN_FLAGS.index('--max_steps') + 1]} steps.",
+        f"- The plain self-teacher leaves the student where it started ({before:.3f} -> "
+        f"{acc['plain', 'global']:.3f} under global): with no context its teacher is the student's starting point, "
+        "and the reverse KL to it stays near 0.",
         "- The reverse KL of each arm is measured against that arm's own teacher, so it does not compare across "
         "arms: the plain self-teacher starts as the student (KL 0 at the first step, its LoRA adapter still zero).",
         "- **The world's caveat**: the hint student scores 0.9975 with the row's answer as a hint and still 0.77 "
         "with another row's answer (assets/hint/world.json): in this world the hint's presence, not its content, "
-        "does most of the work, so OP2SD coming close to OPSD is what the world leads one to expect, and these runs "
+        "does most of the work, so OP2SD gaining most of what OPSD gains over plain (here "
+        f"{op2sd['mean']:+.3f} against {primary['mean']:+.3f}) is what the world leads one to expect, and these runs "
         "cannot tell privilege from context in general. The runs are short (one setting, no learning-rate search).",
     ]
 

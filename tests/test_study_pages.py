@@ -98,3 +98,29 @@ def test_the_compare_driver_names_the_machine_or_says_it_was_not_recorded(tmp_pa
     assert made["machine"]["cpu_model"] in new_line and "OMP_NUM_THREADS=1" in new_line
     assert old_line.startswith("2 run(s)") and "a machine not recorded" in old_line
     assert "no record of their commit" in none_line and blank == ""
+
+
+def test_the_self_teacher_page_holds_its_record():
+    """docs/studies/self_teacher.md (studies/self_teacher.py): 6 seeds of each of the 6 arms, the primary endpoint's
+    line as its JSON gives it, the p-value the exact sign-flip test gives for the per-seed differences, and the
+    self-teacher better than the student before training in OPSD."""
+    import self_teacher
+
+    with open(os.path.join(STUDIES, "self_teacher.json")) as f:
+        record = json.load(f)
+    assert record["seeds"] == list(range(6)) and len(record["runs"]) == 36
+    primary = record["primary_endpoint"]
+    assert (primary["a"], primary["b"]) == ("OPSD global", "plain global")
+    diffs = list(primary["per_seed"].values())
+    assert primary["p_sign_flip"] == self_teacher.sign_flip_p(diffs)
+    assert self_teacher.contrast_line("**primary**", primary) in read(os.path.join(STUDIES, "self_teacher.md"))
+    opsd = [record["runs"][f"OPSD_global_{s}"] for s in range(6)]
+    assert all(r["teacher"] > r["before"] for r in opsd)
+
+
+def test_the_sign_flip_test_is_exact():
+    import self_teacher
+
+    assert self_teacher.sign_flip_p([0.1] * 6) == 2 / 64  # only the observed pattern and its mirror
+    assert self_teacher.sign_flip_p([0.1, -0.1] * 3) == 1.0
+    assert self_teacher.sign_flip_p([0.0] * 6) == 1.0
