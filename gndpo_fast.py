@@ -782,12 +782,9 @@ class PrefixSharing:
         tolerance = self.tolerance(model, None if role == "teacher" else self.compute_dtype)
         valid = rollout.response_mask.bool()
         try:
-            if rollout.extra.get("prompt_index") is None:
-                raise ValueError(
-                    "the rollouts carry no distinct prompts (the model reads prompts of its own, or "
-                    "--share_prompt_prefix was off when they were made)"
-                )
-            if role == "rollout":
+            if rollout.extra.get("prompt_index") is None:  # nothing to share: not a failed comparison
+                ok, why = False, "its rollouts carry no distinct prompts: it reads prompts of its own"
+            elif role == "rollout":
                 with torch.no_grad(), _dropout_off(model):
                     plain = self.plain(model, rollout, ignore_ids, temperature)
                     if held_back is not None:
