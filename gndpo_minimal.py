@@ -1880,6 +1880,8 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
             compute_dtype=compute_dtype(accelerator),
         )
         off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log)
+    else:  # the plain forward's log-probs: a log-softmax over (n, R, V) float32 logits
+        log("log-probs: student full logits, teacher full logits")
     models.teacher_forward = models.teacher_forward or response_logps
     log(startup_line(args, accelerator, student, off))
     if args.teacher_model == "self":  # the self-teacher (gndpo_teachers): the starting weights, with the context
