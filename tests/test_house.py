@@ -137,3 +137,15 @@ def test_docs_tests_page_has_a_row_for_every_test_file_and_no_other():
     assert len(files) > 20 and named, (files, named)
     assert files - named == set(), f"test files without a row in docs/tests.md: {sorted(files - named)}"
     assert named - files == set(), f"rows in docs/tests.md naming no test file: {sorted(named - files)}"
+
+
+def test_every_top_level_module_is_installed_by_pyproject():
+    """pyproject.toml's py-modules make the script and its modules importable from any directory (the tutorials run
+    from tutorials/): a module missing there is importable from the repository root only."""
+    import glob
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["py-modules"])
+    here = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    assert here <= listed, f"top-level modules pyproject.toml does not install: {sorted(here - listed)}"
