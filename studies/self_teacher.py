@@ -26,10 +26,12 @@ the command and the machine each run was made with.
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +175,38 @@ def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[in
     ]
 
 
+def full_commit(short: str) -> str:
+    """A commit's full 40-hex name."""
+    return subprocess.run(
+        ["git", "rev-parse", short], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def study_record(outs: list[str], result: dict, primary: dict) -> dict:
+    """The JSON record in docs/bench_results/'s format (what tests/test_results.py checks of every record): the first
+    run's commit, command and machine, whether every run was made from a clean tree, the runs' wall seconds, the
+    primary endpoint's per-seed differences as the raw values ("rounds"), and the study's own result."""
+    made = []
+    for out in outs:
+        with open(os.path.join(out, "study.json")) as f:
+            made.append(json.load(f))
+    seconds = 0.0
+    for out in outs:
+        with open(os.path.join(out, "summary.json")) as f:
+            seconds += json.load(f).get("wall_seconds", 0.0)
+    return {
+        "name": "self_teacher",
+        "commit": full_commit(statistics.mode(m["commit"] for m in made)),  # most runs' (made_by lists each)
+        "clean": not any(m["dirty"] for m in made),
+        "command": "python studies/self_teacher.py",
+        "machine": made[0]["machine"],
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "seconds": seconds,
+        "rounds": {"primary_per_seed": primary["per_seed"]},
+        "result": result,
+    }
+
+
 def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict], seeds: list[int]) -> str:
     lines = [
         "# Self-distillation with privileged context: OPSD, OP2SD and the plain self-teacher",
@@ -226,7 +260,7 @@ def main(argv: list[str] | None = None) -> str:
     secondary = [contrast(records, a, b, args.seeds) for a, b in SECONDARY]
     made_by = made_by_lines(list(outs.values()))
     text = page(made_by, records, primary, secondary, args.seeds)
-    record = {
+    result = {
         "made_by": [line for line in made_by if line],
         "run_flags": [os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for f in RUN_FLAGS],
         "seeds": args.seeds,
@@ -234,6 +268,7 @@ def main(argv: list[str] | None = None) -> str:
         "secondary": secondary,
         "runs": {"_".join(map(str, key)): r for key, r in records.items()},
     }
+    record = study_record(list(outs.values()), result, primary)
     os.makedirs(OUT_DIR, exist_ok=True)
     with open(os.path.join(OUT_DIR, f"{args.tag}.md"), "w") as f:
         f.write(text)
