@@ -1936,9 +1936,9 @@ class Run:
         config = generation_configs(models.processor.tokenizer, self.policy, args)[1]
         synced = (
             args.shard_teacher and self.accelerator.num_processes > 1
-            if model is models.teacher
+            if model is models.teacher and args.teacher_model != "self"
             else models.sampling.synced_gpus
-        )  # sharded weights: every process steps generate() alike
+        )  # sharded weights (the self-teacher's are the student's): every process steps generate() alike
         one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config, synced_gpus=synced)
         each = models.hooks("evaluate")  # several teachers: each row with its own teacher
         result = each[0](one, model, self.eval_rows) if each else one(model, self.eval_rows)
