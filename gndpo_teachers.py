@@ -328,7 +328,7 @@ def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
 def check_self_teacher(args, num_processes: int) -> list[str]:
     """The problems with a self-teacher's flags, each a line naming the flag and the fix."""
     problems = []
-    if "=" in args.teacher_model and SELF in [p.split("=", 1)[-1].strip() for p in args.teacher_model.split(",")]:
+    if "=" in args.teacher_model and SELF in teacher_paths(args.teacher_model).values():
         problems.append("--teacher_model self is one teacher, the student itself: it does not mix with several")
     if args.privileged_column and args.teacher_model != SELF:
         problems.append("--privileged_column feeds the self-teacher's prompt: it needs --teacher_model self")
