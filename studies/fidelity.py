@@ -4,6 +4,7 @@
     python studies/fidelity.py --study outliers --jobs 2    # a teacher with outliers on purpose (studies/outliers.py)
     python studies/fidelity.py --study critics --jobs 2     # a constant advantage; a 16-bit against a 4-bit teacher
     python studies/fidelity.py --study unbounded --no_run   # only tabulate the runs already there
+    python studies/fidelity.py --study unbounded --from_record   # remake the page from its JSON record alone
 
 Each study runs its grid (two runs at a time with --jobs 2, one thread each), keeps in each run folder study.json
 (the commit, whether the code that ran differed from it, this command, the run's own command line, the machine:
@@ -14,7 +15,10 @@ result).
 
 Comparisons are paired: a mode's run and the other mode's run share the seed (so the initial weights, the prompts
 of every step and the evaluation rows); each table gives the mean of the paired differences over seeds with a 95%
-t interval, and for accuracy also the difference pooled over (seed, row) pairs of eval_rows.jsonl.
+t interval and the exact sign-flip permutation p (studies/stats.py), one primary endpoint per study
+(fidelity_pages.PRIMARY, named after these runs) and Holm's correction over the rest. With --from_record the runs
+are not needed: the record's rounds hold every run's numbers, and its result the probes, outlier shares and
+answers the page shows.
 """
 
 from __future__ import annotations
@@ -183,17 +187,21 @@ def run_all(jobs: list[dict], runs_dir: str, parallel: int) -> None:
         list(pool.map(run, jobs))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", choices=("unbounded", "outliers", "critics"), required=True)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--runs_dir", default=None, help="default: runs/fidelity/<study>")
     parser.add_argument("--no_run", action="store_true", help="only tabulate the runs already there")
+    parser.add_argument(
+        "--from_record", action="store_true", help="remake the page from docs/studies/<page>.json; no run folders"
+    )
     parser.add_argument("--skip_existing", action="store_true", help="run only the jobs with no summary.json yet")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs_dir = args.runs_dir or os.path.join(ROOT, "runs", "fidelity", args.study)
     jobs = grid(args.study)
-    if not args.no_run:
+    command = " ".join(["python", "studies/fidelity.py", *(argv if argv is not None else sys.argv[1:])])
+    if not (args.no_run or args.from_record):
         todo = [
             j
             for j in jobs
@@ -202,7 +210,7 @@ def main() -> None:
         run_all(todo, runs_dir, args.jobs)
     import fidelity_pages  # noqa: PLC0415 (the pages and their arithmetic: modules of their own)
 
-    fidelity_pages.write(args.study, jobs, runs_dir)
+    fidelity_pages.write(args.study, jobs, runs_dir, from_record=args.from_record, command=command)
 
 
 if __name__ == "__main__":

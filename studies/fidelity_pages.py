@@ -1,6 +1,11 @@
-"""Each fidelity study's page: unbounded(), outliers() and critics() take the runs fidelity_tables.collect() found
-and return (page name, Markdown, result, rounds); write() saves the study's page and its record. This module renders
-and imports the arithmetic (fidelity_tables), which imports nothing from it."""
+"""Each fidelity study's page: unbounded(), outliers() and critics() take the study's runs ({name: (job, stats)}, from
+the run folders or from the page's JSON record) and what else the page shows, and return (page name, Markdown,
+result); write() saves the study's page and its record. This module renders and imports the arithmetic
+(fidelity_tables, stats), which imports nothing from it.
+
+The three studies were run (commit 3cf45f6) before any endpoint was fixed. Each page's primary endpoint (PRIMARY)
+was named after the runs' numbers had been read, for issue 44, and each page says so.
+"""
 
 from __future__ import annotations
 
@@ -11,34 +16,124 @@ import statistics
 from fidelity_tables import (
     BENCH_RESULTS,
     MARGINS,
+    MEASURES,
     NAMES,
+    PAIRED_HEAD,
+    RECORDS_DIR,
     SPIKE,
     by_seed,
     collect,
     f3,
     machine_text,
     old_full_ft_pairs,
+    paired_line,
     paired_table,
+    primary_endpoint,
     provenance_lines,
     record,
-    rows_of,
+    record_provenance_lines,
     run_table,
+    runs_from_record,
     save,
+    tables_made_by,
 )
 
 READING = (
-    f"Tails are judged first: per run, the pre-clip gradient norm's largest value and 99th percentile over "
+    f"Tails come first: per run, the pre-clip gradient norm's largest value and 99th percentile over "
     f"its median, the count of steps above {SPIKE:g}x the median, the same for the update size "
     "(||delta theta|| per step), and divergence (accuracy after more than 0.10 below before, or reverse KL "
-    "over the last 5 steps above twice the run's lowest 5-step mean). Accuracy comes second. Paired "
-    "differences are b - a per seed, mean with a 95% t interval over seeds; ratios are compared as logs "
-    "(+0.405 is a factor 1.5). The margins were fixed before the runs: "
+    "over the last 5 steps above twice the run's lowest 5-step mean). Accuracy comes second. A paired "
+    "difference is b - a within a seed; the seed is the unit (the rows of one seed share its trained weights, so "
+    "there is no interval over (seed, row) pairs: clustered by seed it is the accuracy interval by seed). Each row "
+    "gives the mean over seeds with a 95% t interval (n - 1 degrees of freedom) and the two-sided p of an exact "
+    "sign-flip permutation test of the per-seed differences (studies/stats.py); with n seeds that p cannot go "
+    "below 2 / 2^n: 0.25 at 3 seeds, 0.031 at 6. Ratios are compared as logs (+0.405 is a factor 1.5). "
+    "One primary endpoint is tested alone; the other rows are secondary, their p Holm-adjusted over the page's "
+    "secondary rows. The margins were fixed before the runs: "
     + ", ".join(f"{k} +-{v:.3g}" for k, v in MARGINS.items())
-    + '. A reading is "equivalent" when the interval lies inside the margin ("equivalent (not 0)" when it '
-    'excludes 0 too: a difference smaller than the margin), "differs" when it excludes 0 and is not inside the '
-    "margin, "
-    '"inconclusive" otherwise.'
+    + '. A reading is "differs" only when the whole interval lies outside the margin, "equivalent" only when it '
+    'lies inside, "inconclusive" otherwise, and whenever the interval has zero width (identical differences in '
+    "every seed: the t interval then says nothing). The t interval rests on the seeds' differences being normal; "
+    "with 3 seeds it has 2 degrees of freedom."
 )
+
+# each study's one primary endpoint, named after its runs (see the module's docstring): b - a of `key` over the
+# seeds of the cells listed, pooled; the page states it, and why, in `why`
+PRIMARY = {
+    "unbounded": {
+        "label": "both worlds: GNDPO - OPD",
+        "key": "log_gn_max_ratio",
+        "cells": [{"world": "trace"}, {"world": "default"}],
+        "a": {"mode": "none"},
+        "b": {"mode": "global"},
+        "why": "the paper's claim is about the gradient's tail, and this is the first tail measure the page "
+        "reads; both worlds are pooled (12 seed pairs) because a world was not singled out before the runs",
+    },
+    "outliers": {
+        "label": "noclamp_M30: GNDPO - OPD",
+        "key": "log_gn_max_ratio",
+        "cells": [{"variant": "noclamp_M30"}],
+        "a": {"mode": "none"},
+        "b": {"mode": "global"},
+        "why": "the cell where the outliers are present and nothing caps their scores, the claim's own setting",
+    },
+    "critics": {
+        "label": "both worlds: constant - GNDPO",
+        "key": "acc_after",
+        "cells": [
+            {"world": "default", "variant": "lora4bit"},
+            {"world": "trace", "variant": "lora4bit"},
+        ],
+        "a": {"mode": "global"},
+        "b": {"mode": "constant"},
+        "why": "the control the page is about, against the method; both worlds pooled (6 seed pairs) because one "
+        "world's 3 seeds cannot give a p below 0.25",
+    },
+}
+
+
+def primary_of(study: str, runs: dict) -> dict:
+    spec = PRIMARY[study]
+    cells = [(by_seed(runs, **c, **spec["a"]), by_seed(runs, **c, **spec["b"])) for c in spec["cells"]]
+    return primary_endpoint({k: spec[k] for k in ("label", "key", "why")}, cells)
+
+
+def primary_lines(p: dict, tables: dict) -> list[str]:
+    """The primary endpoint's section: what it is, that it was named after the runs, its row and its reading."""
+    n = p["n"]
+    return [
+        "## The primary endpoint (named after the runs)",
+        "",
+        f"These runs were made before any endpoint was fixed. The primary endpoint was named afterwards, with the "
+        f"numbers already read, in studies/fidelity_pages.py (PRIMARY) at the commit that computed these tables "
+        f"({tables['commit'][:7]}): {p['label']}, {MEASURES[p['key']]}, paired by seed ({n} pairs): "
+        f"{p['why']}. It is one test, not adjusted; with {n} pairs its p cannot go below {2 / 2**n:.3g}"
+        + (": no test on this page can reach the 0.05 level." if 2 / 2**n > 0.05 else "."),
+        "",
+        *PAIRED_HEAD,
+        paired_line(p["label"], p["key"], p),
+        "",
+        f"Reading: {p['label']}, {MEASURES[p['key']]}: {p['verdict']} (95% t interval over seeds against the "
+        f"margin +-{p['margin']:.3g}; sign-flip p = {p['p_sign_flip']:.3f}).",
+        "",
+    ]
+
+
+def made_by_block(made_by: list[str], tables: dict, study: str) -> list[str]:
+    dirty = "" if tables["clean"] else " (with uncommitted changes to the table code)"
+    return [
+        "Made by:",
+        *made_by,
+        f"- tables and statistics computed from the runs' numbers at commit {tables['commit'][:7]}{dirty} by "
+        f"`{tables['command']}`",
+        "",
+        f"Remake: `python studies/fidelity.py --study {study} --jobs 2` (the runs, then this page); "
+        f"`python studies/fidelity.py --study {study} --from_record` remakes this page and its record's "
+        "statistics from the JSON record beside it, which holds every run's numbers.",
+        "",
+        READING,
+        "",
+    ]
 
 
 def mean_row(label: str, runs: dict) -> str:
@@ -74,128 +169,111 @@ def rounds_of(runs: dict) -> dict:
     }
 
 
-def unbounded(runs: dict, loaded: list[dict]) -> tuple:
+def largest_update_lines(runs: dict) -> list[str]:
+    """Each run's largest update (its update median x max / median): its range over the runs, and that of the run
+    with the largest gradient max / median, so the page shows what the update's tail measure can and cannot show."""
+    top = {name: r["upd_median"] * r["upd_max_ratio"] for name, (_, r) in runs.items()}
+    spiky = max(runs, key=lambda n: runs[n][1]["gn_max_ratio"])
+    return [
+        f"The largest update of every run (update median x max / median) lies between {min(top.values()):.3f} and "
+        f"{max(top.values()):.3f} over all {len(top)} runs, whatever the mode; the run with the largest gradient max "
+        f"/ median ({spiky}, {runs[spiky][1]['gn_max_ratio']:.2f}x its median) has a largest update of "
+        f"{top[spiky]:.3f}. Under AdamW the update's max / median here restates the size of the median update; it "
+        "cannot show whether a gradient spike reaches the update.",
+        "",
+    ]
+
+
+def secondary_section(blocks: list[tuple], p: dict) -> tuple[list[str], dict]:
+    table, paired = paired_table(blocks, skip=(p["label"], p["key"]))
+    return [
+        "## Secondary comparisons",
+        "",
+        f"Every other paired comparison: {len(paired)} rows, their sign-flip p Holm-adjusted together. None was "
+        "fixed before the runs; a row is read as its verdict word says and no further.",
+        "",
+        *table,
+        "",
+    ], paired
+
+
+def unbounded(runs: dict, made_by: list[str], extra: dict, tables: dict) -> tuple:
     """Full fine-tuning, no clamp and no clip, none against global, seeds 0-5, on both worlds."""
     lines = [
         "# Full fine-tuning with nothing that caps an update: OPD against GNDPO",
         "",
         "The paper's claim (arXiv 2606.09091) is that in plain OPD outlier states make the gradient explode, "
-        "and that global normalization tames it. Here nothing else bounds an update: full fine-tuning "
+        "and that global normalization tames it. Here no clamp or clip bounds an update: full fine-tuning "
         "(`--lora_r 0`), no clamp on the scores (`--score_clip 1e9`), no clip on the gradient "
         "(`--max_grad_norm 1e9`), lr 1e-3, 40 steps of B = 32 prompts x G = 4, greedy accuracy on 100 held-out "
         "rows before and after, the 4-bit teacher. `none` and `global` run with seeds 0-5 on the trace world "
-        "(37-token reasoning traces) and on the default world (6-token answers). AdamW still divides each "
-        "parameter's step by its own running scale.",
+        "(37-token reasoning traces) and on the default world (6-token answers). The optimizer is AdamW, which "
+        "divides each parameter's step by its own running scale: the size of a gradient is not passed on to the "
+        "update, so a gradient spike need not show in the update.",
         "",
-        "Made by:",
-        *provenance_lines(loaded),
-        "",
-        "Remake: `python studies/fidelity.py --study unbounded --jobs 2` (runs, then this page); "
-        "`--no_run` only tabulates.",
-        "",
-        READING,
-        "",
+        *made_by_block(made_by, tables, "unbounded"),
     ]
-    result, blocks = {}, []
+    blocks = []
     for world in ("trace", "default"):
         a, b = by_seed(runs, world=world, mode="none"), by_seed(runs, world=world, mode="global")
         lines += [f"## The {world} world", "", *MEAN_HEAD, mean_row("OPD (none)", a), mean_row("GNDPO (global)", b), ""]
-        blocks.append(
-            (
-                f"{world}: GNDPO - OPD",
-                a,
-                b,
-                rows_of(runs, world=world, mode="none"),
-                rows_of(runs, world=world, mode="global"),
-            )
-        )
-        pairs = sorted(set(a) & set(b))
-        result[f"{world}: OPD grad max/median above GNDPO's"] = sum(
-            a[s]["gn_max_ratio"] > b[s]["gn_max_ratio"] for s in pairs
-        )
-        lines += [
-            f"OPD's largest gradient norm over its median is above GNDPO's in "
-            f"{result[f'{world}: OPD grad max/median above GNDPO' + chr(39) + 's']} of {len(pairs)} "
-            f"seed-matched pairs here.",
-            "",
-        ]
-    table, paired = paired_table(blocks)
-    result["paired"] = paired
+        blocks.append((f"{world}: GNDPO - OPD", a, b))
+    primary = primary_of("unbounded", runs)
+    secondary, paired = secondary_section(blocks, primary)
     lines += [
-        "## Paired differences",
-        "",
-        *table,
-        "",
+        *primary_lines(primary, tables),
+        *secondary,
         "## Every run",
         "",
         *run_table(runs, RUN_KEYS["full_ft_unbounded"]),
         "",
     ]
-    old = old_full_ft_pairs()
-    above = [p for p in old if p["opd_ratio"] > p["gndpo_ratio"]]
-    result["earlier_pairs"] = old
+    old = extra["earlier_pairs"]
     lines += [
         "## The earlier full fine-tuning tables (clamp at 5; the clip at 1.0 unless the table says)",
         "",
-        f"From the grad-norm column of docs/studies/full_ft_*.md (made at earlier commits that each table "
-        f"names; identical pairs quoted twice counted once): OPD's largest gradient norm over its median is "
-        f"above GNDPO's in {len(above)} of {len(old)} seed-matched pairs: "
-        + "; ".join(
-            f"at lr {lr}, {sum(p['opd_ratio'] > p['gndpo_ratio'] for p in ps)} of {len(ps)}"
-            for lr, ps in lr_groups(old).items()
-        )
-        + ".",
+        "From the grad-norm column of docs/studies/full_ft_*.md (made at earlier commits that each table names; "
+        "identical pairs quoted twice listed once), each run's largest gradient norm over its median. These pairs "
+        "are not independent of each other: the same seeds appear with and without the clip, and the tables were "
+        "made with two versions of the code. They are listed, not counted as evidence.",
         "",
         "| table | lr | seed | OPD max / median | GNDPO max / median |",
         "|---|---|---|---|---|",
         *(f"| {p['table']} | {p['lr']} | {p['seed']} | {p['opd_ratio']:.2f} | {p['gndpo_ratio']:.2f} |" for p in old),
         "",
     ]
-    return "full_ft_unbounded", "\n".join(lines), result, rounds_of(runs)
+    result = {"primary": primary, "paired": paired, "earlier_pairs": old, "tables": tables}
+    return "full_ft_unbounded", "\n".join(lines), result
 
 
-def lr_groups(pairs: list[dict]) -> dict:
-    """The earlier tables' pairs by learning rate ("default" is the script's 1e-3)."""
-    out = {}
-    for p in pairs:
-        lr = "1e-3" if p["lr"].startswith(("default", "0.001")) else p["lr"].split()[0]
-        out.setdefault(lr, []).append(p)
-    return out
+def share_range(share: dict) -> str:
+    means = [100 * statistics.mean(x) for x in share.values()]
+    return f"{min(means):.2f}-{max(means):.2f}%"
 
 
-def outliers(runs: dict, loaded: list[dict]) -> tuple:
-    """The trace world, full fine-tuning, no clip; a teacher M nats lower on a fixed 1% of tokens; clamp on/off."""
+def outliers(runs: dict, made_by: list[str], extra: dict, tables: dict) -> tuple:
+    """The trace world, full fine-tuning, no clip; a teacher M nats lower on hashed (state, token) pairs."""
+    share, probes = extra["outlier_share"], extra["probes"]
     lines = [
-        "# Outliers on purpose: a teacher M nats lower on a fixed 1% of tokens",
+        f"# Outliers on purpose: a teacher M nats lower on hashed (state, token) pairs ({share_range(share)} of "
+        "the scored tokens)",
         "",
         "studies/outliers.py passes main() a teacher_forward that takes M nats off the teacher's log-prob "
-        "of a fixed 1% of (state, token) pairs: a token is an outlier when a hash of its row's prompt and its "
-        "response so far lands in 1 of 100 buckets, the same in every run. M = 0 is the plain teacher through "
-        "the same hook. The trace world, full fine-tuning (`--lora_r 0`), lr 1e-3, no gradient clip "
-        "(`--max_grad_norm 1e9`), 40 steps, 100 evaluation rows, OPD and GNDPO, seeds 0-2, with the clamp at "
-        "5 and without it (`--score_clip 1e9`).",
+        "of the (state, token) pairs whose hash (of the row's prompt and its response so far) lands in 1 of 100 "
+        "buckets, the same pairs in every run; the share of scored tokens this hits is measured per cell below. "
+        "M = 0 is the plain teacher through the same hook. The trace world, full fine-tuning (`--lora_r 0`), "
+        "lr 1e-3, AdamW, no gradient clip (`--max_grad_norm 1e9`), 40 steps, 100 evaluation rows, OPD and GNDPO, "
+        "seeds 0-2, with the clamp at 5 and without it (`--score_clip 1e9`). The offset is on the same pairs at "
+        "every step, so it also shifts the target: the reverse KL is measured against the shifted teacher.",
         "",
-        "Made by:",
-        *provenance_lines(loaded),
-        "",
-        "Remake: `python studies/fidelity.py --study outliers --jobs 2`.",
-        "",
-        READING,
-        "",
-    ]
-    result, blocks = {}, []
-    share = {}
-    for job, _ in runs.values():
-        o = job["run"]["outliers"]
-        if o:
-            share.setdefault(job["variant"], []).append(o["outlier_tokens"] / max(o["tokens"], 1))
-    lines += [
-        "Outlier tokens among the scored tokens, per cell (mean over its runs): "
+        *made_by_block(made_by, tables, "outliers"),
+        "Outlier tokens among the scored tokens, per cell (mean over its runs and probes): "
         + ", ".join(f"{v}: {100 * statistics.mean(x):.2f}%" for v, x in sorted(share.items()))
         + ".",
         "",
+        *MEAN_HEAD,
     ]
-    lines += MEAN_HEAD
+    blocks = []
     for clamp in ("clamp5", "noclamp"):
         for nats in (0, 30):
             v = f"{clamp}_M{nats}"
@@ -205,43 +283,21 @@ def outliers(runs: dict, loaded: list[dict]) -> tuple:
                     lines.append(mean_row(f"{v} {NAMES[mode]}", cell))
             a, b = by_seed(runs, variant=v, mode="none"), by_seed(runs, variant=v, mode="global")
             if a and b:
-                blocks.append(
-                    (
-                        f"{v}: GNDPO - OPD",
-                        a,
-                        b,
-                        rows_of(runs, variant=v, mode="none"),
-                        rows_of(runs, variant=v, mode="global"),
-                    )
-                )
+                blocks.append((f"{v}: GNDPO - OPD", a, b))
         for mode in ("none", "global"):
             a, b = by_seed(runs, variant=f"{clamp}_M0", mode=mode), by_seed(runs, variant=f"{clamp}_M30", mode=mode)
             if a and b:
-                blocks.append(
-                    (
-                        f"{clamp} {NAMES[mode]}: M30 - M0",
-                        a,
-                        b,
-                        rows_of(runs, variant=f"{clamp}_M0", mode=mode),
-                        rows_of(runs, variant=f"{clamp}_M30", mode=mode),
-                    )
-                )
-    table, paired = paired_table(blocks)
-    result["paired"], result["outlier_share"] = paired, share
-    probes = [r["probe"] for r in loaded if r["probe"]]
-    result["probes"] = probes
+                blocks.append((f"{clamp} {NAMES[mode]}: M30 - M0", a, b))
+    primary = primary_of("outliers", runs)
+    secondary, paired = secondary_section(blocks, primary)
+    lines += ["", *primary_lines(primary, tables), *secondary, *largest_update_lines(runs)]
     lines += [
-        "",
-        "## Paired differences",
-        "",
-        *table,
-        "",
         "## The gradient of one batch, split",
         "",
-        "The probe samples and scores each cell's first batch as its run does, then takes the policy "
-        "gradient's norm with the advantages kept on the outlier tokens only, on the other tokens only, "
+        "The probe samples and scores each cell's first batch (step 0 only) as its run does, then takes the "
+        "policy gradient's norm with the advantages kept on the outlier tokens only, on the other tokens only, "
         "with every token given the batch's mean advantage (the part centering removes), and whole. Means "
-        "over seeds 0-2:",
+        "over seeds 0-2; one batch per seed, no interval:",
         "",
         "| cell | advantages | outlier tokens | mean advantage | outliers' mean advantage | grad: outliers | "
         "grad: others | grad: the mean | grad: whole |",
@@ -262,7 +318,8 @@ def outliers(runs: dict, loaded: list[dict]) -> tuple:
             + " |"
         )
     lines += ["", "## Every run", "", *run_table(runs, RUN_KEYS["outliers"]), ""]
-    return "outliers", "\n".join(lines), result, rounds_of(runs)
+    result = {"primary": primary, "paired": paired, "outlier_share": share, "probes": probes, "tables": tables}
+    return "outliers", "\n".join(lines), result
 
 
 def teacher_precision_lines() -> tuple[list[str], dict]:
@@ -346,22 +403,12 @@ def critics_blocks(runs: dict, world: str) -> list[tuple]:
         ("16-bit - 4-bit teacher (GNDPO)", key("global", "lora4bit"), key("global", "lora16bit")),
     ):
         if by_seed(runs, **a) and by_seed(runs, **b):
-            blocks.append(
-                (
-                    f"{world}: {label}",
-                    by_seed(runs, **a),
-                    by_seed(runs, **b),
-                    rows_of(runs, **a),
-                    rows_of(runs, **b),
-                )
-            )
+            blocks.append((f"{world}: {label}", by_seed(runs, **a), by_seed(runs, **b)))
     return blocks
 
 
-def critics(runs: dict, loaded: list[dict]) -> tuple:
+def critics(runs: dict, made_by: list[str], extra: dict, tables: dict) -> tuple:
     """A constant advantage against none and global; a 16-bit teacher against the 4-bit one; LoRA defaults."""
-    import fidelity_answers  # noqa: PLC0415 (loads models: only this page needs it)
-
     lines = [
         "# The critics' controls: a constant advantage, and a 16-bit teacher",
         "",
@@ -371,20 +418,15 @@ def critics(runs: dict, loaded: list[dict]) -> tuple:
         "4-bit teacher, seeds 0-2, on the default world (90 steps, 200 evaluation rows: the script's "
         "defaults) and the trace world (40 steps, 100 evaluation rows). `global` with `--teacher_4bit false` "
         "(the teacher in float32 on this CPU: what a 16-bit teacher is on a GPU, without its rounding) runs "
-        "on both worlds with the same seeds.",
+        "on both worlds with the same seeds. A constant advantage has zero expected gradient on-policy, whatever "
+        "its sign: what it tests is whether these runs learn anything without the teacher's scores, not whether "
+        "the signal they learn from is per token or per sequence.",
         "",
-        "Made by:",
-        *provenance_lines(loaded),
-        "",
-        "Remake: `python studies/fidelity.py --study critics --jobs 2`; the agreement of the two teachers' "
-        "scores: `python bench/reproduce.py --only teacher_precision`.",
-        "",
-        READING,
+        *made_by_block(made_by, tables, "critics"),
+        "The agreement of the two teachers' scores: `python bench/reproduce.py --only teacher_precision`.",
         "",
     ]
-    result, blocks = {}, []
-    answers = fidelity_answers.measure(runs)
-    result["answers"] = answers
+    blocks, answers = [], extra["answers"]
     for world in ("default", "trace"):
         cells = {
             label: by_seed(runs, world=world, mode=mode, variant=variant)
@@ -404,14 +446,12 @@ def critics(runs: dict, loaded: list[dict]) -> tuple:
         ]
         lines += answers_lines(runs, world, cells, answers[world])
         blocks += critics_blocks(runs, world)
-    table, paired = paired_table(blocks)
-    result["paired"] = paired
-    precision, result["teacher_precision"] = teacher_precision_lines()
+    primary = primary_of("critics", runs)
+    secondary, paired = secondary_section(blocks, primary)
+    precision, teacher_precision = teacher_precision_lines()
     lines += [
-        "## Paired differences",
-        "",
-        *table,
-        "",
+        *primary_lines(primary, tables),
+        *secondary,
         "## How much the 4-bit teacher changes the scores",
         "",
         *precision,
@@ -420,16 +460,55 @@ def critics(runs: dict, loaded: list[dict]) -> tuple:
         *run_table(runs, RUN_KEYS["critics"]),
         "",
     ]
-    return "critics", "\n".join(lines), result, rounds_of(runs)
+    result = {
+        "primary": primary,
+        "paired": paired,
+        "answers": answers,
+        "teacher_precision": teacher_precision,
+        "tables": tables,
+    }
+    return "critics", "\n".join(lines), result
 
 
 PAGES = {"unbounded": unbounded, "outliers": outliers, "critics": critics}
+PAGE_NAMES = {"unbounded": "full_ft_unbounded", "outliers": "outliers", "critics": "critics"}
 
 
-def write(study: str, jobs: list[dict], runs_dir: str) -> None:
-    """docs/studies/<page>.md and its JSON record, from the study's runs in runs_dir."""
+def extras_from_runs(study: str, runs: dict, loaded: list[dict]) -> dict:
+    """What a page shows besides the runs' own numbers, measured from the run folders."""
+    if study == "unbounded":
+        return {"earlier_pairs": old_full_ft_pairs()}
+    if study == "outliers":
+        share = {}
+        for job, _ in runs.values():
+            o = job["run"]["outliers"]
+            if o:
+                share.setdefault(job["variant"], []).append(o["outlier_tokens"] / max(o["tokens"], 1))
+        return {"outlier_share": share, "probes": [r["probe"] for r in loaded if r["probe"]]}
+    import fidelity_answers  # noqa: PLC0415 (loads models: only this page needs it, and only from run folders)
+
+    return {"answers": fidelity_answers.measure(runs)}
+
+
+def write(study: str, jobs: list[dict], runs_dir: str, from_record: bool = False, command: str = "") -> None:
+    """docs/studies/<page>.md and its JSON record, from the study's runs in runs_dir, or (from_record) from the
+    record already beside the page: its rounds (every run's numbers) and what else its result keeps (the probes,
+    the outlier shares, the answers, the earlier tables' pairs). The record's frame (the runs' commit, command,
+    machine, date) is kept; result["tables"] names the commit of the code that computed the tables."""
+    tables = tables_made_by(command)
+    name = PAGE_NAMES[study]
+    if from_record:
+        with open(os.path.join(RECORDS_DIR, f"{name}.json")) as f:
+            old = json.load(f)
+        runs = runs_from_record(old)
+        keep = {"unbounded": ["earlier_pairs"], "outliers": ["outlier_share", "probes"], "critics": ["answers"]}
+        extra = {k: old["result"][k] for k in keep[study]}
+        made_by = record_provenance_lines(old, len(runs) + len(extra.get("probes", [])))
+        _, page, result = PAGES[study](runs, made_by, extra, tables)
+        save(name, page, {**old, "rounds": rounds_of(runs), "result": result})
+        return
     runs, loaded = collect(jobs, runs_dir)
     if not loaded:
         raise SystemExit(f"no runs of {study} in {runs_dir}: run studies/fidelity.py --study {study} first")
-    name, page, result, rounds = PAGES[study](runs, loaded)
-    save(name, page, record(name, loaded, result, rounds))
+    _, page, result = PAGES[study](runs, provenance_lines(loaded), extras_from_runs(study, runs, loaded), tables)
+    save(name, page, record(name, loaded, result, rounds_of(runs)))

@@ -1,15 +1,17 @@
 """The fidelity studies' arithmetic and tables, for their pages (docs/studies/<page>.md) and JSON records
-(docs/studies/<page>.json), made from the run folders studies/fidelity.py fills: metrics.jsonl, summary.json,
-eval_rows.jsonl and study.json. fidelity_pages renders each page from these and imports this module, never the
-reverse.
+(docs/studies/<page>.json), made from the run folders studies/fidelity.py fills (metrics.jsonl, summary.json,
+eval_rows.jsonl, study.json) or, with --from_record, from the record's rounds, which hold every run's numbers.
+fidelity_pages renders each page from these and imports this module, never the reverse.
 
 Every comparison is paired by seed (both runs of a pair share the initial weights, every step's prompts and the
-evaluation rows): the table gives the mean of the per-seed differences with a 95% t interval, and for accuracy
-also the difference over (seed, row) pairs of eval_rows.jsonl with a normal interval (rows are treated as
-independent, which the seeds' spread says they are not quite). A difference is read against a margin stated
-before the numbers (MARGINS): "equivalent" when the interval lies inside +-margin ("equivalent (not 0)" when it
-also excludes 0: a difference too small to matter), "differs" when it excludes 0 and reaches past the margin,
-"inconclusive" otherwise.
+evaluation rows), and the seed is the unit: the table gives the mean of the per-seed differences, a 95% t interval
+over seeds (n - 1 degrees of freedom) and the exact two-sided sign-flip permutation p-value of those differences
+(studies/stats.py). Each study names one primary endpoint (PRIMARY in fidelity_pages); every other row is secondary
+and its p-value is Holm-adjusted over the study's secondary rows. There is no interval over (seed, row) pairs: the
+rows of one seed share its trained weights, and clustered by seed (every seed is scored on the same rows) such an
+interval is the by-seed accuracy interval (stats.cluster_interval). A difference is read against a margin stated
+before the numbers (MARGINS) with stats.verdict: "differs" only when the whole interval lies outside +-margin,
+"equivalent" only when it lies inside, "inconclusive" otherwise and whenever the interval has zero width.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import math
 import os
 import re
 import statistics
+import subprocess
+
+from stats import holm, sign_flip_test, t_interval
+from stats import verdict as margin_verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES_DIR = os.path.join(ROOT, "docs", "studies")
 RECORDS_DIR = PAGES_DIR  # each page's JSON record beside it, in docs/bench_results/' format
 BENCH_RESULTS = os.path.join(ROOT, "docs", "bench_results")
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 # equivalence margins, fixed before any run: accuracy in absolute points; a tail ratio as the log of its factor
 MARGINS = {
     "acc_after": 0.05,
@@ -34,7 +39,6 @@ MARGINS = {
     "log_upd_max_ratio": math.log(1.5),
     "kl_last5": 0.02,
     "spikes": 1.0,
-    "rows": 0.05,
 }
 SPIKE = 5.0  # a step whose norm is above SPIKE x the run's median is a spike
 NAMES = {"none": "OPD (none)", "global": "GNDPO (global)", "constant": "constant (-1)"}
@@ -122,16 +126,13 @@ def run_stats(run: dict) -> dict:
 
 
 def ci95(diffs: list[float]) -> dict:
-    """Mean of paired differences with a two-sided 95% t interval (n - 1 degrees of freedom)."""
-    n, mean = len(diffs), statistics.mean(diffs)
-    half = T975.get(n - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else math.inf
-    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
+    """Mean of paired differences with a two-sided 95% t interval over them (n - 1 degrees of freedom)."""
+    return t_interval(diffs)
 
 
 def verdict(ci: dict, margin: float) -> str:
-    if -margin < ci["low"] and ci["high"] < margin:  # within the margin, though perhaps not 0
-        return "equivalent" if ci["low"] <= 0 <= ci["high"] else "equivalent (not 0)"
-    return "differs" if ci["low"] > 0 or ci["high"] < 0 else "inconclusive"
+    """stats.verdict of an interval: differs / equivalent only when the whole interval is outside / inside."""
+    return margin_verdict(ci["low"], ci["high"], margin)
 
 
 def by_seed(runs: dict, **where) -> dict:
@@ -139,29 +140,36 @@ def by_seed(runs: dict, **where) -> dict:
     return {job["seed"]: r for job, r in runs.values() if all(job[k] == v for k, v in where.items())}
 
 
+def differences(pairs: list[tuple[dict, dict]], key: str) -> tuple[list[float], int]:
+    """b - a per seed over every (a, b) of cells ({seed: stats}) given, over the seeds both have; and how many of
+    them have b below a."""
+    diffs, lower = [], 0
+    for a, b in pairs:
+        for s in sorted(set(a) & set(b)):
+            diffs.append(b[s][key] - a[s][key])
+            lower += b[s][key] < a[s][key]
+    return diffs, lower
+
+
 def paired(a: dict, b: dict, key: str) -> dict:
-    """b - a over the seeds both have: the interval, the verdict, and in how many seeds b is below a."""
-    seeds = sorted(set(a) & set(b))
-    ci = ci95([b[s][key] - a[s][key] for s in seeds])
-    return {**ci, "b_lower": sum(b[s][key] < a[s][key] for s in seeds), "verdict": verdict(ci, MARGINS.get(key, 0))}
+    """b - a over the seeds both have: the t interval, the sign-flip p, the verdict, and in how many seeds b is
+    below a."""
+    return paired_over([(a, b)], key)
 
 
-def rows_paired(a_rows: dict, b_rows: dict, model: str = "student") -> dict:
-    """b - a in correctness over (seed, row) pairs of the final evaluation; a_rows, b_rows: {seed: eval rows}."""
-    diffs = []
-    for seed in sorted(set(a_rows) & set(b_rows)):
-        last = lambda rows: {
-            r["row"]: r["correct"]
-            for r in rows
-            if r["model"] == model  # noqa: E731
-            and r["step"] == max(x["step"] for x in rows)
-        }
-        a, b = last(a_rows[seed]), last(b_rows[seed])
-        diffs += [float(b[i]) - float(a[i]) for i in sorted(set(a) & set(b))]
-    n, mean = len(diffs), statistics.mean(diffs)
-    half = 1.96 * statistics.stdev(diffs) / math.sqrt(n)
-    ci = {"n": n, "mean": mean, "low": mean - half, "high": mean + half}
-    return {**ci, "verdict": verdict(ci, MARGINS["rows"])}
+def paired_over(pairs: list[tuple[dict, dict]], key: str) -> dict:
+    """paired() over the seeds of several (a, b) cells pooled (a primary endpoint over two worlds)."""
+    diffs, lower = differences(pairs, key)
+    ci = ci95(diffs)
+    margin = MARGINS.get(key, 0.0)
+    return {
+        **ci,
+        "diffs": diffs,
+        "b_lower": lower,
+        "p_sign_flip": sign_flip_test(diffs),
+        "margin": margin,
+        "verdict": verdict(ci, margin),
+    }
 
 
 def interval(ci: dict, digits: int = 3) -> str:
@@ -272,34 +280,81 @@ PAIRED_KEYS = [
     ("update max / median (log)", "log_upd_max_ratio"),
     ("reverse KL, last 5 steps", "kl_last5"),
 ]
+MEASURES = dict((key, name) for name, key in PAIRED_KEYS)
+PAIRED_HEAD = [
+    "| comparison (b - a) | measure | a: mean | b: mean | b - a: mean [95% t CI over seeds] | seeds with b < a | "
+    "sign-flip p | Holm p | margin | reading |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
 
 
-def paired_table(blocks: list[tuple]) -> tuple[list[str], dict]:
-    """blocks: (label, a {seed: stats}, b {seed: stats}, a's rows, b's rows). A row per (block, measure): a's mean,
-    b's mean, b - a with its interval, the seeds where b is lower, the verdict against the margin."""
-    lines = [
-        "| comparison (b - a) | measure | a: mean | b: mean | b - a: mean [95% CI] | seeds with b < a | "
-        "margin | reading |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+def p_text(p: float | None) -> str:
+    return "-" if p is None else f"{p:.3f}"
+
+
+def paired_line(label: str, key: str, p: dict) -> str:
+    """One row of a paired table: a's and b's means over the seeds, b - a with its interval, the seeds where b is
+    lower, the raw and Holm-adjusted sign-flip p (Holm's "-" for the primary endpoint), the margin and the verdict."""
+    return (
+        f"| {label} | {MEASURES[key]} | {p['a_mean']:.3f} | {p['b_mean']:.3f} | {interval(p)} | {p['b_lower']} of "
+        f"{p['n']} | {p_text(p['p_sign_flip'])} | {p_text(p.get('p_holm'))} | +-{p['margin']:.3g} | {p['verdict']} |"
+    )
+
+
+def with_means(p: dict, pairs: list[tuple[dict, dict]], key: str) -> dict:
+    """p with a's and b's means over the paired seeds."""
+    a = [x[s][key] for x, y in pairs for s in sorted(set(x) & set(y))]
+    b = [y[s][key] for x, y in pairs for s in sorted(set(x) & set(y))]
+    return {**p, "a_mean": statistics.mean(a), "b_mean": statistics.mean(b)}
+
+
+def primary_endpoint(spec: dict, cells: list[tuple[dict, dict]]) -> dict:
+    """The study's one primary endpoint: spec's key over the (a, b) cells given (their seeds pooled), tested alone."""
+    p = with_means(paired_over(cells, spec["key"]), cells, spec["key"])
+    return {**spec, **p, "p_holm": None}
+
+
+def paired_table(blocks: list[tuple], skip: tuple | None = None) -> tuple[list[str], dict]:
+    """blocks: (label, a {seed: stats}, b {seed: stats}). A row per (block, measure), the secondary comparisons,
+    their sign-flip p-values Holm-adjusted together; skip: the (label, key) that is the primary endpoint, left out."""
     out = {}
-    for label, a, b, a_rows, b_rows in blocks:
-        for name, key in PAIRED_KEYS:
-            p = paired(a, b, key)
-            out[f"{label}: {key}"] = p
-            mean = lambda runs, key=key: statistics.mean(runs[s][key] for s in runs)  # noqa: E731
-            lines.append(
-                f"| {label} | {name} | {mean(a):.3f} | {mean(b):.3f} | {interval(p)} | {p['b_lower']} of "
-                f"{p['n']} | +-{MARGINS[key]:.3g} | {p['verdict']} |"
-            )
-        if a_rows and b_rows:
-            p = rows_paired(a_rows, b_rows)
-            out[f"{label}: rows"] = p
-            lines.append(
-                f"| {label} | correct, by (seed, row) | | | {interval(p)} | {p['n']} pairs | "
-                f"+-{MARGINS['rows']:.3g} | {p['verdict']} |"
-            )
+    for label, a, b in blocks:
+        for _, key in PAIRED_KEYS:
+            if (label, key) != skip:
+                out[f"{label}: {key}"] = with_means(paired(a, b, key), [(a, b)], key)
+    for p, adjusted in zip(out.values(), holm([p["p_sign_flip"] for p in out.values()])):
+        p["p_holm"] = adjusted
+    lines = list(PAIRED_HEAD)
+    for label, _, _ in blocks:
+        lines += [paired_line(label, key, out[f"{label}: {key}"]) for _, key in PAIRED_KEYS if (label, key) != skip]
     return lines, out
+
+
+def runs_from_record(rec: dict) -> dict:
+    """{name: (job, stats)} from a record's rounds: what collect() gives from the run folders."""
+    return {name: (r["job"], r["stats"]) for name, r in rec["rounds"].items()}
+
+
+def record_provenance_lines(rec: dict, n_runs: int) -> list[str]:
+    """The "Made by" line of a record whose runs all ran at its commit, by its command, on its machine."""
+    dirty = "" if rec["clean"] else " (with uncommitted changes to the code that ran)"
+    return [
+        f"- {n_runs} run(s) at commit {rec['commit'][:7]}{dirty}, {rec['date'][:10]}, by `{rec['command']}` on "
+        f"{machine_text(rec['machine'])}; two runs at a time (each run's own command line is in its study.json)"
+    ]
+
+
+TABLE_CODE = ["studies/fidelity.py", "studies/fidelity_pages.py", "studies/fidelity_tables.py", "studies/stats.py"]
+
+
+def tables_made_by(command: str) -> dict:
+    """The commit of the code that computed the tables (not that of the runs), and whether that code differed."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "clean": not git("status", "--porcelain", *TABLE_CODE),
+        "command": command,
+    }
 
 
 def collect(jobs: list[dict], runs_dir: str) -> tuple[dict, list[dict]]:
@@ -315,10 +370,6 @@ def collect(jobs: list[dict], runs_dir: str) -> tuple[dict, list[dict]]:
         if run["summary"] and run["steps"]:
             runs[job["name"]] = (job, run_stats(run))
     return runs, loaded
-
-
-def rows_of(runs: dict, **where) -> dict:
-    return {job["seed"]: job["run"]["rows"] for job, _ in runs.values() if all(job[k] == v for k, v in where.items())}
 
 
 def old_full_ft_pairs() -> list[dict]:
