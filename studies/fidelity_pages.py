@@ -490,23 +490,30 @@ def extras_from_runs(study: str, runs: dict, loaded: list[dict]) -> dict:
     return {"answers": fidelity_answers.measure(runs)}
 
 
+def remake_from_record(study: str, tables: dict) -> tuple[str, str, dict]:
+    """(page name, page, record) remade from the record beside the page: its rounds (every run's numbers) and what
+    else its result keeps (the probes, the outlier shares, the answers, the earlier tables' pairs). The record's
+    frame (the runs' commit, command, machine, date) is kept; tables: the code that computes the tables."""
+    name = PAGE_NAMES[study]
+    with open(os.path.join(RECORDS_DIR, f"{name}.json")) as f:
+        old = json.load(f)
+    runs = runs_from_record(old)
+    keep = {"unbounded": ["earlier_pairs"], "outliers": ["outlier_share", "probes"], "critics": ["answers"]}
+    extra = {k: old["result"][k] for k in keep[study]}
+    made_by = record_provenance_lines(old, len(runs) + len(extra.get("probes", [])))
+    _, page, result = PAGES[study](runs, made_by, extra, tables)
+    return name, page, {**old, "rounds": rounds_of(runs), "result": result}
+
+
 def write(study: str, jobs: list[dict], runs_dir: str, from_record: bool = False, command: str = "") -> None:
     """docs/studies/<page>.md and its JSON record, from the study's runs in runs_dir, or (from_record) from the
-    record already beside the page: its rounds (every run's numbers) and what else its result keeps (the probes,
-    the outlier shares, the answers, the earlier tables' pairs). The record's frame (the runs' commit, command,
-    machine, date) is kept; result["tables"] names the commit of the code that computed the tables."""
-    tables = tables_made_by(command)
-    name = PAGE_NAMES[study]
+    record already beside the page (remake_from_record); result["tables"] names the commit of the code that
+    computed the tables."""
     if from_record:
-        with open(os.path.join(RECORDS_DIR, f"{name}.json")) as f:
-            old = json.load(f)
-        runs = runs_from_record(old)
-        keep = {"unbounded": ["earlier_pairs"], "outliers": ["outlier_share", "probes"], "critics": ["answers"]}
-        extra = {k: old["result"][k] for k in keep[study]}
-        made_by = record_provenance_lines(old, len(runs) + len(extra.get("probes", [])))
-        _, page, result = PAGES[study](runs, made_by, extra, tables)
-        save(name, page, {**old, "rounds": rounds_of(runs), "result": result})
+        name, page, rec = remake_from_record(study, tables_made_by(command))
+        save(name, page, rec)
         return
+    tables, name = tables_made_by(command), PAGE_NAMES[study]
     runs, loaded = collect(jobs, runs_dir)
     if not loaded:
         raise SystemExit(f"no runs of {study} in {runs_dir}: run studies/fidelity.py --study {study} first")

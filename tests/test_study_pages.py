@@ -2,8 +2,12 @@
 
 Every table page names its commit (or says it has no record of one), the command that made it and the machine (or
 says the machine was not recorded). The three fidelity pages (studies/fidelity.py) hold, row for row, the "Every
-run" table that their JSON record's rounds give, name the record's commit, and the critics' page holds the
-teacher-precision table that docs/bench_results/teacher_precision.json gives. Nothing is rerun here."""
+run" table that their JSON record's rounds give, name the record's commit, and are, to the character, the page
+`--from_record` makes from their record; every paired row's per-seed differences, interval, sign-flip p, Holm p
+and verdict are recomputed here from the rounds with studies/stats.py; the critics' page holds the
+teacher-precision table that docs/bench_results/teacher_precision.json gives. The prose that reads these pages
+(README.md, docs/studies/README.md) gives each primary endpoint's interval and verdict as the record has them.
+Nothing is rerun here."""
 
 import glob
 import json
@@ -19,6 +23,7 @@ sys.path[:0] = [os.path.join(ROOT, "studies"), os.path.join(ROOT, "bench")]
 import compare_opd_gndpo  # noqa: E402
 import fidelity_pages  # noqa: E402
 import fidelity_tables  # noqa: E402
+import stats  # noqa: E402
 
 STUDIES = os.path.join(ROOT, "docs", "studies")
 TABLE_PAGES = sorted(p for p in glob.glob(os.path.join(STUDIES, "*.md")) if os.path.basename(p) != "README.md")
@@ -58,6 +63,79 @@ def test_each_fidelity_page_holds_the_runs_its_record_gives(name):
         for job, _ in runs.values():
             seeds[job["world"], job["mode"]].add(job["seed"])
         assert seeds == {(w, m): set(range(6)) for w in ("trace", "default") for m in ("none", "global")}
+
+
+FIDELITY = {study: name for study, name in fidelity_pages.PAGE_NAMES.items()}
+
+
+def record_of(study: str) -> dict:
+    with open(os.path.join(STUDIES, f"{FIDELITY[study]}.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("study", sorted(FIDELITY))
+def test_each_fidelity_page_is_its_record_remade(study):
+    """The page is what `python studies/fidelity.py --study <study> --from_record` makes from its record."""
+    rec = record_of(study)
+    name, page, remade = fidelity_pages.remake_from_record(study, rec["result"]["tables"])
+    assert page == read(os.path.join(STUDIES, f"{name}.md"))
+    assert json.loads(json.dumps(remade["result"]["paired"])) == rec["result"]["paired"]
+
+
+def seed_diffs(rounds: dict, cells: list[dict], a: dict, b: dict, key: str) -> list[float]:
+    """b - a of `key` per seed, over the cells in order, straight from the record's rounds."""
+    out = []
+    for cell in cells:
+        pick = lambda where, cell=cell: {  # noqa: E731
+            r["job"]["seed"]: r["stats"][key]
+            for r in rounds.values()
+            if all(r["job"][k] == v for k, v in {**cell, **where}.items())
+        }
+        x, y = pick(a), pick(b)
+        out += [y[s] - x[s] for s in sorted(set(x) & set(y))]
+    return out
+
+
+@pytest.mark.parametrize("study", sorted(FIDELITY))
+def test_the_primary_endpoint_is_its_seeds_arithmetic(study):
+    """The primary endpoint: named after the runs on the page, its per-seed differences from the rounds, its t
+    interval, its exact sign-flip p and its verdict against the margin, recomputed."""
+    rec, spec = record_of(study), fidelity_pages.PRIMARY[study]
+    p = rec["result"]["primary"]
+    assert (p["label"], p["key"]) == (spec["label"], spec["key"])
+    diffs = seed_diffs(rec["rounds"], spec["cells"], spec["a"], spec["b"], spec["key"])
+    assert len(diffs) >= 3 and p["diffs"] == pytest.approx(diffs, abs=1e-12)
+    ci = stats.t_interval(diffs)
+    assert (p["mean"], p["low"], p["high"]) == pytest.approx((ci["mean"], ci["low"], ci["high"]))
+    assert p["p_sign_flip"] == pytest.approx(stats.sign_flip_test(diffs))
+    assert p["margin"] == fidelity_tables.MARGINS[spec["key"]]
+    assert p["verdict"] == stats.verdict(ci["low"], ci["high"], p["margin"])
+    page = read(os.path.join(STUDIES, f"{FIDELITY[study]}.md"))
+    assert "## The primary endpoint (named after the runs)" in page
+    assert "These runs were made before any endpoint was fixed." in page
+    assert f"Reading: {p['label']}, {fidelity_tables.MEASURES[p['key']]}: {p['verdict']} " in page
+
+
+@pytest.mark.parametrize("study", sorted(FIDELITY))
+def test_every_secondary_row_keeps_its_margin_and_is_holm_adjusted(study):
+    """Each secondary row: mean and t interval of its own per-seed differences, the exact sign-flip p of those,
+    the verdict that stats.verdict gives its interval and margin, and Holm's adjustment over all of them; the page
+    prints each row as the record holds it."""
+    rec = record_of(study)
+    paired = rec["result"]["paired"]
+    page = read(os.path.join(STUDIES, f"{FIDELITY[study]}.md")).splitlines()
+    for label_key, p in paired.items():
+        label, key = label_key.rsplit(": ", 1)
+        ci = stats.t_interval(p["diffs"])
+        assert (p["mean"], p["low"], p["high"]) == pytest.approx((ci["mean"], ci["low"], ci["high"]))
+        assert p["p_sign_flip"] == pytest.approx(stats.sign_flip_test(p["diffs"]))
+        assert p["verdict"] == stats.verdict(p["low"], p["high"], fidelity_tables.MARGINS[key])
+        if p["verdict"] == "differs":
+            assert p["low"] > p["margin"] or p["high"] < -p["margin"]
+        assert fidelity_tables.paired_line(label, key, p) in page
+    holm = stats.holm([p["p_sign_flip"] for p in paired.values()])
+    assert [p["p_holm"] for p in paired.values()] == pytest.approx(holm)
+    assert not any("correct, by (seed, row)" in line for line in page), "a by-row interval is back"
 
 
 def test_the_critics_page_holds_the_teacher_precision_record():
