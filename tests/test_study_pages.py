@@ -138,6 +138,50 @@ def test_every_secondary_row_keeps_its_margin_and_is_holm_adjusted(study):
     assert not any("correct, by (seed, row)" in line for line in page), "a by-row interval is back"
 
 
+def bullets(path: str, start: str, end: str) -> list[str]:
+    """The list items of a page between two headings, each with its line breaks collapsed."""
+    text = read(path)
+    text = text[text.index(start) : text.index(end, text.index(start))]
+    return [" ".join(b.split()) for b in re.split(r"\n\s*- ", text)]
+
+
+@pytest.mark.parametrize("study", sorted(FIDELITY))
+def test_the_prose_gives_each_primary_endpoint_as_its_record_does(study):
+    """README's OPD vs GNDPO section and docs/studies/README.md each give the study's primary endpoint in one list
+    item: its interval, its sign-flip p and its verdict word, as the record has them."""
+    p = record_of(study)["result"]["primary"]
+    said = [fidelity_tables.interval(p), f"p = {p['p_sign_flip']:.3f}", f"**{p['verdict']}**"]
+    link = f"{FIDELITY[study]}.md"
+    readme = bullets(os.path.join(ROOT, "README.md"), "## OPD vs GNDPO", "\n## ")
+    assert any(link in b and all(x in b for x in said) for b in readme), f"README.md: {said}"
+    studies = bullets(os.path.join(STUDIES, "README.md"), "## The paper's claim", "\n## ")
+    start = next(i for i, b in enumerate(studies) if f"([{link}]({link}):" in b)
+    item = next(b for b in studies[start:] if b.startswith("**Primary endpoint**"))
+    assert all(x in item for x in said), f"docs/studies/README.md: {said}"
+
+
+GONE = [  # sentences that their records contradicted (issue 44), in any wording that would bring them back
+    "point both ways",
+    "point opposite ways",
+    "on a fixed 1%",
+    "heavier update tail",
+    "differ by less than a factor of 1.5",
+    "heavier in most seeds",
+    "per-token signal is what these runs learn from",
+    "dominate the update",
+    "No M30 - M0 accuracy difference excludes 0",
+]
+
+
+def test_the_contradicted_sentences_are_gone():
+    paths = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)]
+    paths += glob.glob(os.path.join(ROOT, "tutorials", "*.py"))
+    for path in paths:
+        text = " ".join(read(path).replace("#", " ").split())
+        for phrase in GONE:
+            assert phrase not in text, f"{os.path.relpath(path, ROOT)}: {phrase!r}"
+
+
 def test_the_critics_page_holds_the_teacher_precision_record():
     lines, result = fidelity_pages.teacher_precision_lines()
     assert result, "docs/bench_results/teacher_precision.json is missing"

@@ -175,8 +175,11 @@ pd.DataFrame(
 #   dashed clamp at -5, are outlier states: tokens the student finds e^5 ~ 150 times likelier than the teacher does.
 #   They are answer words: the student names a color or a shape the teacher does not see.
 # * **OPD** keeps the clamped scores as they are: the outliers pile up at -5, many times the typical token's
-#   magnitude (the two "mean |A|" columns), so they hold most of the batch's advantage mass (the share column)
-#   and dominate the update. The overall scale is whatever the teacher-student gap is in this batch.
+#   magnitude (the two "mean |A|" columns), so they hold most of the batch's advantage mass (the share column).
+#   Advantage mass is not gradient: how much of the update these tokens make is not measured here, and in the
+#   outlier study's probe ([outliers.md](../docs/studies/outliers.md), one batch at step 0) tokens with advantages
+#   near -30 carried a gradient of norm 0.026 against 1.105 for the rest of the batch. The overall scale is
+#   whatever the teacher-student gap is in this batch.
 # * **GNDPO** shifts and rescales every token by the same two numbers, so the order of the tokens (the dense
 #   guidance) is exactly that of OPD, but the batch has mean 0 and standard deviation 1 whatever the gap is.
 #   Because the batch mean score is negative (-0.445), tokens the two models agree on now get a small *positive*
