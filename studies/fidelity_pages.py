@@ -418,9 +418,11 @@ def critics(runs: dict, made_by: list[str], extra: dict, tables: dict) -> tuple:
         "4-bit teacher, seeds 0-2, on the default world (90 steps, 200 evaluation rows: the script's "
         "defaults) and the trace world (40 steps, 100 evaluation rows). `global` with `--teacher_4bit false` "
         "(the teacher in float32 on this CPU: what a 16-bit teacher is on a GPU, without its rounding) runs "
-        "on both worlds with the same seeds. A constant advantage has zero expected gradient on-policy, whatever "
-        "its sign: what it tests is whether these runs learn anything without the teacher's scores, not whether "
-        "the signal they learn from is per token or per sequence.",
+        "on both worlds with the same seeds. A constant advantage carries no teacher information: on-policy its "
+        "expected gradient would be zero but for the loss's mean over each sequence's tokens, which makes it a pull "
+        "on response length. Its failure is expected by construction: it tests whether these runs learn anything "
+        "without the teacher's scores, not the critics' thesis, and not whether the signal they learn from is per "
+        "token or per sequence.",
         "",
         *made_by_block(made_by, tables, "critics"),
         "The agreement of the two teachers' scores: `python bench/reproduce.py --only teacher_precision`.",
