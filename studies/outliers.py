@@ -16,12 +16,23 @@ of the loss (advantages A, on-policy: the loss's gradient is that of -sum A * lo
 mean) four times: with A on the outlier tokens only, on the others only, with the batch mean of the advantages
 alone (what centering removes: for `none` the mean of the raw scores, for `global` 0 up to rounding), and whole.
 It prints their norms as JSON and writes probe.json in output_dir.
+
+Late outliers where the gradient lives (issue 44, item 4): with --late START END the outliers are instead every
+sampled token to which the student gave a probability below --prob_below (0.5; its log-prob recorded while
+sampling), and only in steps START..END (1-based): M nats off the teacher's log-prob there, nothing before or
+after. --probe_steps S1 S2 ... splits the gradient of those steps' batches, in the training run itself, after the
+batch is scored and before the update (the split reads the student and leaves it, its gradients and the sampling
+seeds as they were); the run writes probes.json (a list, one split per probed step) and outliers.json (the hit
+and valid token counts, also per step).
+
+    python studies/outliers.py --late 20 25 --outlier_nats 30 --probe_steps 1 20 22 25 30 -- <gndpo flags>
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -58,12 +69,42 @@ class OutlierTeacher:
     def __init__(self, nats: float):
         self.nats, self.outliers, self.tokens = nats, 0, 0
 
+    def hits(self, rollout) -> torch.Tensor:
+        """(n, R) bool: the rollout's valid tokens this teacher scores `nats` lower."""
+        return outlier_tokens(rollout) & rollout.response_mask.bool()
+
     def __call__(self, teacher, rollout, ignore_ids, temperature: float = 1.0) -> torch.Tensor:
         logps = g.response_logps(teacher, rollout, ignore_ids, temperature)  # (n, R)
-        hit = outlier_tokens(rollout).to(logps.device) & rollout.response_mask.bool()
+        hit = self.hits(rollout).to(logps.device)
         self.outliers += int(hit.sum())
         self.tokens += int(rollout.response_mask.sum())
         return logps - self.nats * hit
+
+
+class LateOutlierTeacher(OutlierTeacher):
+    """teacher_forward for main(): `nats` off every valid sampled token whose sampling log-prob (the student's, as
+    it sampled) is below log(prob_below), in steps start..end only (1-based; on_step tells it the step); counts the
+    hits per step."""
+
+    def __init__(self, nats: float, start: int, end: int, prob_below: float = 0.5):
+        super().__init__(nats)
+        self.start, self.end, self.threshold = start, end, math.log(prob_below)
+        self.step, self.per_step = 0, {}
+
+    def on_step(self, step: int) -> None:
+        self.step = step
+
+    def hits(self, rollout) -> torch.Tensor:
+        mask = rollout.response_mask.bool()
+        if not self.start <= self.step <= self.end:
+            return torch.zeros_like(mask)
+        return (rollout.sampled_logps.to(mask.device) < self.threshold) & mask
+
+    def __call__(self, teacher, rollout, ignore_ids, temperature: float = 1.0) -> torch.Tensor:
+        before = self.outliers
+        logps = super().__call__(teacher, rollout, ignore_ids, temperature)
+        self.per_step[self.step] = self.per_step.get(self.step, 0) + self.outliers - before
+        return logps
 
 
 def gradient_norm(models: g.Models, batch: g.ScoredBatch, advantages: torch.Tensor, args: g.Args) -> float:
@@ -97,8 +138,13 @@ def probe(args: g.Args, nats: float) -> dict:
     run = g.setup(args, teacher)
     prompts = g.step_prompts(run.train_ds, run.train_keep, args, 0)
     batch = g.generate_and_score(run.models, prompts, args)
+    return split(run.models, batch, teacher, args, nats)
+
+
+def split(models: g.Models, batch: g.ScoredBatch, teacher: OutlierTeacher, args: g.Args, nats: float) -> dict:
+    """A scored batch's gradient norm split into the teacher's outlier tokens, the rest and the advantages' mean."""
     mask = batch.response_mask.bool()
-    hit = g.pad_cat([outlier_tokens(r).long() for r in batch.rollouts]).bool() & mask
+    hit = g.pad_cat([teacher.hits(r).long() for r in batch.rollouts]).bool() & mask
     A = batch.advantages
     mean = A[mask].double().mean().item()
     parts = {
@@ -107,7 +153,7 @@ def probe(args: g.Args, nats: float) -> dict:
         "mean": torch.where(mask, mean, 0.0).to(A.dtype),
         "whole": A,
     }
-    norms = {name: gradient_norm(run.models, batch, adv, args) for name, adv in parts.items()}
+    norms = {name: gradient_norm(models, batch, adv, args) for name, adv in parts.items()}
     return {
         "advantage_mode": args.advantage_mode,
         "score_clip": args.score_clip,
@@ -125,6 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--outlier_nats", type=float, default=30.0, help="M: nats taken off the outlier tokens")
     parser.add_argument("--probe", action="store_true", help="split one batch's gradient instead of training")
+    parser.add_argument("--late", type=int, nargs=2, default=None, metavar=("START", "END"), help="late outliers")
+    parser.add_argument("--prob_below", type=float, default=0.5, help="--late: tokens the student gave less than this")
+    parser.add_argument("--probe_steps", type=int, nargs="*", default=[], help="split these steps' gradients")
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     ours, args = parser.parse_args(argv[:split]), g.parse_args(argv[split + 1 :])
@@ -135,12 +184,35 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f, indent=2)
         print(json.dumps(result))
         return result
-    teacher = OutlierTeacher(ours.outlier_nats)
-    summary = g.main(args, teacher_forward=teacher)
-    counts = {"outlier_nats": ours.outlier_nats, "outlier_tokens": teacher.outliers, "tokens": teacher.tokens}
+    nats = ours.outlier_nats
+    teacher = LateOutlierTeacher(nats, *ours.late, ours.prob_below) if ours.late else OutlierTeacher(nats)
+    probes = []
+    if ours.probe_steps:
+        probe_during_training(teacher, set(ours.probe_steps), nats, probes)
+    summary = g.main(args, on_step=getattr(teacher, "on_step", None), teacher_forward=teacher)
+    counts = {"outlier_nats": nats, "outlier_tokens": teacher.outliers, "tokens": teacher.tokens}
+    if ours.late:
+        counts.update(late=ours.late, prob_below=ours.prob_below, per_step=teacher.per_step)
     with open(os.path.join(args.output_dir, "outliers.json"), "w") as f:
         json.dump(counts, f)
+    if ours.probe_steps:
+        with open(os.path.join(args.output_dir, "probes.json"), "w") as f:
+            json.dump(probes, f, indent=1)
     return summary
+
+
+def probe_during_training(teacher: OutlierTeacher, steps: set, nats: float, out: list) -> None:
+    """Wraps the script's generate_and_score (in this process only) so that the batches of `steps` (1-based) are
+    split (split()) after scoring and before their update; each split is appended to `out` with its step."""
+    plain = g.generate_and_score
+
+    def generate_and_score(models, prompts, args, log=print):
+        batch = plain(models, prompts, args, log)
+        if prompts.step + 1 in steps:
+            out.append({"step": prompts.step + 1, **split(models, batch, teacher, args, nats)})
+        return batch
+
+    g.generate_and_score = generate_and_score
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""studies/outliers.py's late outliers (issue 44, item 4): M nats off exactly the tokens the student sampled with
+probability below the threshold, and only inside the window of steps."""
+
+import math
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "studies")]
+
+import outliers  # noqa: E402
+
+import gndpo_minimal as g  # noqa: E402
+
+
+def rollout(sampled_logps: torch.Tensor, mask: torch.Tensor) -> g.Rollout:
+    ids = torch.zeros(sampled_logps.shape, dtype=torch.long)
+    return g.Rollout(ids, mask, sampled_logps, {"input_ids": ids[:, :1], "attention_mask": torch.ones_like(ids[:, :1])})
+
+
+def test_late_outliers_are_the_low_probability_tokens_inside_the_window(monkeypatch):
+    probs = torch.tensor([[0.9, 0.4, 0.6, 0.1], [0.49, 0.51, 0.2, 0.3]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # the last token of row 2 is padding: never an outlier
+    r = rollout(probs.log(), mask)
+    plain = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(outliers.g, "response_logps", lambda *a, **k: plain.clone())
+    teacher = outliers.LateOutlierTeacher(30.0, start=20, end=25, prob_below=0.5)
+    expected = torch.tensor([[0, 1, 0, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    for step, inside in ((19, False), (20, True), (25, True), (26, False)):
+        teacher.on_step(step)
+        shifted = teacher(None, r, None)
+        assert torch.allclose(plain - shifted, 30.0 * (expected & inside).float()), step
+        assert teacher.per_step[step] == (int(expected.sum()) if inside else 0)
+    assert teacher.outliers == 2 * int(expected.sum()) and teacher.tokens == 4 * int(mask.sum())
+    assert math.isclose(outliers.LateOutlierTeacher(30.0, 1, 1).threshold, math.log(0.5))
