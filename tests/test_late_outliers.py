@@ -35,3 +35,21 @@ def test_late_outliers_are_the_low_probability_tokens_inside_the_window(monkeypa
         assert teacher.per_step[step] == (int(expected.sum()) if inside else 0)
     assert teacher.outliers == 2 * int(expected.sum()) and teacher.tokens == 4 * int(mask.sum())
     assert math.isclose(outliers.LateOutlierTeacher(30.0, 1, 1).threshold, math.log(0.5))
+
+
+def test_the_primary_endpoint_is_the_update_at_the_largest_gradient(tmp_path):
+    """log(update at the step of the largest grad norm / the run's median update), and the probed step's outlier
+    share of the gradient norm, from a hand-made run folder."""
+    import json
+
+    import late_outliers
+
+    steps = [{"step": i + 1, "grad_norm": g_, "update_norm": u} for i, (g_, u) in enumerate([(1, 2), (9, 3), (2, 1)])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (tmp_path / "summary.json").write_text(json.dumps({"student_accuracy_before": 0.3, "student_accuracy_after": 0.8}))
+    (tmp_path / "study.json").write_text(json.dumps({"commit": "abc", "dirty": False, "wall_seconds": 1.0}))
+    probe = {"step": late_outliers.PROBE_STEP, "outlier_tokens": 3, "grad_norm": {"outliers": 1.0, "whole": 4.0}}
+    (tmp_path / "probes.json").write_text(json.dumps([probe]))
+    row = late_outliers.read_run(str(tmp_path))
+    assert row["gn_max_step"] == 2 and row["upd_at_gn_max"] == 3 and row["upd_median"] == 2
+    assert math.isclose(row["log_upd_ratio"], math.log(1.5)) and row["outlier_grad_share"] == 0.25
