@@ -108,6 +108,13 @@ def ablation_advantages(
     return whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
 
 
+def check_args(args, num_processes: int) -> list[str]:
+    """The problems with this module's options in the script's arguments, each a line naming the flag and the fix."""
+    if args.advantage_mode == "group" and args.num_generations < 2:
+        return ["--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2"]
+    return []
+
+
 def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
     """The script's ADVANTAGES entries for the ablations: (scores, mask, group_ids, extra, args) -> advantages."""
     return {

@@ -1503,71 +1503,12 @@ def check_paths(args: Args) -> list[str]:
 def check_args(args: Args, num_processes: int) -> int:
     """Validates arguments, alone and together, and the local paths they name, before anything loads (UsageError);
     returns the micro-batches per optimizer update (gradient accumulation)."""
-    problems, value = [], lambda flag: getattr(args, flag)
-    problem = lambda bad, text: problems.append(text) if bad else None
-    for flag, low in RANGES.items():  # each numeric flag's own range
-        got = value(flag)
-        problem(got < low if low >= 0 else not got > 0, f"--{flag} must be {RANGE_WORDS[low]}, got {got}")
-    problem(
-        not 0 <= args.clip_low < 1, f"--clip_low must be in [0, 1) (the ratio's floor is 1 - it), got {args.clip_low}"
-    )
-    problem(not 0 <= args.lora_dropout < 1, f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    problem(
-        args.min_new_tokens > args.max_new_tokens,
-        f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}",
-    )
-    if problems:  # the checks below divide by these
-        raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
-    for flag, choices in (
-        ("advantage_mode", tuple(ADVANTAGES)),
-        ("loss_type", LOSS_TYPES),
-        ("score_type", tuple(SCORES)),
-        ("optimizer", ("adamw", "sgd")),
-    ):
-        more = "" if extras and several else " here (gndpo_extras.py and gndpo_teachers.py add more)"
-        problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}{more}")
-    for flag in SPEEDUPS:
-        problem(
-            str(value(flag)).lower() not in ("auto", "true", "false"),
-            f"--{flag} {value(flag)!r} is not one of auto, true, false",
-        )
-    many = len(teacher_paths(args)) > 1
-    problem(
-        args.advantage_mode == "per_teacher" and not many,
-        "--advantage_mode per_teacher whitens each "
-        "teacher's tokens on their own: it needs several teachers (--teacher_model name=path,name=path)",
-    )
-    problem(
-        args.shard_teacher and (many or args.teacher_4bit),
-        "--shard_teacher shards one 16-bit or float32 "
-        "teacher with FSDP2, which cannot shard bitsandbytes' 4-bit weights: pass --teacher_4bit false and a "
-        "single --teacher_model",
-    )
-    problem(
-        args.advantage_mode == "group" and args.num_generations < 2,
-        "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2",
-    )
-    problem(
-        args.prompts_per_step % num_processes,
-        f"--prompts_per_step {args.prompts_per_step} does not divide "
-        f"across {num_processes} processes: use a multiple of {num_processes}",
-    )
-    seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
-    problem(
-        not problems and seqs % args.micro_batch_size,
-        f"each process holds {seqs} sequences per step "
-        f"(prompts_per_step*G/processes), which --micro_batch_size {args.micro_batch_size} does not divide",
-    )
-    micro_batches = seqs // args.micro_batch_size if not problems else 0
-    problem(
-        not problems and micro_batches % args.steps_per_generation,
-        f"each process holds {micro_batches} "
-        f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
-        "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation",
-    )
-    if args.teacher_model == "self" or args.privileged_column:  # the self-teacher's flags, together
-        problems += needs(several, "gndpo_teachers", "--teacher_model self").check_self_teacher(args, num_processes)
-    problems += check_paths(args)
+    problems = list(range_problems(args))
+    if not problems:  # the checks below divide by these
+        problems += list(combination_problems(args, num_processes))
+        for module in filter(None, (extras, several)):  # the flags of the options each module adds
+            problems += module.check_args(args, num_processes)
+        problems += check_paths(args)
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
     for flag in SPEEDUPS:
@@ -1576,9 +1517,59 @@ def check_args(args: Args, num_processes: int) -> int:
         needs(extras, "gndpo_extras", "--score_std_floor and --reward_weight")
     if args.reward_weight or args.eval_steps or args.num_eval_samples not in (0, Args.num_eval_samples):
         needs(evaluation, "gndpo_eval", "--reward_weight, --eval_steps and --num_eval_samples")
-    if args.shard_teacher:
-        needs(several, "gndpo_teachers", "--shard_teacher")
-    return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
+    if args.shard_teacher or args.teacher_model == "self" or args.privileged_column:
+        needs(several, "gndpo_teachers", "--shard_teacher, --teacher_model self and --privileged_column")
+    sequences = args.prompts_per_step // num_processes * args.num_generations  # on each process, per step
+    return sequences // args.micro_batch_size // args.steps_per_generation  # micro-batches per update: never a flag
+
+
+def range_problems(args: Args):
+    """Each numeric flag outside its own range, as a line naming it."""
+    for flag, low in RANGES.items():
+        got = getattr(args, flag)
+        if got < low if low >= 0 else not got > 0:
+            yield f"--{flag} must be {RANGE_WORDS[low]}, got {got}"
+    if not 0 <= args.clip_low < 1:
+        yield f"--clip_low must be in [0, 1) (the ratio's floor is 1 - it), got {args.clip_low}"
+    if not 0 <= args.lora_dropout < 1:
+        yield f"--lora_dropout must be in [0, 1), got {args.lora_dropout}"
+    if args.min_new_tokens > args.max_new_tokens:
+        yield f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}"
+
+
+def combination_problems(args: Args, num_processes: int):
+    """Each choice that is not one of its flag's, and each batch size that does not divide the next, as a line."""
+    choices = {
+        "advantage_mode": tuple(ADVANTAGES),
+        "loss_type": LOSS_TYPES,
+        "score_type": tuple(SCORES),
+        "optimizer": ("adamw", "sgd"),
+    }
+    for flag, allowed in choices.items():
+        if getattr(args, flag) not in allowed:
+            more = "" if extras and several else " here (gndpo_extras.py and gndpo_teachers.py add more)"
+            yield f"--{flag} {getattr(args, flag)!r} is not one of {allowed}{more}"
+    for flag in SPEEDUPS:
+        if str(getattr(args, flag)).lower() not in ("auto", "true", "false"):
+            yield f"--{flag} {getattr(args, flag)!r} is not one of auto, true, false"
+    if args.prompts_per_step % num_processes:
+        yield (
+            f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: use a "
+            f"multiple of {num_processes}"
+        )
+        return
+    sequences = args.prompts_per_step // num_processes * args.num_generations
+    if sequences % args.micro_batch_size:
+        yield (
+            f"each process holds {sequences} sequences per step (prompts_per_step*G/processes), which "
+            f"--micro_batch_size {args.micro_batch_size} does not divide"
+        )
+    elif sequences // args.micro_batch_size % args.steps_per_generation:
+        yield (
+            f"each process holds {sequences // args.micro_batch_size} micro-batches per step, which "
+            f"--steps_per_generation {args.steps_per_generation} does not divide (every update gets whole "
+            "micro-batches): change --micro_batch_size or --steps_per_generation"
+        )
 
 
 def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:

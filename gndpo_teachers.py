@@ -325,9 +325,21 @@ def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
     return [shifted[g] for g in group_ids]
 
 
-def check_self_teacher(args, num_processes: int) -> list[str]:
-    """The problems with a self-teacher's flags, each a line naming the flag and the fix."""
+def check_args(args, num_processes: int) -> list[str]:
+    """The problems with this module's flags in the script's arguments (several teachers, the sharded teacher, the
+    self-teacher), each a line naming the flag and the fix."""
     problems = []
+    many = "=" in args.teacher_model and len(teacher_paths(args.teacher_model)) > 1
+    if args.advantage_mode == "per_teacher" and not many:
+        problems.append(
+            "--advantage_mode per_teacher whitens each teacher's tokens on their own: it needs several teachers "
+            "(--teacher_model name=path,name=path)"
+        )
+    if args.shard_teacher and (many or args.teacher_4bit):
+        problems.append(
+            "--shard_teacher shards one 16-bit or float32 teacher with FSDP2, which cannot shard bitsandbytes' 4-bit "
+            "weights: pass --teacher_4bit false and a single --teacher_model"
+        )
     if "=" in args.teacher_model and SELF in teacher_paths(args.teacher_model).values():
         problems.append("--teacher_model self is one teacher, the student itself: it does not mix with several")
     if args.privileged_column and args.teacher_model != SELF:
