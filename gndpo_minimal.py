@@ -1223,16 +1223,8 @@ def prepare_split(
                 skipped[reason] += 1
                 missing += isinstance(e.__cause__, FileNotFoundError)
                 notes.append(f"skipping {split} row {i}: {e}")
-        if missing == min(start + block, n):  # no row so far has its image file: a wrong folder, not bad rows
-            cell = raw[0][columns["image_column"]]
-            paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
-            found = lambda p: os.path.exists(formats.resolve_image(p, roots) if roots else p)  # noqa: E731
-            path = next(p for p in paths if isinstance(p, str) and not found(p))
-            raise ValueError(
-                f"the images of the {split!r} split were not found: row 0's image {path!r} was looked "
-                f"for in {where}. Pass {flag_prefix}image_root with the folder that the image paths are "
-                f"relative to"
-            )
+        if missing == min(start + block, n):  # no row so far has its image file (paths: gndpo_data's layouts)
+            formats.images_not_found(raw[0][columns["image_column"]], roots, where, split, flag_prefix)
         for note in notes if log else ():
             log(note)
         keep += fitting(processor, good, args, skipped) if good else []
