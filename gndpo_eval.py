@@ -154,3 +154,8 @@ def accuracy_table(summary: dict) -> str:
             teacher, before = (summary[f"{k}{part}"][name] for k in ("teacher_accuracy", "student_accuracy_before"))
             lines.append(f"  {name}: teacher {teacher:.3f}, student {before:.3f} -> {after:.3f}")
     return "\n".join(lines)
+
+
+def make_evaluator(processor, rows, args, accelerator, gen_config, encode_prompts, path: str, each=None) -> Evaluator:
+    """The script's Run.evaluator: an Evaluator of `rows` (the script's load_eval_rows), writing to `path`."""
+    return Evaluator(processor, rows, args, accelerator, gen_config, encode_prompts, path, each)

@@ -222,3 +222,16 @@ def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float
     if any(hasattr(p, "to_local") for g in opt.param_groups for p in g["params"]):
         squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
     return math.sqrt(float(squares))
+
+
+def plug_in(models, args, teachers: dict, script: dict) -> None:
+    """This module into the script's Models, in place: the update_norm diagnostic always, and BeyondThePaper when
+    --score_std_floor or --reward_weight ask. script: the script's whiten, global_sums and task_rewards (gndpo_eval's
+    grading, None without it: the script's check_args stops --reward_weight then)."""
+    models.update_size = update_size
+    if args.score_std_floor > 0 or args.reward_weight:
+
+        def grade(rollouts: list, answers: list) -> torch.Tensor:  # (n,) each response's graded reward
+            return script["task_rewards"](models.processor, rollouts, answers)
+
+        models.plugins.append(BeyondThePaper(args, grade, script["whiten"], script["global_sums"]))

@@ -1758,8 +1758,8 @@ def speedup_on(args: Args, flag: str) -> bool:
 
 
 def make_models(args: Args, accelerator, processor, student, teachers: dict, log=print, teacher_forward=None) -> Models:
-    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, the
-    plug-ins. teachers: {name: model} (load_models'); several go to gndpo_teachers' plug-in."""
+    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, and
+    the optional modules plugged in (each module's plug_in). teachers: {name: model} (load_models')."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
@@ -1775,38 +1775,29 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     synced_gpus = sharded and accelerator.num_processes > 1  # every process steps generate() to the last's end
     sampling = Sampling(sample_config, device=accelerator.device, synced_gpus=synced_gpus, precision=precision)
-    teacher, update_size = next(iter(teachers.values())), extras and extras.update_size
-    models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling, update_size)
-    off = {}
-    if fast:  # the speed-ups of gndpo_fast, each checked against the plain path it replaces
-        script = dict(
-            response_logps=response_logps,
-            sequence_inputs=sequence_inputs,
-            logps_tolerance=logps_tolerance,
-            compute_dtype=compute_dtype(accelerator),
-        )
-        off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log)
-    else:  # the plain forward's log-probs: a log-softmax over (n, R, V) float32 logits
+    teacher = next(iter(teachers.values()))
+    models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling)
+    script = dict(  # the script's functions that the modules call: they import nothing from it
+        response_logps=response_logps,
+        sequence_inputs=sequence_inputs,
+        logps_tolerance=logps_tolerance,
+        compute_dtype=compute_dtype(accelerator),
+        encode_prompts=encode_prompts,
+        pixels_on_host=pixels_on_host,
+        encode_rollout_prompts=encode_rollout_prompts,
+        unwrap=unwrap,
+        spread=spread,
+        whiten=_whiten,
+        global_sums=_global_sums,
+        task_rewards=evaluation.task_rewards if evaluation else None,
+    )
+    off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log) if fast else {}
+    if not fast:  # the plain forward's log-probs: a log-softmax over (n, R, V) float32 logits
         log("log-probs: student full logits, teacher full logits")
     models.teacher_forward = models.teacher_forward or response_logps
     log(startup_line(args, accelerator, student, off))
-    if args.teacher_model == "self":  # the self-teacher (gndpo_teachers): the starting weights, with the context
-
-        def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
-            return pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
-
-        start = several.StartingWeights(unwrap(teacher), lora=args.lora_r > 0)
-        plugin = several.SelfTeacher(start, encode, args.privileged_template, args.privileged_source)
-        models.teacher, models.teacher_forward = start, plugin.forward(models.teacher_forward)
-        models.plugins.append(plugin)
-    if len(teachers) > 1:  # several teachers (gndpo_teachers): each row routed to its own, scored by it alone
-        encode = lambda part, *rest: encode_rollout_prompts(processor, part, *rest[:2], args, *rest[2:])  # noqa: E731
-        plugin = several.SeveralTeachers(teachers, encode, spread)
-        models.teacher, models.teacher_forward = teachers, plugin.forward(models.teacher_forward)
-        models.plugins.append(plugin)
-    if args.score_std_floor > 0 or args.reward_weight:  # beyond the paper (gndpo_extras)
-        grade = lambda rollouts, answers: evaluation.task_rewards(processor, rollouts, answers)  # noqa: E731
-        models.plugins.append(extras.BeyondThePaper(args, grade, _whiten, _global_sums))
+    for module in filter(None, (several, extras)):  # several teachers or the self-teacher; beyond the paper
+        module.plug_in(models, args, teachers, script)
     return models
 
 
@@ -1884,7 +1875,7 @@ def setup(args: Args, teacher_forward=None) -> Run:
         greedy = generation_configs(processor.tokenizer, run.policy, args)[1]
         each = next(iter(models.hooks("evaluate")), None)  # several teachers: each row with its own
         path = os.path.join(args.output_dir, "eval_rows.jsonl")
-        run.evaluator = evaluation.Evaluator(
+        run.evaluator = evaluation.make_evaluator(
             processor, eval_rows, args, accelerator, greedy, encode_prompts, path, each
         )
     if resume_from:

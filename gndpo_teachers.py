@@ -426,3 +426,29 @@ class SelfTeacher:
             rows = [(*pair, *row[2:]) for pair, row in zip(self.prompts([r[:2] for r in rows], contexts), rows)]
         with self.teacher.reading() as inner:
             return one(inner, rows)
+
+
+def plug_in(models, args, teachers: dict, script: dict) -> None:
+    """The self-teacher or several teachers into the script's Models, in place, when the flags ask: the teacher the
+    step sees (StartingWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
+    model} (the script's load_models); script: the script's encode_prompts, pixels_on_host, encode_rollout_prompts,
+    unwrap and spread."""
+    processor, instruction = models.processor, args.instruction
+    if args.teacher_model == SELF:  # the starting weights, reading the context
+
+        def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
+            return script["pixels_on_host"](script["encode_prompts"](processor, rows, instruction), device)
+
+        models.teacher = StartingWeights(script["unwrap"](models.teacher), lora=args.lora_r > 0)
+        plugin = SelfTeacher(models.teacher, encode, args.privileged_template, args.privileged_source)
+    elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
+
+        def encode(part, *rest):  # (part, prompts, group_ids, row_prompts, distinct): its prompts encoded again
+            return script["encode_rollout_prompts"](processor, part, *rest[:2], args, *rest[2:])
+
+        models.teacher = teachers
+        plugin = SeveralTeachers(teachers, encode, script["spread"])
+    else:
+        return
+    models.teacher_forward = plugin.forward(models.teacher_forward)
+    models.plugins.append(plugin)
