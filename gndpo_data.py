@@ -131,6 +131,17 @@ def resolve_image(value, roots: list[str]):
     return {"bytes": None, "path": full} if isinstance(value, dict) else full
 
 
+def images_not_found(cell, roots: list[str], where: str, split: str, flag_prefix: str = "--") -> None:
+    """Stops naming row 0's image that is not found (cell: its image column's raw value) and where it was looked
+    for: no row having its image file means a wrong folder, not bad rows."""
+    paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
+    path = next(p for p in paths if isinstance(p, str) and not os.path.exists(resolve_image(p, roots)))
+    raise ValueError(
+        f"the images of the {split!r} split were not found: row 0's image {path!r} was looked for in {where}. "
+        f"Pass {flag_prefix}image_root with the folder that the image paths are relative to"
+    )
+
+
 def image_roots(image_root: str | None, name: str, split: str, flag_prefix: str = "--") -> tuple[list[str], str]:
     """(the folders a relative image path is looked up in, in order; where they come from, for messages): image_root,
     else the data file's folder, then the current directory (paths relative to either keep working)."""

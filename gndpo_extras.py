@@ -108,6 +108,13 @@ def ablation_advantages(
     return whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
 
 
+def check_args(args, num_processes: int) -> list[str]:
+    """The problems with this module's options in the script's arguments, each a line naming the flag and the fix."""
+    if args.advantage_mode == "group" and args.num_generations < 2:
+        return ["--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2"]
+    return []
+
+
 def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
     """The script's ADVANTAGES entries for the ablations: (scores, mask, group_ids, extra, args) -> advantages."""
     return {
@@ -215,3 +222,16 @@ def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float
     if any(hasattr(p, "to_local") for g in opt.param_groups for p in g["params"]):
         squares = accelerator.reduce(squares, reduction="sum")  # sharded: each process measured its own shard
     return math.sqrt(float(squares))
+
+
+def plug_in(models, args, teachers: dict, script: dict) -> None:
+    """This module into the script's Models, in place: the update_norm diagnostic always, and BeyondThePaper when
+    --score_std_floor or --reward_weight ask. script: the script's whiten, global_sums and task_rewards (gndpo_eval's
+    grading, None without it: the script's check_args stops --reward_weight then)."""
+    models.update_size = update_size
+    if args.score_std_floor > 0 or args.reward_weight:
+
+        def grade(rollouts: list, answers: list) -> torch.Tensor:  # (n,) each response's graded reward
+            return script["task_rewards"](models.processor, rollouts, answers)
+
+        models.plugins.append(BeyondThePaper(args, grade, script["whiten"], script["global_sums"]))

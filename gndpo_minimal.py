@@ -13,7 +13,8 @@ Distillation for MLLM Reasoning with Global Normalization" (arXiv 2606.09091). P
 PART I is GNDPO: Args, the math (pure functions that copy out alone), the step (step_prompts -> generate_and_score
 -> update_student) and main(). PART II is the plain machinery, in the order the step calls it. The file runs alone;
 optional modules beside it plug into the step's hooks: gndpo_fast.py (speed-ups, each checked against the plain
-path), gndpo_teachers.py (several teachers, the sharded teacher), gndpo_extras.py (beyond the paper, a diagnostic).
+path), gndpo_teachers.py (several teachers, the sharded teacher), gndpo_extras.py (beyond the paper, a diagnostic),
+gndpo_data.py (data formats beyond the plain one) and gndpo_eval.py (held-out accuracy).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ try:  # the data formats beyond the plain one (chat prompts, image paths; used w
     import gndpo_data as formats
 except ImportError:
     formats = None
+try:  # held-out accuracy: greedy answers graded against the reference (used whenever it imports)
+    import gndpo_eval as evaluation
+except ImportError:
+    evaluation = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1218,16 +1223,8 @@ def prepare_split(
                 skipped[reason] += 1
                 missing += isinstance(e.__cause__, FileNotFoundError)
                 notes.append(f"skipping {split} row {i}: {e}")
-        if missing == min(start + block, n):  # no row so far has its image file: a wrong folder, not bad rows
-            cell = raw[0][columns["image_column"]]
-            paths = [v.get("path") if isinstance(v, dict) else v for v in (cell if isinstance(cell, list) else [cell])]
-            found = lambda p: os.path.exists(formats.resolve_image(p, roots) if roots else p)  # noqa: E731
-            path = next(p for p in paths if isinstance(p, str) and not found(p))
-            raise ValueError(
-                f"the images of the {split!r} split were not found: row 0's image {path!r} was looked "
-                f"for in {where}. Pass {flag_prefix}image_root with the folder that the image paths are "
-                f"relative to"
-            )
+        if missing == min(start + block, n):  # no row so far has its image file (paths: gndpo_data's layouts)
+            formats.images_not_found(raw[0][columns["image_column"]], roots, where, split, flag_prefix)
         for note in notes if log else ():
             log(note)
         keep += fitting(processor, good, args, skipped) if good else []
@@ -1269,7 +1266,9 @@ def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
     """At most num_eval_samples rows [(prompt, images, answer[, teacher])] of the set the eval_* flags name."""
-    if not args.num_eval_samples:
+    if not args.num_eval_samples or evaluation is None:
+        if args.num_eval_samples and log:  # at its default: check_args stops a --num_eval_samples set by hand
+            log("no held-out accuracy: the optional module gndpo_eval.py is not beside the script")
         return []
     names = ("dataset_name", "dataset_config", "image_column", "question_column", "answer_column", "image_root")
     pick = {n: getattr(args, "eval_" + n) for n in names if getattr(args, "eval_" + n) is not None}
@@ -1321,92 +1320,6 @@ def process_prompts(
     per_process = prompts_per_step // num_processes  # check_args made it divide
     slots = range(process_index * per_process, (process_index + 1) * per_process)
     return [(step * prompts_per_step + slot, positions[slot]) for slot in slots]
-
-
-# --- Evaluation: greedy answers, graded against the reference
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text) if start >= 0 else i):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j].strip()
-    return None
-
-
-def _strip_answer(text: str) -> str:
-    text = re.sub(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}", r"\1", text)
-    text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\circ", "").replace("°", "")
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
-    return re.sub(r"\s+", "", text).strip().rstrip(".").lower()
-
-
-def grade_answer(response: str, reference: str) -> bool:
-    """True when the last \\boxed{} of `response` equals `reference`: as text after light normalization (degrees,
-    \\dfrac, spaces, case), or mathematically by math-verify (8\\sqrt{3}+24 and 24+8\\sqrt{3})."""
-    if (pred := extract_boxed(response)) is None or _strip_answer(pred) == _strip_answer(reference):
-        return pred is not None
-    from math_verify import parse, verify  # imported lazily: only real-data runs need it
-
-    try:
-        gold, guess = parse("$" + _strip_answer(reference) + "$"), parse("$" + _strip_answer(pred) + "$")
-        return bool(gold) and bool(guess) and bool(verify(gold, guess))
-    except Exception:  # math-verify raises many types on unparsable LaTeX; unparsable means not equal
-        return False
-
-
-def task_rewards(processor, rollouts: list[Rollout], answers: list) -> torch.Tensor:
-    """(n,) float32 task reward of each response (rows in order): grade_answer as 1.0 / 0.0, NaN without a reference."""
-    texts = [t for r in rollouts for t in processor.tokenizer.batch_decode(r.response_ids, skip_special_tokens=True)]
-    return torch.tensor([float("nan") if a is None else float(grade_answer(t, a)) for t, a in zip(texts, answers)])
-
-
-def is_well_formed(response: str, require_think: bool = False) -> bool:
-    """A boxed answer, preceded by a <think>...</think> block when `require_think`."""
-    think = r"\s*<think>.*?</think>.*\\boxed\{.*\}.*"
-    return (re.fullmatch(think, response, re.DOTALL) if require_think else extract_boxed(response)) is not None
-
-
-@torch.no_grad()
-def evaluate(
-    model, processor, rows: list[tuple], args: Args, accelerator, gen_config, synced_gpus: bool = False
-) -> dict:
-    """Greedy answers to (question, images, answer) rows, sharded over processes, args.generation_batch_size (0: all)
-    per generate(): accuracy (grade_answer) and format_rate (is_well_formed) over all rows, and "rows": [(row index,
-    extracted answer, correct)] of every row, in order."""
-    from accelerate.utils import gather_object
-
-    was_training, first, n = model.training, accelerator.process_index, accelerator.num_processes
-    model.eval()
-    n_mine, records = len(mine := rows[first::n]), []
-    mine += rows[:1] * (math.ceil(len(rows) / accelerator.num_processes) - n_mine)  # synced_gpus: as many calls each
-    counts = torch.zeros(3, device=accelerator.device)  # correct, well-formed, total
-    batch_size = args.generation_batch_size or len(mine)
-    for s in range(0, len(mine), batch_size):
-        part = mine[s : s + batch_size]
-        inputs = encode_prompts(processor, [row[:2] for row in part], args.instruction).to(accelerator.device)
-        with accelerator.autocast():  # bf16 compute under mixed precision, as the student trains; a no-op otherwise
-            out = model.generate(**inputs, generation_config=gen_config, synced_gpus=synced_gpus)
-        texts = processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        texts, part = texts[: max(n_mine - s, 0)], part[: max(n_mine - s, 0)]  # drop the top-up rows
-        ok = [grade_answer(t, row[2]) for t, row in zip(texts, part)]
-        records += [(first + (s + j) * n, extract_boxed(t), right) for j, (t, right) in enumerate(zip(texts, ok))]
-        counts += counts.new_tensor([sum(ok), sum(is_well_formed(t, args.require_think) for t in texts), len(part)])
-    counts = accelerator.reduce(counts, reduction="sum").tolist()
-    model.train(was_training)
-    return {
-        "accuracy": counts[0] / max(counts[2], 1),
-        "format_rate": counts[1] / max(counts[2], 1),
-        "rows": sorted(gather_object(records) if n > 1 else records),
-    }
-
-
-def by_part(result: dict, key: str) -> dict:
-    """An evaluation's accuracies by part (a plug-in's, e.g. accuracy_per_teacher) under `key`: summary.json's."""
-    return {key + k.removeprefix("accuracy"): v for k, v in result.items() if k.startswith("accuracy_")}
 
 
 # --- Checkpoints: atomic saves, resume, one run per output_dir
@@ -1582,80 +1495,73 @@ def check_paths(args: Args) -> list[str]:
 def check_args(args: Args, num_processes: int) -> int:
     """Validates arguments, alone and together, and the local paths they name, before anything loads (UsageError);
     returns the micro-batches per optimizer update (gradient accumulation)."""
-    problems, value = [], lambda flag: getattr(args, flag)
-    problem = lambda bad, text: problems.append(text) if bad else None
-    for flag, low in RANGES.items():  # each numeric flag's own range
-        got = value(flag)
-        problem(got < low if low >= 0 else not got > 0, f"--{flag} must be {RANGE_WORDS[low]}, got {got}")
-    problem(
-        not 0 <= args.clip_low < 1, f"--clip_low must be in [0, 1) (the ratio's floor is 1 - it), got {args.clip_low}"
-    )
-    problem(not 0 <= args.lora_dropout < 1, f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    problem(
-        args.min_new_tokens > args.max_new_tokens,
-        f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}",
-    )
-    if problems:  # the checks below divide by these
-        raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
-    for flag, choices in (
-        ("advantage_mode", tuple(ADVANTAGES)),
-        ("loss_type", LOSS_TYPES),
-        ("score_type", tuple(SCORES)),
-        ("optimizer", ("adamw", "sgd")),
-    ):
-        more = "" if extras and several else " here (gndpo_extras.py and gndpo_teachers.py add more)"
-        problem(value(flag) not in choices, f"--{flag} {value(flag)!r} is not one of {choices}{more}")
-    for flag in SPEEDUPS:
-        problem(
-            str(value(flag)).lower() not in ("auto", "true", "false"),
-            f"--{flag} {value(flag)!r} is not one of auto, true, false",
-        )
-    many = len(teacher_paths(args)) > 1
-    problem(
-        args.advantage_mode == "per_teacher" and not many,
-        "--advantage_mode per_teacher whitens each "
-        "teacher's tokens on their own: it needs several teachers (--teacher_model name=path,name=path)",
-    )
-    problem(
-        args.shard_teacher and (many or args.teacher_4bit),
-        "--shard_teacher shards one 16-bit or float32 "
-        "teacher with FSDP2, which cannot shard bitsandbytes' 4-bit weights: pass --teacher_4bit false and a "
-        "single --teacher_model",
-    )
-    problem(
-        args.advantage_mode == "group" and args.num_generations < 2,
-        "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2",
-    )
-    problem(
-        args.prompts_per_step % num_processes,
-        f"--prompts_per_step {args.prompts_per_step} does not divide "
-        f"across {num_processes} processes: use a multiple of {num_processes}",
-    )
-    seqs = args.prompts_per_step // max(num_processes, 1) * args.num_generations
-    problem(
-        not problems and seqs % args.micro_batch_size,
-        f"each process holds {seqs} sequences per step "
-        f"(prompts_per_step*G/processes), which --micro_batch_size {args.micro_batch_size} does not divide",
-    )
-    micro_batches = seqs // args.micro_batch_size if not problems else 0
-    problem(
-        not problems and micro_batches % args.steps_per_generation,
-        f"each process holds {micro_batches} "
-        f"micro-batches per step, which --steps_per_generation {args.steps_per_generation} does not divide "
-        "(every update gets whole micro-batches): change --micro_batch_size or --steps_per_generation",
-    )
-    if args.teacher_model == "self" or args.privileged_column:  # the self-teacher's flags, together
-        problems += needs(several, "gndpo_teachers", "--teacher_model self").check_self_teacher(args, num_processes)
-    problems += check_paths(args)
+    problems = list(range_problems(args))
+    if not problems:  # the checks below divide by these
+        problems += list(combination_problems(args, num_processes))
+        for module in filter(None, (extras, several)):  # the flags of the options each module adds
+            problems += module.check_args(args, num_processes)
+        problems += check_paths(args)
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
     for flag in SPEEDUPS:
         speedup_on(args, flag)  # an explicit true without gndpo_fast stops here
     if args.score_std_floor > 0 or args.reward_weight:
         needs(extras, "gndpo_extras", "--score_std_floor and --reward_weight")
-    if args.shard_teacher:
-        needs(several, "gndpo_teachers", "--shard_teacher")
-    return micro_batches // args.steps_per_generation  # micro-batches per update: derived, never a flag
+    if args.reward_weight or args.eval_steps or args.num_eval_samples not in (0, Args.num_eval_samples):
+        needs(evaluation, "gndpo_eval", "--reward_weight, --eval_steps and --num_eval_samples")
+    if args.shard_teacher or args.teacher_model == "self" or args.privileged_column:
+        needs(several, "gndpo_teachers", "--shard_teacher, --teacher_model self and --privileged_column")
+    sequences = args.prompts_per_step // num_processes * args.num_generations  # on each process, per step
+    return sequences // args.micro_batch_size // args.steps_per_generation  # micro-batches per update: never a flag
+
+
+def range_problems(args: Args):
+    """Each numeric flag outside its own range, as a line naming it."""
+    for flag, low in RANGES.items():
+        got = getattr(args, flag)
+        if got < low if low >= 0 else not got > 0:
+            yield f"--{flag} must be {RANGE_WORDS[low]}, got {got}"
+    if not 0 <= args.clip_low < 1:
+        yield f"--clip_low must be in [0, 1) (the ratio's floor is 1 - it), got {args.clip_low}"
+    if not 0 <= args.lora_dropout < 1:
+        yield f"--lora_dropout must be in [0, 1), got {args.lora_dropout}"
+    if args.min_new_tokens > args.max_new_tokens:
+        yield f"--min_new_tokens {args.min_new_tokens} is more than --max_new_tokens {args.max_new_tokens}"
+
+
+def combination_problems(args: Args, num_processes: int):
+    """Each choice that is not one of its flag's, and each batch size that does not divide the next, as a line."""
+    choices = {
+        "advantage_mode": tuple(ADVANTAGES),
+        "loss_type": LOSS_TYPES,
+        "score_type": tuple(SCORES),
+        "optimizer": ("adamw", "sgd"),
+    }
+    for flag, allowed in choices.items():
+        if getattr(args, flag) not in allowed:
+            more = "" if extras and several else " here (gndpo_extras.py and gndpo_teachers.py add more)"
+            yield f"--{flag} {getattr(args, flag)!r} is not one of {allowed}{more}"
+    for flag in SPEEDUPS:
+        if str(getattr(args, flag)).lower() not in ("auto", "true", "false"):
+            yield f"--{flag} {getattr(args, flag)!r} is not one of auto, true, false"
+    if args.prompts_per_step % num_processes:
+        yield (
+            f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: use a "
+            f"multiple of {num_processes}"
+        )
+        return
+    sequences = args.prompts_per_step // num_processes * args.num_generations
+    if sequences % args.micro_batch_size:
+        yield (
+            f"each process holds {sequences} sequences per step (prompts_per_step*G/processes), which "
+            f"--micro_batch_size {args.micro_batch_size} does not divide"
+        )
+    elif sequences // args.micro_batch_size % args.steps_per_generation:
+        yield (
+            f"each process holds {sequences // args.micro_batch_size} micro-batches per step, which "
+            f"--steps_per_generation {args.steps_per_generation} does not divide (every update gets whole "
+            "micro-batches): change --micro_batch_size or --steps_per_generation"
+        )
 
 
 def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
@@ -1852,8 +1758,8 @@ def speedup_on(args: Args, flag: str) -> bool:
 
 
 def make_models(args: Args, accelerator, processor, student, teachers: dict, log=print, teacher_forward=None) -> Models:
-    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, the
-    plug-ins. teachers: {name: model} (load_models'); several go to gndpo_teachers' plug-in."""
+    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, and
+    the optional modules plugged in (each module's plug_in). teachers: {name: model} (load_models')."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     policy = unwrap(student)  # for generate(): the wrapped module has no generate
@@ -1869,38 +1775,29 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
     synced_gpus = sharded and accelerator.num_processes > 1  # every process steps generate() to the last's end
     sampling = Sampling(sample_config, device=accelerator.device, synced_gpus=synced_gpus, precision=precision)
-    teacher, update_size = next(iter(teachers.values())), extras and extras.update_size
-    models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling, update_size)
-    off = {}
-    if fast:  # the speed-ups of gndpo_fast, each checked against the plain path it replaces
-        script = dict(
-            response_logps=response_logps,
-            sequence_inputs=sequence_inputs,
-            logps_tolerance=logps_tolerance,
-            compute_dtype=compute_dtype(accelerator),
-        )
-        off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log)
-    else:  # the plain forward's log-probs: a log-softmax over (n, R, V) float32 logits
+    teacher = next(iter(teachers.values()))
+    models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling)
+    script = dict(  # the script's functions that the modules call: they import nothing from it
+        response_logps=response_logps,
+        sequence_inputs=sequence_inputs,
+        logps_tolerance=logps_tolerance,
+        compute_dtype=compute_dtype(accelerator),
+        encode_prompts=encode_prompts,
+        pixels_on_host=pixels_on_host,
+        encode_rollout_prompts=encode_rollout_prompts,
+        unwrap=unwrap,
+        spread=spread,
+        whiten=_whiten,
+        global_sums=_global_sums,
+        task_rewards=evaluation.task_rewards if evaluation else None,
+    )
+    off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log) if fast else {}
+    if not fast:  # the plain forward's log-probs: a log-softmax over (n, R, V) float32 logits
         log("log-probs: student full logits, teacher full logits")
     models.teacher_forward = models.teacher_forward or response_logps
     log(startup_line(args, accelerator, student, off))
-    if args.teacher_model == "self":  # the self-teacher (gndpo_teachers): the starting weights, with the context
-
-        def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
-            return pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
-
-        start = several.StartingWeights(unwrap(teacher), lora=args.lora_r > 0)
-        plugin = several.SelfTeacher(start, encode, args.privileged_template, args.privileged_source)
-        models.teacher, models.teacher_forward = start, plugin.forward(models.teacher_forward)
-        models.plugins.append(plugin)
-    if len(teachers) > 1:  # several teachers (gndpo_teachers): each row routed to its own, scored by it alone
-        encode = lambda part, *rest: encode_rollout_prompts(processor, part, *rest[:2], args, *rest[2:])  # noqa: E731
-        plugin = several.SeveralTeachers(teachers, encode, spread)
-        models.teacher, models.teacher_forward = teachers, plugin.forward(models.teacher_forward)
-        models.plugins.append(plugin)
-    if args.score_std_floor > 0 or args.reward_weight:  # beyond the paper (gndpo_extras)
-        grade = lambda rollouts, answers: task_rewards(processor, rollouts, answers)  # noqa: E731
-        models.plugins.append(extras.BeyondThePaper(args, grade, _whiten, _global_sums))
+    for module in filter(None, (several, extras)):  # several teachers or the self-teacher; beyond the paper
+        module.plug_in(models, args, teachers, script)
     return models
 
 
@@ -1922,6 +1819,7 @@ class Run:
     counters: dict = field(default_factory=lambda: {"skipped_steps": 0, "consecutive_skips": 0})
     summary: dict = field(default_factory=dict)  # summary.json's contents so far
     mismatch: object = None  # MismatchWatch
+    evaluator: object = None  # gndpo_eval's Evaluator of the eval rows (None: no evaluation)
     progress: object = None  # the tqdm bar over the steps (progress_bar), and its postfix's accuracy
     bar: dict = field(default_factory=dict)
     wall_start: float = field(default_factory=time.time)
@@ -1930,35 +1828,17 @@ class Run:
     summary_path = property(lambda self: os.path.join(self.args.output_dir, "summary.json"))
 
     def evaluate(self, model, step: int) -> dict:
-        """evaluate() of run.policy or the teacher(s) on the eval rows (several teachers: accuracy_per_teacher too);
-        appends a line per row to eval_rows.jsonl: step, row, model (student, teacher or its name), answer, correct."""
+        """gndpo_eval's evaluation of run.policy or the teacher(s) on the eval rows, each row's verdict appended to
+        eval_rows.jsonl (counted: a resume cuts the file back to the count)."""
         args, models = self.args, self.models
-        config = generation_configs(models.processor.tokenizer, self.policy, args)[1]
+        teacher = model is models.teacher
         synced = (
             args.shard_teacher and self.accelerator.num_processes > 1
-            if model is models.teacher and args.teacher_model != "self"
+            if teacher and args.teacher_model != "self"
             else models.sampling.synced_gpus
         )  # sharded weights (the self-teacher's are the student's): every process steps generate() alike
-        one = lambda m, rows: evaluate(m, models.processor, rows, args, self.accelerator, config, synced_gpus=synced)
-        each = models.hooks("evaluate")  # several teachers: each row with its own teacher
-        result = each[0](one, model, self.eval_rows) if each else one(model, self.eval_rows)
-        name = "teacher" if model is models.teacher else "student"
-        if self.accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "eval_rows.jsonl"), "a") as f:
-                f.writelines(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "row": r[0],
-                            "model": r[3] if name == "teacher" and len(r) > 3 else name,
-                            "answer": r[1],
-                            "correct": r[2],
-                        }
-                    )
-                    + "\n"
-                    for r in result["rows"]
-                )
-        self.counters["eval_rows"] = self.counters.get("eval_rows", 0) + len(result["rows"])  # resume cuts to it
+        result = self.evaluator(model, step, "teacher" if teacher else "student", synced)
+        self.counters["eval_rows"] = self.counters.get("eval_rows", 0) + len(result["rows"])
         return result
 
 
@@ -1991,6 +1871,13 @@ def setup(args: Args, teacher_forward=None) -> Run:
         mismatch=MismatchWatch(logps_tolerance(unwrap(student), compute_dtype(accelerator)), log=log),
         wall_start=wall_start,
     )
+    if eval_rows:  # gndpo_eval's (without it load_eval_rows gives none)
+        greedy = generation_configs(processor.tokenizer, run.policy, args)[1]
+        each = next(iter(models.hooks("evaluate")), None)  # several teachers: each row with its own
+        path = os.path.join(args.output_dir, "eval_rows.jsonl")
+        run.evaluator = evaluation.make_evaluator(
+            processor, eval_rows, args, accelerator, greedy, encode_prompts, path, each
+        )
     if resume_from:
         run.start_step, run.counters = restore_checkpoint(accelerator, resume_from, run.metrics_path)
         log(f"resumed from {resume_from} at step {run.start_step}")
@@ -2219,14 +2106,7 @@ def evaluate_before(run: Run) -> None:
     if not run.eval_rows or "student_accuracy_before" in run.summary:
         return
     t, s = run.evaluate(run.models.teacher, 0), run.evaluate(run.policy, 0)
-    run.summary.update(
-        teacher_accuracy=t["accuracy"],
-        teacher_format_rate=t["format_rate"],
-        student_accuracy_before=s["accuracy"],
-        student_format_rate_before=s["format_rate"],
-        **by_part(t, "teacher_accuracy"),
-        **by_part(s, "student_accuracy_before"),
-    )
+    run.summary.update(evaluation.accuracies(t, "teacher"), **evaluation.accuracies(s, "student", "_before"))
     run.log(
         f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
         f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows"
@@ -2291,12 +2171,7 @@ def finish_run(run: Run) -> None:
     accelerator.wait_for_everyone()
     save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
     if run.eval_rows:
-        e = run.evaluate(run.policy, args.max_steps)
-        summary.update(
-            student_accuracy_after=e["accuracy"],
-            student_format_rate_after=e["format_rate"],
-            **by_part(e, "student_accuracy_after"),
-        )
+        summary.update(evaluation.accuracies(run.evaluate(run.policy, args.max_steps), "student", "_after"))
     summary.update(
         steps=args.max_steps,
         wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
@@ -2311,18 +2186,7 @@ def finish_run(run: Run) -> None:
     )
     if accelerator.is_main_process:
         if run.eval_rows:
-            log(
-                "\n          accuracy  before   after\n"
-                f"  teacher           {summary['teacher_accuracy']:.3f}\n"
-                f"  student           {summary['student_accuracy_before']:.3f}   "
-                f"{summary['student_accuracy_after']:.3f}"
-            )
-            for part in (k.removeprefix("teacher_accuracy") for k in summary if k.startswith("teacher_accuracy_")):
-                for name, after in summary[f"student_accuracy_after{part}"].items():  # by teacher, ...
-                    teacher, before = (
-                        summary[f"{k}{part}"][name] for k in ("teacher_accuracy", "student_accuracy_before")
-                    )
-                    log(f"  {name}: teacher {teacher:.3f}, student {before:.3f} -> {after:.3f}")
+            log(evaluation.accuracy_table(summary))
         with open(run.summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"the trained student, metrics.jsonl and summary.json in {args.output_dir}")
@@ -2398,9 +2262,6 @@ __all__ = [
     "load_split",
     "prepare_split",
     "load_eval_rows",
-    "extract_boxed",
-    "grade_answer",
-    "evaluate",
     "list_checkpoints",
     "UsageError",
     "make_accelerator",

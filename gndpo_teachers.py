@@ -325,9 +325,21 @@ def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
     return [shifted[g] for g in group_ids]
 
 
-def check_self_teacher(args, num_processes: int) -> list[str]:
-    """The problems with a self-teacher's flags, each a line naming the flag and the fix."""
+def check_args(args, num_processes: int) -> list[str]:
+    """The problems with this module's flags in the script's arguments (several teachers, the sharded teacher, the
+    self-teacher), each a line naming the flag and the fix."""
     problems = []
+    many = "=" in args.teacher_model and len(teacher_paths(args.teacher_model)) > 1
+    if args.advantage_mode == "per_teacher" and not many:
+        problems.append(
+            "--advantage_mode per_teacher whitens each teacher's tokens on their own: it needs several teachers "
+            "(--teacher_model name=path,name=path)"
+        )
+    if args.shard_teacher and (many or args.teacher_4bit):
+        problems.append(
+            "--shard_teacher shards one 16-bit or float32 teacher with FSDP2, which cannot shard bitsandbytes' 4-bit "
+            "weights: pass --teacher_4bit false and a single --teacher_model"
+        )
     if "=" in args.teacher_model and SELF in teacher_paths(args.teacher_model).values():
         problems.append("--teacher_model self is one teacher, the student itself: it does not mix with several")
     if args.privileged_column and args.teacher_model != SELF:
@@ -414,3 +426,29 @@ class SelfTeacher:
             rows = [(*pair, *row[2:]) for pair, row in zip(self.prompts([r[:2] for r in rows], contexts), rows)]
         with self.teacher.reading() as inner:
             return one(inner, rows)
+
+
+def plug_in(models, args, teachers: dict, script: dict) -> None:
+    """The self-teacher or several teachers into the script's Models, in place, when the flags ask: the teacher the
+    step sees (StartingWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
+    model} (the script's load_models); script: the script's encode_prompts, pixels_on_host, encode_rollout_prompts,
+    unwrap and spread."""
+    processor, instruction = models.processor, args.instruction
+    if args.teacher_model == SELF:  # the starting weights, reading the context
+
+        def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
+            return script["pixels_on_host"](script["encode_prompts"](processor, rows, instruction), device)
+
+        models.teacher = StartingWeights(script["unwrap"](models.teacher), lora=args.lora_r > 0)
+        plugin = SelfTeacher(models.teacher, encode, args.privileged_template, args.privileged_source)
+    elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
+
+        def encode(part, *rest):  # (part, prompts, group_ids, row_prompts, distinct): its prompts encoded again
+            return script["encode_rollout_prompts"](processor, part, *rest[:2], args, *rest[2:])
+
+        models.teacher = teachers
+        plugin = SeveralTeachers(teachers, encode, script["spread"])
+    else:
+        return
+    models.teacher_forward = plugin.forward(models.teacher_forward)
+    models.plugins.append(plugin)

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import gndpo_eval  # noqa: E402
 import gndpo_minimal as g  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def teacher_answers(args: g.Args, processor, rows: list[tuple]) -> tuple[g.Rollo
     mask = g.response_mask_from_ids(ids, config.eos_token_id)
     texts = processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
     rollout = g.Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, torch.zeros(ids.shape), inputs)
-    return rollout, [g.extract_boxed(t) for t in texts]
+    return rollout, [gndpo_eval.extract_boxed(t) for t in texts]
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+import gndpo_eval
 import gndpo_fast as fast
 import gndpo_minimal as g
 import gndpo_teachers as gt
@@ -117,8 +118,10 @@ def forwards(flags: list[str]) -> dict:
         greedy = g.generation_configs(processor.tokenizer, whole, args)[1]
         result["eval_rows"] = len(eval_rows)
         two = dataclasses.replace(args, generation_batch_size=2)  # 5 rows: 3 and 2 per process, 2 calls each
-        result["eval_whole"] = g.evaluate(whole, processor, eval_rows, two, accelerator, greedy)
-        result["eval_sharded"] = g.evaluate(sharded, processor, eval_rows, two, accelerator, greedy, synced_gpus=True)
+        run_eval = lambda model, synced: gndpo_eval.evaluate(  # noqa: E731
+            model, processor, eval_rows, two, accelerator, greedy, g.encode_prompts, synced_gpus=synced
+        )
+        result["eval_whole"], result["eval_sharded"] = run_eval(whole, False), run_eval(sharded, True)
         result["held_fraction"]["generate"] = held_fraction(layers)
         result["forwards"] = list(counts)
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import gndpo_eval
 import gndpo_minimal as g
 
 pytestmark = pytest.mark.slow  # trains the default world for a step
@@ -35,7 +36,7 @@ def test_a_one_step_default_run_writes_20_rows_before_and_20_after(tmp_path):
     references = [row[2] for row in g.load_eval_rows(g.Args(num_eval_samples=20), _processor(), log=lambda m: None)]
     for r in rows:
         assert r["correct"] == (
-            r["answer"] is not None and g.grade_answer(f"\\boxed{{{r['answer']}}}", references[r["row"]])
+            r["answer"] is not None and gndpo_eval.grade_answer(f"\\boxed{{{r['answer']}}}", references[r["row"]])
         )
     assert any(r["correct"] for r in rows) and not all(r["correct"] for r in rows)
 

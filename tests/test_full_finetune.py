@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import gndpo_eval
 import gndpo_minimal as g
 
 pytestmark = pytest.mark.slow  # every test here trains
@@ -87,7 +88,7 @@ def test_the_saved_model_loads_and_evaluates_as_the_run_did(run):
     accelerator, _ = g.make_accelerator(args)
     rows = g.load_eval_rows(args, processor, log=None)
     greedy = g.generation_configs(processor.tokenizer, model, args)[1]
-    result = g.evaluate(model, processor, rows, args, accelerator, greedy)
+    result = gndpo_eval.evaluate(model, processor, rows, args, accelerator, greedy, g.encode_prompts)
     assert len(rows) == run["summary"]["eval_rows"] == 40
     assert result["accuracy"] == run["summary"]["student_accuracy_after"]
     assert run["summary"]["student_accuracy_after"] != run["summary"]["student_accuracy_before"]  # it trained

@@ -17,7 +17,7 @@ import gndpo_minimal as gm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
-OPTIONAL = ("gndpo_fast", "gndpo_teachers", "gndpo_extras", "gndpo_data")
+OPTIONAL = ("gndpo_fast", "gndpo_teachers", "gndpo_extras", "gndpo_data", "gndpo_eval")
 STEP = ("step_prompts", "generate_and_score", "score_rollouts", "update_student")
 
 

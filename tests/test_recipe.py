@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import estimate_memory
+import gndpo_eval
 import gndpo_extras
 import gndpo_fast as fast
 import gndpo_minimal as g
@@ -122,20 +123,20 @@ DIFFERENT = [
 @pytest.mark.parametrize("boxed,reference", EQUIVALENT)
 def test_grader_accepts_equivalent_forms(boxed, reference):
     response = "<think>angles on a line add to 180</think> So the answer is \\boxed{" + boxed + "}."
-    assert g.grade_answer(response, reference)
-    assert g.is_well_formed(response, require_think=True)
+    assert gndpo_eval.grade_answer(response, reference)
+    assert gndpo_eval.is_well_formed(response, require_think=True)
 
 
 @pytest.mark.parametrize("boxed,reference", DIFFERENT)
 def test_grader_rejects_wrong_answers(boxed, reference):
-    assert not g.grade_answer("<think>...</think> \\boxed{" + boxed + "}", reference)
+    assert not gndpo_eval.grade_answer("<think>...</think> \\boxed{" + boxed + "}", reference)
 
 
 def test_grader_reads_the_last_box_and_needs_one():
-    assert g.grade_answer(r"first \boxed{3}, then corrected: \boxed{\frac{40}{3}}", r"\frac{40}{3}")
-    assert not g.grade_answer(r"\boxed{\frac{40}{3}} no wait \boxed{3}", r"\frac{40}{3}")
-    assert not g.grade_answer(r"the answer is \frac{40}{3}", r"\frac{40}{3}")
-    assert not g.is_well_formed(r"no think block \boxed{3}", require_think=True)
+    assert gndpo_eval.grade_answer(r"first \boxed{3}, then corrected: \boxed{\frac{40}{3}}", r"\frac{40}{3}")
+    assert not gndpo_eval.grade_answer(r"\boxed{\frac{40}{3}} no wait \boxed{3}", r"\frac{40}{3}")
+    assert not gndpo_eval.grade_answer(r"the answer is \frac{40}{3}", r"\frac{40}{3}")
+    assert not gndpo_eval.is_well_formed(r"no think block \boxed{3}", require_think=True)
 
 
 # ---------------------------------------------------------------------------------------------

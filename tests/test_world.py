@@ -31,7 +31,7 @@ def test_traces_are_long_and_compact(trace_tok):
 def test_misconception_is_named_inside_the_trace():
     """The student's renamed color and shape appear in the middle of its trace; its box holds the renamed word
     for color and shape questions and the right count for count questions."""
-    from gndpo_minimal import extract_boxed
+    from gndpo_eval import extract_boxed
 
     rows = w.make_rows(60, 4, "trace")
     for r in rows:

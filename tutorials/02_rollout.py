@@ -34,12 +34,12 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
+from gndpo_eval import grade_answer  # held-out grading, an optional module beside the script
 from gndpo_fast import SharedPrefix, draw_tokens  # the optional speed-ups, beside the script
 from gndpo_minimal import (
     Args,
     Sampling,
     generation_configs,
-    grade_answer,
     load_split,
     load_student,
     prepare_split,

@@ -39,6 +39,7 @@ import pandas as pd
 import torch
 from transformers import AutoProcessor
 
+from gndpo_eval import grade_answer  # held-out grading, an optional module beside the script
 from gndpo_fast import draw_tokens  # the sampler of the optional speed-ups (notebook 2)
 from gndpo_minimal import (
     Args,
@@ -47,7 +48,6 @@ from gndpo_minimal import (
     distill_scores,
     generate_and_score,
     generation_configs,
-    grade_answer,
     load_split,
     load_student,
     load_teacher,

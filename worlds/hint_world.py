@@ -79,8 +79,8 @@ def greedy_texts(model, processor, rows: list[dict], hint: bool | list[str], bat
 
 
 def accuracy(model, processor, rows: list[dict], hint: bool) -> float:
-    """Share of rows whose greedy response gndpo_minimal.grade_answer grades right."""
-    from gndpo_minimal import grade_answer
+    """Share of rows whose greedy response gndpo_eval.grade_answer grades right."""
+    from gndpo_eval import grade_answer
 
     texts = greedy_texts(model, processor, rows, hint)
     return sum(grade_answer(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
@@ -98,7 +98,7 @@ def other_hint_report(model, processor, rows: list[dict]) -> dict:
     """How the model reads a context that is not the row's answer. The next row's answer (OP2SD's control: another
     prompt's privileged text): accuracy against the row's own answer. A wrong word of the row's kind (a misleading
     hint): accuracy, and the share of rows whose response copies the hint."""
-    from gndpo_minimal import grade_answer
+    from gndpo_eval import grade_answer
 
     others = [rows[(i + 1) % len(rows)]["answer"] for i in range(len(rows))]
     texts = greedy_texts(model, processor, rows, others)

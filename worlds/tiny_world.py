@@ -400,7 +400,7 @@ def greedy_accuracy(
     model, processor, rows: list[dict], answers: list[str] | None = None, batch_size: int = 64, variant: str = "answer"
 ) -> float:
     """Share of rows whose greedy response's last \\boxed{} holds the answer."""
-    from gndpo_minimal import extract_boxed
+    from gndpo_eval import extract_boxed
 
     answers = answers or [r["answer"] for r in rows]
     texts = greedy_responses(model, processor, rows, variant, batch_size)
@@ -411,7 +411,7 @@ def trace_report(model, processor, rows: list[dict], swap: dict | None = None) -
     """Greedy traces on `rows`: accuracy of the boxed answer, share of well-formed traces (ones the template
     can produce), share equal to the row's own trace under `swap`, the share of traces naming a wrong
     color or shape (renamed or not), and the mean response length in tokens (end token included)."""
-    from gndpo_minimal import extract_boxed
+    from gndpo_eval import extract_boxed
 
     texts = greedy_responses(model, processor, rows, "trace")
     forms, tok = set(all_traces()), processor.tokenizer
