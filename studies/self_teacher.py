@@ -36,6 +36,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_opd_gndpo import ROOT, load, made_by_lines, run_all  # noqa: E402
+from stats import sign_flip_test  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "docs", "studies")
 SEEDS = [0, 1, 2, 3, 4, 5]
@@ -64,15 +65,6 @@ SECONDARY = [(("OP2SD", "global"), ("plain", "global")), (("OPSD", "global"), ("
 
 def folder(runs_dir: str, source: str, mode: str, seed: int) -> str:
     return os.path.join(runs_dir, f"{source}_{mode}_seed{seed}")
-
-
-def sign_flip_p(diffs: list[float]) -> float:
-    """Exact two-sided sign-flip permutation p-value of the mean of paired differences: the share of the 2^n sign
-    patterns whose mean is at least as far from 0 as the observed one (the observed pattern counts)."""
-    observed = abs(statistics.mean(diffs))
-    patterns = list(itertools.product((1, -1), repeat=len(diffs)))
-    hits = sum(abs(statistics.mean(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12 for signs in patterns)
-    return hits / len(patterns)
 
 
 def mean_of(steps: list[dict], key: str, first: bool) -> float:
@@ -106,7 +98,7 @@ def contrast(records: dict, a: tuple, b: tuple, seeds: list[int]) -> dict:
         "mean": statistics.mean(diffs),
         "higher_in": sum(d > 0 for d in diffs),
         "lower_in": sum(d < 0 for d in diffs),
-        "p_sign_flip": sign_flip_p(diffs),
+        "p_sign_flip": sign_flip_test(diffs),
     }
 
 
