@@ -2100,6 +2100,9 @@ def log_step(run: Run, metrics: dict) -> None:
     run.accelerator.log(metrics, step=step)
 
 
+# --- The run around the step: the accuracy before, the progress bar, each step's end, the finish, the command line
+
+
 def evaluate_before(run: Run) -> None:
     """The teacher's and the untrained student's accuracy into the summary, saved at once: a resumed run reads its
     "before" from it (its student is no longer the first)."""
