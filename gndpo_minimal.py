@@ -1026,7 +1026,7 @@ def vision_token_ids(tokenizer, config=None) -> list[int]:
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
 
 
-# --- Data: rows -> chat prompts with images, in any of the accepted layouts; which rows a step takes
+# --- Data: rows -> chat prompts with images, the plain layout (gndpo_data reads the others); which rows a step takes
 
 
 def load_image(value):
