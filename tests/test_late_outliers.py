@@ -53,3 +53,21 @@ def test_the_primary_endpoint_is_the_update_at_the_largest_gradient(tmp_path):
     row = late_outliers.read_run(str(tmp_path))
     assert row["gn_max_step"] == 2 and row["upd_at_gn_max"] == 3 and row["upd_median"] == 2
     assert math.isclose(row["log_upd_ratio"], math.log(1.5)) and row["outlier_grad_share"] == 0.25
+
+
+def test_the_page_is_what_the_records_run_rows_give():
+    import json
+
+    import late_outliers
+    import pytest
+
+    record = os.path.join(ROOT, "docs", "studies", "late_outliers.json")
+    if not os.path.exists(record):
+        pytest.skip("docs/studies/late_outliers.json is not made yet")
+    with open(record) as f:
+        rec = json.load(f)
+    rows = {(r["opt"], r["mode"], r["nats"], r["seed"]): r for r in rec["rounds"].values()}
+    assert rec["clean"] and {r["commit"] for r in rows.values()} == {rec["commit"]}
+    assert json.loads(json.dumps(late_outliers.analyse(rows))) == rec["result"]
+    with open(os.path.join(ROOT, "docs", "studies", "late_outliers.md")) as f:
+        assert f.read() == late_outliers.page(rec)
