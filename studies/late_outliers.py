@@ -133,6 +133,8 @@ def read_run(folder: str) -> dict | None:
 
     study, steps, summary = read("study.json"), read("metrics.jsonl", True), read("summary.json")
     probes, counts = read("probes.json"), read("outliers.json")
+    if [s.get("step") for s in steps] != list(range(1, len(steps) + 1)):  # two processes wrote one run folder
+        raise ValueError(f"{folder}: metrics.jsonl's steps are not 1..{len(steps)}; rerun this run alone")
     if not study or not summary or not steps:
         return None
     gn = [s["grad_norm"] for s in steps]

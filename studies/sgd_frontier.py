@@ -108,7 +108,10 @@ def load_run(folder: str) -> dict:
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
 
-    return {"steps": read("metrics.jsonl", True), "summary": read("summary.json"), "study": read("study.json")}
+    steps = read("metrics.jsonl", True)
+    if [s.get("step") for s in steps] != list(range(1, len(steps) + 1)):  # two processes wrote one run folder
+        raise ValueError(f"{folder}: metrics.jsonl's steps are not 1..{len(steps)}; rerun this run alone")
+    return {"steps": steps, "summary": read("summary.json"), "study": read("study.json")}
 
 
 def finite(x) -> bool:

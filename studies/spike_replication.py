@@ -142,6 +142,8 @@ def read_run(folder: str) -> dict | None:
             return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
 
     study, steps, summary = read("study.json"), read("metrics.jsonl", True), read("summary.json")
+    if [s.get("step") for s in steps] != list(range(1, len(steps) + 1)):  # two processes wrote one run folder
+        raise ValueError(f"{folder}: metrics.jsonl's steps are not 1..{len(steps)}; rerun this run alone")
     if not study or not summary or not steps:
         return None
     gn = [s["grad_norm"] for s in steps]
