@@ -31,17 +31,16 @@ seqmean - OPD, matched - OPD, constant - OPD, GNDPO - OPD.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from study_runs import load_run, provenance, publish, record, run  # noqa: E402
 
 NAME = "critic_control"
 ARMS = ["none", "global", "constant", "shuffle", "seqmean", "matched"]
@@ -114,69 +113,15 @@ def train(argv: list[str]) -> dict:
 # --- the runs
 
 
-def snapshot(runs_dir: str) -> str:
-    code = os.path.join(runs_dir, "code")
-    if not os.path.exists(os.path.join(code, "COMMIT")):
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        os.makedirs(code, exist_ok=True)
-        archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", code], input=archive.stdout, check=True)
-        with open(os.path.join(code, "COMMIT"), "w") as f:
-            f.write(commit)
-    return code
-
-
 def run_one(runs_dir: str, arm: str, seed: int, made_by: dict) -> None:
-    code = snapshot(runs_dir)
-    out = os.path.join(runs_dir, f"{arm}_seed{seed}")
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     flags = ["--advantage_mode", arm, "--seed", str(seed), *FLAGS]
-    cmd = [sys.executable, os.path.join(code, "studies", "critic_control.py"), "--train", "--", *flags]
-    cmd += ["--output_dir", out, "--overwrite_output_dir", "true", "--save_steps", "0", "--cpu_threads", "1"]
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.time()
-    with open(out + ".log", "w") as log:
-        rc = subprocess.run(cmd, cwd=code, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT).returncode
-    os.makedirs(out, exist_ok=True)
-    study = {
-        **made_by,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "run": " ".join(["studies/critic_control.py --train --", *flags]),
-        "returncode": rc,
-        "wall_seconds": time.time() - t0,
-    }
-    with open(os.path.join(out, "study.json"), "w") as f:
-        json.dump(study, f)
-    for sub in ("model", "checkpoint-40"):
-        subprocess.run(["rm", "-rf", os.path.join(out, sub)], check=False)
-    print(f"{arm}_seed{seed}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
-
-
-def provenance(runs_dir: str) -> dict:
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from reproduce import machine  # noqa: PLC0415
-
-    with open(os.path.join(snapshot(runs_dir), "COMMIT")) as f:
-        commit = f.read().strip()
-    return {
-        "commit": commit,
-        "dirty": False,
-        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
-        "machine": machine({"OMP_NUM_THREADS": "1"}),
-    }
+    program = ["studies/critic_control.py", "--train", "--", *flags]
+    run(runs_dir, program, os.path.join(runs_dir, f"{arm}_seed{seed}"), made_by)
 
 
 def read_run(folder: str) -> dict | None:
-    def read(name, lines=False):
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            return [] if lines else {}
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
-
-    study, steps, summary = read("study.json"), read("metrics.jsonl", True), read("summary.json")
-    if [s.get("step") for s in steps] != list(range(1, len(steps) + 1)):  # two processes wrote one run folder
-        raise ValueError(f"{folder}: metrics.jsonl's steps are not 1..{len(steps)}; rerun this run alone")
+    files = load_run(folder)
+    study, steps, summary = files["study"], files["steps"], files["summary"]
     if not study or not summary:
         return None
     kl = [s["reverse_kl"] for s in steps]
@@ -218,14 +163,8 @@ def contrast(rows: dict, a: str, b: str, seeds: list[int]) -> dict:
     }
 
 
-def reading(c: dict, p: float) -> str:
-    if c["margin_verdict"] == "differs" and p <= ALPHA:
-        return "differs"
-    return "equivalent" if c["margin_verdict"] == "equivalent" else "inconclusive"
-
-
 def analyse(rows: dict) -> dict:
-    from stats import holm  # noqa: PLC0415
+    from stats import holm, reading  # noqa: PLC0415
 
     seeds = [s for s in SEEDS if all((a, s) in rows for a in ARMS)]
     arms = {}
@@ -236,10 +175,10 @@ def analyse(rows: dict) -> dict:
             for k in ("acc_before", "acc_after", "kl_first", "kl_last5", "adv_mean_first5", "adv_std_first5")
         }
     primary = contrast(rows, *PRIMARY, seeds)
-    primary["reading"] = reading(primary, primary["p"])
+    primary["reading"] = reading(primary["margin_verdict"], primary["p"], ALPHA)
     family = [contrast(rows, a, b, seeds) for a, b in SECONDARY]
     for c, p in zip(family, holm([c["p"] for c in family])):
-        c["p_holm"], c["reading"] = p, reading(c, p)
+        c["p_holm"], c["reading"] = p, reading(c["margin_verdict"], p, ALPHA)
     return {
         "seeds": seeds,
         "arms": arms,
@@ -336,29 +275,8 @@ def collect(runs_dir: str) -> dict:
 
 def write(rows: dict, runs_dir: str) -> dict:
     result = analyse(rows)
-    rounds = {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}
-    first = next(iter(rounds.values()))
-    with open(os.path.join(runs_dir, first["name"], "study.json")) as f:
-        made_by = json.load(f)
-    rec = {
-        "name": NAME,
-        "commit": first["commit"],
-        "clean": all(not r["dirty"] and r["commit"] == first["commit"] for r in rounds.values()),
-        "command": made_by["command"],
-        "machine": made_by["machine"],
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "seconds": sum(r["wall_seconds"] for r in rounds.values()),
-        "rounds": rounds,
-        "result": result,
-    }
-    text = page(rec)
-    docs = os.path.join(ROOT, "docs", "studies")
-    with open(os.path.join(docs, f"{NAME}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(docs, f"{NAME}.json"), "w") as f:
-        json.dump(rec, f, indent=1)
-    print(text)
-    return rec
+    rec = record(NAME, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
+    return publish(rec, page(rec))
 
 
 def main() -> None:

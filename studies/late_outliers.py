@@ -22,17 +22,17 @@ tokens' share of the gradient norm (outliers / whole) at step 22, GNDPO - OPD, f
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from study_runs import load_run, provenance, publish, record, run  # noqa: E402
 
 NAME = "late_outliers"
 MODES = ["none", "global"]
@@ -68,73 +68,16 @@ def run_name(opt: str, mode: str, nats: int, seed: int) -> str:
 # --- the runs
 
 
-def snapshot(runs_dir: str) -> str:
-    code = os.path.join(runs_dir, "code")
-    if not os.path.exists(os.path.join(code, "COMMIT")):
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        os.makedirs(code, exist_ok=True)
-        archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", code], input=archive.stdout, check=True)
-        with open(os.path.join(code, "COMMIT"), "w") as f:
-            f.write(commit)
-    return code
-
-
-def provenance(runs_dir: str) -> dict:
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from reproduce import machine  # noqa: PLC0415
-
-    with open(os.path.join(snapshot(runs_dir), "COMMIT")) as f:
-        commit = f.read().strip()
-    return {
-        "commit": commit,
-        "dirty": False,
-        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
-        "machine": machine({"OMP_NUM_THREADS": "1"}),
-    }
-
-
 def run_one(runs_dir: str, opt: str, mode: str, nats: int, seed: int, made_by: dict) -> None:
-    code = snapshot(runs_dir)
-    out = os.path.join(runs_dir, run_name(opt, mode, nats, seed))
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     ours = ["--late", *map(str, WINDOW), "--outlier_nats", str(nats), "--probe_steps", *map(str, PROBES), "--"]
     flags = ["--advantage_mode", mode, "--seed", str(seed), *BASE, *optimizers()[opt]]
-    cmd = [sys.executable, os.path.join(code, "studies", "outliers.py"), *ours, *flags]
-    cmd += ["--output_dir", out, "--overwrite_output_dir", "true", "--save_steps", "0", "--cpu_threads", "1"]
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.time()
-    with open(out + ".log", "w") as log:
-        rc = subprocess.run(cmd, cwd=code, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT).returncode
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "study.json"), "w") as f:
-        json.dump(
-            {
-                **made_by,
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "run": " ".join(["studies/outliers.py", *ours, *flags]),
-                "returncode": rc,
-                "wall_seconds": time.time() - t0,
-            },
-            f,
-        )
-    for sub in ("model", "checkpoint-40"):
-        subprocess.run(["rm", "-rf", os.path.join(out, sub)], check=False)
-    print(f"{os.path.basename(out)}: exit {rc} after {time.time() - t0:.0f} s", flush=True)
+    program = ["studies/outliers.py", *ours, *flags]
+    run(runs_dir, program, os.path.join(runs_dir, run_name(opt, mode, nats, seed)), made_by)
 
 
 def read_run(folder: str) -> dict | None:
-    def read(name, lines=False):
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            return [] if lines else {}
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
-
-    study, steps, summary = read("study.json"), read("metrics.jsonl", True), read("summary.json")
-    probes, counts = read("probes.json"), read("outliers.json")
-    if [s.get("step") for s in steps] != list(range(1, len(steps) + 1)):  # two processes wrote one run folder
-        raise ValueError(f"{folder}: metrics.jsonl's steps are not 1..{len(steps)}; rerun this run alone")
+    files = load_run(folder, "probes.json", "outliers.json")
+    study, steps, summary, probes, counts = (files[k] for k in ("study", "steps", "summary", "probes", "outliers"))
     if not study or not summary or not steps:
         return None
     gn = [s["grad_norm"] for s in steps]
@@ -183,21 +126,15 @@ def contrast(rows: dict, a: tuple, b: tuple, key: str, margin: float, seeds: lis
     }
 
 
-def reading(c: dict, p: float) -> str:
-    if c["margin_verdict"] == "differs" and p <= ALPHA:
-        return "differs"
-    return "equivalent" if c["margin_verdict"] == "equivalent" else "inconclusive"
-
-
 def analyse(rows: dict) -> dict:
-    from stats import holm  # noqa: PLC0415
+    from stats import holm, reading  # noqa: PLC0415
 
     cells = [(o, m, n) for o in ("sgd", "adamw") for m in MODES for n in NATS]
     seeds = [s for s in SEEDS if all((*c, s) in rows for c in cells)]
     keys = ("log_upd_ratio", "gn_max", "upd_at_gn_max", "outlier_grad_share", "acc_after")
     means = {" ".join(map(str, c)): {k: statistics.mean(rows[(*c, s)][k] for s in seeds) for k in keys} for c in cells}
     primary = contrast(rows, ("sgd", "global", 30), ("sgd", "none", 30), "log_upd_ratio", MARGIN, seeds)
-    primary["reading"] = reading(primary, primary["p"])
+    primary["reading"] = reading(primary["margin_verdict"], primary["p"], ALPHA)
     family = [contrast(rows, ("adamw", "global", 30), ("adamw", "none", 30), "log_upd_ratio", MARGIN, seeds)]
     family += [
         contrast(rows, (o, m, 30), (o, m, 0), "log_upd_ratio", MARGIN, seeds) for o in ("sgd", "adamw") for m in MODES
@@ -207,7 +144,7 @@ def analyse(rows: dict) -> dict:
         for o in ("sgd", "adamw")
     ]
     for c, p in zip(family, holm([c["p"] for c in family])):
-        c["p_holm"], c["reading"] = p, reading(c, p)
+        c["p_holm"], c["reading"] = p, reading(c["margin_verdict"], p, ALPHA)
     return {"seeds": seeds, "sgd_rate": sgd_rate(), "cells": means, "primary": primary, "secondary": family}
 
 
@@ -291,29 +228,8 @@ def collect(runs_dir: str) -> dict:
 
 def write(rows: dict, runs_dir: str) -> dict:
     result = analyse(rows)
-    rounds = {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}
-    first = next(iter(rounds.values()))
-    with open(os.path.join(runs_dir, first["name"], "study.json")) as f:
-        made_by = json.load(f)
-    rec = {
-        "name": NAME,
-        "commit": first["commit"],
-        "clean": all(not r["dirty"] and r["commit"] == first["commit"] for r in rounds.values()),
-        "command": made_by["command"],
-        "machine": made_by["machine"],
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "seconds": sum(r["wall_seconds"] for r in rounds.values()),
-        "rounds": rounds,
-        "result": result,
-    }
-    text = page(rec)
-    docs = os.path.join(ROOT, "docs", "studies")
-    with open(os.path.join(docs, f"{NAME}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(docs, f"{NAME}.json"), "w") as f:
-        json.dump(rec, f, indent=1)
-    print(text)
-    return rec
+    rec = record(NAME, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
+    return publish(rec, page(rec))
 
 
 def main() -> None:

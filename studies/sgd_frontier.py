@@ -43,20 +43,17 @@ SECONDARY (Holm over the family): the same test for center - OPD and scale - OPD
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, os.path.join(ROOT, "bench")]
 from fidelity_tables import machine_text  # noqa: E402
-from stats import holm, sign_flip_test, t_interval, verdict  # noqa: E402
+from stats import holm, reading, sign_flip_test, t_interval, verdict  # noqa: E402
+from study_runs import load_run, provenance, publish, record, run  # noqa: E402
 
 NAME = "sgd_frontier"
 MODES = ["none", "center", "scale", "global"]
@@ -98,20 +95,6 @@ def round2(x: float) -> float:
 
 
 # --- one run
-
-
-def load_run(folder: str) -> dict:
-    def read(name, lines=False):
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            return [] if lines else {}
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()] if lines else json.load(f)
-
-    steps = read("metrics.jsonl", True)
-    if [s.get("step") for s in steps] != list(range(1, len(steps) + 1)):  # two processes wrote one run folder
-        raise ValueError(f"{folder}: metrics.jsonl's steps are not 1..{len(steps)}; rerun this run alone")
-    return {"steps": steps, "summary": read("summary.json"), "study": read("study.json")}
 
 
 def finite(x) -> bool:
@@ -176,31 +159,6 @@ class Runner:
         self.runs_dir, self.dry = runs_dir, dry
         self.made_by = None
 
-    def code(self) -> str:
-        code = os.path.join(self.runs_dir, "code")
-        if not os.path.exists(os.path.join(code, "COMMIT")):
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-            os.makedirs(code, exist_ok=True)
-            archive = subprocess.run(["git", "archive", commit.strip()], cwd=ROOT, capture_output=True, check=True)
-            subprocess.run(["tar", "-x", "-C", code], input=archive.stdout, check=True)
-            with open(os.path.join(code, "COMMIT"), "w") as f:
-                f.write(commit.strip())
-        return code
-
-    def provenance(self, env: dict) -> dict:
-        if self.made_by is None:
-            from reproduce import machine  # noqa: PLC0415 (imports torch)
-
-            with open(os.path.join(self.code(), "COMMIT")) as f:
-                commit = f.read().strip()
-            self.made_by = {
-                "commit": commit,
-                "dirty": False,  # the copy is `git archive` of the commit
-                "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
-                "machine": machine(env),
-            }
-        return {**self.made_by, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-
     def row(self, phase: str, mode: str, lr: float, seed: int) -> dict | None:
         """The run's row, running it first unless it is there (or this is --no_run)."""
         name = run_name(phase, mode, lr, seed)
@@ -213,31 +171,9 @@ class Runner:
         return row
 
     def run(self, out: str, mode: str, lr: float, seed: int) -> None:
-        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        env["HF_DATASETS_OFFLINE"] = "1"
-        code = self.code()
+        self.made_by = self.made_by or provenance(self.runs_dir)
         flags = ["--advantage_mode", mode, "--seed", str(seed), "--learning_rate", rate_text(lr), *FLAGS]
-        cmd = [sys.executable, os.path.join(code, "gndpo_minimal.py"), *flags]
-        cmd += ["--output_dir", out, "--overwrite_output_dir", "true", "--save_steps", "0", "--cpu_threads", "1"]
-        made_by = self.provenance(env)
-        print("$", " ".join(cmd), flush=True)
-        t0 = time.time()
-        with open(out + ".log", "w") as log:
-            code_rc = subprocess.run(cmd, cwd=code, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "study.json"), "w") as f:
-            json.dump(
-                {
-                    **made_by,
-                    "run": " ".join(["gndpo_minimal.py", *flags]),
-                    "returncode": code_rc.returncode,
-                    "wall_seconds": time.time() - t0,
-                },
-                f,
-            )
-        for sub in ("model", "checkpoint-40"):  # the trained weights: not needed for the page, 10s of MB each
-            subprocess.run(["rm", "-rf", os.path.join(out, sub)], check=False)
-        print(f"{os.path.basename(out)}: exit {code_rc.returncode} after {time.time() - t0:.0f} s", flush=True)
+        run(self.runs_dir, ["gndpo_minimal.py", *flags], out, self.made_by)
 
 
 def sweep(runner: Runner) -> tuple[dict, float | None, float | None]:
@@ -312,13 +248,6 @@ def contrast(rows: dict, a: str, b: str, rates: list[float], seeds: list[int]) -
     }
 
 
-def reading(c: dict, p: float) -> str:
-    m = c["margin_verdict"]
-    if m == "differs" and p <= ALPHA:
-        return "differs"
-    return "equivalent" if m == "equivalent" else "inconclusive"
-
-
 def analyse(sweep_rows: dict, lo: float, hi: float, rows: dict) -> dict:
     seeds = complete_seeds(rows, lo, hi)
     cells = {}
@@ -351,14 +280,14 @@ def analyse(sweep_rows: dict, lo: float, hi: float, rows: dict) -> dict:
         }
     primary = contrast(rows, "none", "global", [lo, hi], seeds) if seeds else None
     if primary:
-        primary["reading"] = reading(primary, primary["p"])
+        primary["reading"] = reading(primary["margin_verdict"], primary["p"], ALPHA)
     family = []
     if seeds:
         family = [contrast(rows, "none", m, [lo, hi], seeds) for m in ("center", "scale")]
         family += [contrast(rows, "none", m, [lr], seeds) for lr in (lo, hi) for m in ("global", "center", "scale")]
         for c, p in zip(family, holm([c["p"] for c in family])):
             c["p_holm"] = p
-            c["reading"] = reading(c, p)
+            c["reading"] = reading(c["margin_verdict"], p, ALPHA)
     return {
         "rates": {"lo": lo, "hi": hi},
         "seeds": seeds,
@@ -510,28 +439,9 @@ def page(rec: dict, sweep_rows: dict) -> str:
 
 
 def write(runs_dir: str, sweep_rows: dict, lo: float, hi: float, rows: dict) -> dict:
-    result = analyse(sweep_rows, lo, hi, rows)
     rounds = {r["name"]: r for r in [*sweep_rows.values(), *rows.values()]}
-    first = load_run(os.path.join(runs_dir, next(iter(rounds))))["study"]
-    rec = {
-        "name": NAME,
-        "commit": first["commit"],
-        "clean": all(not r["dirty"] and r["commit"] == first["commit"] for r in rounds.values()),
-        "command": first["command"],
-        "machine": first["machine"],
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "seconds": sum(r["wall_seconds"] for r in rounds.values()),
-        "rounds": rounds,
-        "result": result,
-    }
-    text = page(rec, sweep_rows)
-    out = os.path.join(ROOT, "docs", "studies")
-    with open(os.path.join(out, f"{NAME}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, f"{NAME}.json"), "w") as f:
-        json.dump(rec, f, indent=1)
-    print(text)
-    return rec
+    rec = record(NAME, runs_dir, rounds, analyse(sweep_rows, lo, hi, rows))
+    return publish(rec, page(rec, sweep_rows))
 
 
 def main() -> None:

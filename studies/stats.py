@@ -137,3 +137,10 @@ def verdict(low: float, high: float, margin: float) -> str:
     if -margin <= low and high <= margin:
         return "equivalent"
     return "inconclusive"
+
+
+def reading(margin_verdict: str, p: float, alpha: float = 0.05) -> str:
+    """A study's reading of a contrast: verdict()'s words, "differs" only when the sign-flip p is at most alpha too."""
+    if margin_verdict == "differs" and p <= alpha:
+        return "differs"
+    return "equivalent" if margin_verdict == "equivalent" else "inconclusive"

@@ -139,3 +139,23 @@ def test_verdict_keeps_the_margin():
     assert stats.verdict(1.0, 1.0, m) == "inconclusive"  # zero width: no evidence
     with pytest.raises(ValueError):
         stats.verdict(0.2, 0.1, m)
+
+
+def test_reading_says_differs_only_with_the_margin_and_the_test():
+    assert stats.reading("differs", 0.03) == "differs"
+    assert stats.reading("differs", 0.06) == "inconclusive"  # outside the margin, but the test does not reject
+    assert stats.reading("equivalent", 0.9) == "equivalent"
+    assert stats.reading("inconclusive", 0.001) == "inconclusive"
+
+
+def test_a_run_folder_written_by_two_processes_is_refused(tmp_path):
+    import study_runs
+
+    steps = [1, 2, 1, 2]  # two processes appended to one metrics.jsonl
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in steps))
+    with pytest.raises(ValueError, match="rerun this run alone"):
+        study_runs.load_run(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "probes.json").write_text('{"1": {}}')
+    files = study_runs.load_run(str(tmp_path), "probes.json")
+    assert [s["step"] for s in files["steps"]] == [1, 2] and files["probes"] == {"1": {}} and files["summary"] == {}
