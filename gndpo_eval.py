@@ -7,15 +7,17 @@ before training, the student every --eval_steps and after training, and writes e
 eval_rows.jsonl. Without this module the script trains all the same and reports no accuracy. A task graded another
 way replaces grade_answer here; the training step never reads a grade (unless --reward_weight asks for one).
 
-It imports nothing from the script: what it needs (the prompt encoder) comes in as an argument.
+It imports nothing from the script: what it needs (its data functions, the prompt encoder) comes in as arguments.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -156,6 +158,100 @@ def accuracy_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def make_evaluator(processor, rows, args, accelerator, gen_config, encode_prompts, path: str, each=None) -> Evaluator:
-    """The script's Run.evaluator: an Evaluator of `rows` (the script's load_eval_rows), writing to `path`."""
-    return Evaluator(processor, rows, args, accelerator, gen_config, encode_prompts, path, each)
+def load_eval_rows(args, processor, log, data: dict) -> list[tuple]:
+    """At most args.num_eval_samples rows [(prompt, images, answer[, teacher][, context])] of the set the eval_* flags
+    name (--dataset_name's by default). data: the script's load_split, check_columns, prepare_split and row_images, and
+    split_chat (gndpo_data's, None without it: a chat's assistant turn as the answer)."""
+    names = ("dataset_name", "dataset_config", "image_column", "question_column", "answer_column", "image_root")
+    pick = {n: getattr(args, "eval_" + n) for n in names if getattr(args, "eval_" + n) is not None}
+    e = replace(args, **{"dataset_config": None, **pick} if args.eval_dataset_name else pick)  # another set: its config
+    ds = data["load_split"](e, args.eval_split)
+    columns = data["check_columns"](ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
+    split_chat = data["split_chat"]
+    chat_answer = split_chat(ds[columns["question_column"]][0])[1] if split_chat and len(ds) else None
+    if len(ds) and not columns["answer_column"] and chat_answer is None:
+        problem = (
+            f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
+            f"{e.answer_column!r}, no assistant turn in its prompts)"
+        )
+        if args.eval_dataset_name is not None or args.num_eval_samples != type(args).num_eval_samples:
+            raise ValueError(
+                f"{problem}, and evaluation needs them: pass --eval_dataset_name (and "
+                f"--eval_answer_column) for a set with answers, or --num_eval_samples 0"
+            )
+        if log:
+            log(f"evaluation skipped: {problem}; --eval_dataset_name names a set to measure accuracy on")
+        return []
+    ds, keep, _ = data["prepare_split"](
+        ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True, flag_prefix="--eval_"
+    )
+    return [
+        (row[e.question_column], data["row_images"](row, e.image_column), row[e.answer_column])
+        + ((row[e.teacher_column],) if "teacher_column" in columns else ())
+        + ((row[e.privileged_column],) if "privileged_column" in columns else ())
+        for row in map(ds.__getitem__, keep)
+    ]
+
+
+class HeldOut:
+    """The run's held-out accuracy, a plug-in of the script's run (its hooks before_training, after_step and
+    after_training): the teacher's and the untrained student's before training, the student's every --eval_steps and
+    after training, into the summary, the progress bar and eval_rows.jsonl. each: a plug-in's evaluate hook (several
+    teachers: each row with its own teacher), or None."""
+
+    def __init__(self, run, gen_config, encode_prompts: Callable, each=None):
+        args, models = run.args, run.models
+        path = os.path.join(args.output_dir, "eval_rows.jsonl")
+        self.evaluator = Evaluator(
+            models.processor, run.eval_rows, args, run.accelerator, gen_config, encode_prompts, path, each
+        )
+
+    def accuracy_of(self, run, model, step: int) -> dict:
+        """The evaluation of run.policy or the teacher(s), each row's verdict appended to eval_rows.jsonl (counted in
+        run.counters: a resume cuts the file back to the count)."""
+        args, models = run.args, run.models
+        teacher = model is models.teacher
+        synced = (
+            args.shard_teacher and run.accelerator.num_processes > 1
+            if teacher and args.teacher_model != "self"
+            else models.sampling.synced_gpus
+        )  # sharded weights (the self-teacher's are the student's): every process steps generate() alike
+        result = self.evaluator(model, step, "teacher" if teacher else "student", synced)
+        run.counters["eval_rows"] = run.counters.get("eval_rows", 0) + len(result["rows"])
+        return result
+
+    def before_training(self, run) -> None:
+        """The teacher's and the untrained student's accuracy into the summary, saved at once: a resumed run reads its
+        "before" from it (its student is no longer the first)."""
+        if "student_accuracy_before" not in run.summary:
+            t, s = self.accuracy_of(run, run.models.teacher, 0), self.accuracy_of(run, run.policy, 0)
+            run.summary.update(accuracies(t, "teacher"), **accuracies(s, "student", "_before"))
+            run.log(
+                f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
+                f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows"
+            )
+            if run.accelerator.is_main_process:
+                with open(run.summary_path, "w") as f:
+                    json.dump(run.summary, f, indent=2)
+        run.bar["acc"] = f"{run.summary['student_accuracy_before']:.3f}"
+
+    def after_step(self, run, metrics: dict) -> None:
+        """Every --eval_steps (but the last step's, after_training's), the student's accuracy into the metrics."""
+        step, every = metrics["step"], run.args.eval_steps
+        if every and step % every == 0 and step < run.args.max_steps:
+            e = self.accuracy_of(run, run.policy, step)
+            metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"], **e.get("metrics", {}))
+            run.bar["acc"] = f"{e['accuracy']:.3f}"
+
+    def after_training(self, run) -> None:
+        """The trained student's accuracy into the summary, and the accuracy table."""
+        run.summary.update(accuracies(self.accuracy_of(run, run.policy, run.args.max_steps), "student", "_after"))
+        run.log(accuracy_table(run.summary))
+
+
+def plug_in(run, gen_config, encode_prompts: Callable) -> HeldOut:
+    """Plugs the held-out accuracy of run.eval_rows (load_eval_rows') into the run's Models.plugins."""
+    each = next(iter(run.models.hooks("evaluate")), None)  # several teachers: each row with its own
+    held_out = HeldOut(run, gen_config, encode_prompts, each)
+    run.models.plugins.append(held_out)
+    return held_out

@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -361,7 +361,7 @@ class Models:
     update_size: Callable | None = None  # (optimizer, accelerator) -> the update's size, a diagnostic; None: NaN
     # the optional modules' plug-ins; each may define route(prompts, rollouts) -> rollouts, batch_extra(rollouts) ->
     # dict, on_batch(batch, prompts, log), metric_sums(batch) -> dict, metrics(r, batch) -> dict, evaluate(one, model,
-    # rows) -> dict
+    # rows) -> dict, and the run's before_training(run), after_step(run, metrics), after_training(run)
     plugins: list = field(default_factory=list)
 
     def hooks(self, name: str) -> list[Callable]:
@@ -547,7 +547,8 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
     broken numbers)."""
     run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
     accelerator, models = run.accelerator, run.models
-    evaluate_before(run)  # the teacher's and the student's accuracy on the held-out rows, once per run
+    for before_training in models.hooks("before_training"):  # gndpo_eval: the teacher's and the student's accuracy
+        before_training(run)
     models.student.train()
     for step in progress_bar(run):
         t_step = time.time()
@@ -1265,39 +1266,14 @@ def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int
 
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
-    """At most num_eval_samples rows [(prompt, images, answer[, teacher])] of the set the eval_* flags name."""
+    """gndpo_eval's held-out rows [(prompt, images, answer)] of the set the eval_* flags name; none without it."""
     if not args.num_eval_samples or evaluation is None:
         if args.num_eval_samples and log:  # at its default: check_args stops a --num_eval_samples set by hand
             log("no held-out accuracy: the optional module gndpo_eval.py is not beside the script")
         return []
-    names = ("dataset_name", "dataset_config", "image_column", "question_column", "answer_column", "image_root")
-    pick = {n: getattr(args, "eval_" + n) for n in names if getattr(args, "eval_" + n) is not None}
-    e = replace(args, **{"dataset_config": None, **pick} if args.eval_dataset_name else pick)  # another set: its config
-    ds = load_split(e, args.eval_split)
-    columns = check_columns(ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
-    chat_answer = formats and formats.split_chat(ds[columns["question_column"]][0])[1] if len(ds) else None
-    if len(ds) and not columns["answer_column"] and chat_answer is None:
-        problem = (
-            f"the {args.eval_split!r} split of {e.dataset_name} has no reference answers (no column "
-            f"{e.answer_column!r}, no assistant turn in its prompts)"
-        )
-        if args.eval_dataset_name is not None or args.num_eval_samples != Args.num_eval_samples:
-            raise ValueError(
-                f"{problem}, and evaluation needs them: pass --eval_dataset_name (and "
-                f"--eval_answer_column) for a set with answers, or --num_eval_samples 0"
-            )
-        if log:
-            log(f"evaluation skipped: {problem}; --eval_dataset_name names a set to measure accuracy on")
-        return []
-    ds, keep, _ = prepare_split(
-        ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True, flag_prefix="--eval_"
-    )
-    return [
-        (row[e.question_column], row_images(row, e.image_column), row[e.answer_column])
-        + ((row[e.teacher_column],) if "teacher_column" in columns else ())
-        + ((row[e.privileged_column],) if "privileged_column" in columns else ())
-        for row in map(ds.__getitem__, keep)
-    ]
+    split_chat = formats.split_chat if formats else None
+    data = dict(load_split=load_split, check_columns=check_columns, prepare_split=prepare_split, row_images=row_images)
+    return evaluation.load_eval_rows(args, processor, log, dict(data, split_chat=split_chat))
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -1819,27 +1795,12 @@ class Run:
     counters: dict = field(default_factory=lambda: {"skipped_steps": 0, "consecutive_skips": 0})
     summary: dict = field(default_factory=dict)  # summary.json's contents so far
     mismatch: object = None  # MismatchWatch
-    evaluator: object = None  # gndpo_eval's Evaluator of the eval rows (None: no evaluation)
     progress: object = None  # the tqdm bar over the steps (progress_bar), and its postfix's accuracy
     bar: dict = field(default_factory=dict)
     wall_start: float = field(default_factory=time.time)
     policy = property(lambda self: unwrap(self.models.student))
     metrics_path = property(lambda self: os.path.join(self.args.output_dir, "metrics.jsonl"))
     summary_path = property(lambda self: os.path.join(self.args.output_dir, "summary.json"))
-
-    def evaluate(self, model, step: int) -> dict:
-        """gndpo_eval's evaluation of run.policy or the teacher(s) on the eval rows, each row's verdict appended to
-        eval_rows.jsonl (counted: a resume cuts the file back to the count)."""
-        args, models = self.args, self.models
-        teacher = model is models.teacher
-        synced = (
-            args.shard_teacher and self.accelerator.num_processes > 1
-            if teacher and args.teacher_model != "self"
-            else models.sampling.synced_gpus
-        )  # sharded weights (the self-teacher's are the student's): every process steps generate() alike
-        result = self.evaluator(model, step, "teacher" if teacher else "student", synced)
-        self.counters["eval_rows"] = self.counters.get("eval_rows", 0) + len(result["rows"])
-        return result
 
 
 def setup(args: Args, teacher_forward=None) -> Run:
@@ -1871,13 +1832,8 @@ def setup(args: Args, teacher_forward=None) -> Run:
         mismatch=MismatchWatch(logps_tolerance(unwrap(student), compute_dtype(accelerator)), log=log),
         wall_start=wall_start,
     )
-    if eval_rows:  # gndpo_eval's (without it load_eval_rows gives none)
-        greedy = generation_configs(processor.tokenizer, run.policy, args)[1]
-        each = next(iter(models.hooks("evaluate")), None)  # several teachers: each row with its own
-        path = os.path.join(args.output_dir, "eval_rows.jsonl")
-        run.evaluator = evaluation.make_evaluator(
-            processor, eval_rows, args, accelerator, greedy, encode_prompts, path, each
-        )
+    if eval_rows:  # gndpo_eval's (without it load_eval_rows gives none): its hooks evaluate before, during, after
+        evaluation.plug_in(run, generation_configs(processor.tokenizer, run.policy, args)[1], encode_prompts)
     if resume_from:
         run.start_step, run.counters = restore_checkpoint(accelerator, resume_from, run.metrics_path)
         log(f"resumed from {resume_from} at step {run.start_step}")
@@ -2100,23 +2056,7 @@ def log_step(run: Run, metrics: dict) -> None:
     run.accelerator.log(metrics, step=step)
 
 
-# --- The run around the step: the accuracy before, the progress bar, each step's end, the finish, the command line
-
-
-def evaluate_before(run: Run) -> None:
-    """The teacher's and the untrained student's accuracy into the summary, saved at once: a resumed run reads its
-    "before" from it (its student is no longer the first)."""
-    if not run.eval_rows or "student_accuracy_before" in run.summary:
-        return
-    t, s = run.evaluate(run.models.teacher, 0), run.evaluate(run.policy, 0)
-    run.summary.update(evaluation.accuracies(t, "teacher"), **evaluation.accuracies(s, "student", "_before"))
-    run.log(
-        f"before training: teacher accuracy {t['accuracy']:.3f}, student accuracy {s['accuracy']:.3f} "
-        f"(format {s['format_rate']:.3f}) on {len(run.eval_rows)} held-out rows"
-    )
-    if run.accelerator.is_main_process:
-        with open(run.summary_path, "w") as f:
-            json.dump(run.summary, f, indent=2)
+# --- The run around the step: the progress bar, each step's end, the finish, the command line
 
 
 def progress_bar(run: Run):
@@ -2124,8 +2064,6 @@ def progress_bar(run: Run):
     TQDM_DISABLE=1); its postfix shows the last accuracy."""
     from tqdm.auto import tqdm
 
-    if "student_accuracy_before" in run.summary:
-        run.bar["acc"] = f"{run.summary['student_accuracy_before']:.3f}"
     run.progress = tqdm(
         range(run.start_step, run.args.max_steps),
         initial=run.start_step,
@@ -2147,10 +2085,8 @@ def end_step(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
         counters[key] = counters.get(key, 0) + n
     metrics["skipped_steps"] = counters["skipped_steps"]
     run.mismatch.see(step, metrics["logp_mismatch"])
-    if args.eval_steps and step % args.eval_steps == 0 and step < args.max_steps and run.eval_rows:
-        e = run.evaluate(run.policy, step)
-        metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"], **e.get("metrics", {}))
-        run.bar["acc"] = f"{e['accuracy']:.3f}"
+    for after_step in run.models.hooks("after_step"):  # gndpo_eval: the accuracy every --eval_steps
+        after_step(run, metrics)
     log_step(run, metrics)
     if counters["consecutive_skips"] >= args.max_consecutive_skips:
         last = list_checkpoints(args.output_dir)
@@ -2173,8 +2109,8 @@ def finish_run(run: Run) -> None:
     args, accelerator, summary, log, models = run.args, run.accelerator, run.summary, run.log, run.models
     accelerator.wait_for_everyone()
     save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
-    if run.eval_rows:
-        summary.update(evaluation.accuracies(run.evaluate(run.policy, args.max_steps), "student", "_after"))
+    for after_training in models.hooks("after_training"):  # gndpo_eval: the trained student's accuracy
+        after_training(run)
     summary.update(
         steps=args.max_steps,
         wall_seconds=time.time() - run.wall_start + summary.get("wall_seconds", 0.0),
@@ -2188,8 +2124,6 @@ def finish_run(run: Run) -> None:
         torch_threads=torch.get_num_threads(),
     )
     if accelerator.is_main_process:
-        if run.eval_rows:
-            log(evaluation.accuracy_table(summary))
         with open(run.summary_path, "w") as f:
             json.dump(summary, f, indent=2)
         log(f"the trained student, metrics.jsonl and summary.json in {args.output_dir}")
