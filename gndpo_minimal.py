@@ -1128,16 +1128,8 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
                 f"the {split!r} split has no column {name!r} ({flag_prefix}{flag}){also}; its columns are "
                 f"{ds.column_names}: pass {flag_prefix}{flag} with one of them{other}"
             )
-    if len(names := list(teacher_paths(args))) > 1:  # several teachers: every row names its own
-        several.check_teacher_column(ds, args.teacher_column, names, split)
-        columns["teacher_column"] = args.teacher_column
-    if args.privileged_column:  # the self-teacher's context
-        if args.privileged_column not in ds.column_names:
-            raise UsageError(
-                f"the {split!r} split has no column {args.privileged_column!r} (--privileged_column); its columns "
-                f"are {ds.column_names}: pass --privileged_column with the one that holds the context"
-            )
-        columns["privileged_column"] = args.privileged_column
+    if several:  # several teachers' column (every row names its own), the self-teacher's context
+        columns |= several.data_columns(ds, args, split, UsageError)
     return columns
 
 
@@ -1170,8 +1162,8 @@ def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str] |
             args.image_column: [v if isinstance(v, list) else [v] for v in examples[columns["image_column"]]],
             args.answer_column: [str(a) if a is not None and str(a).strip() else None for a in answers],
         }
-    for key in ("teacher_column", "privileged_column"):  # several teachers' names, the self-teacher's context
-        if key in columns and columns[key] not in out:
+    for key in set(columns) - set(names):  # the plug-ins' columns: several teachers' names, the self-teacher's context
+        if columns[key] not in out:
             out[columns[key]] = list(examples[columns[key]])
     return out
 
@@ -1201,10 +1193,9 @@ def prepare_split(
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
         log(formats.describe(split, columns, chat))
     n, keep, missing, block = min(len(ds), limit) if limit else len(ds), [], 0, 64  # block: rows per processor call
-    privileged = ["no_privileged_context", "teacher_prompt_too_long"] if args.privileged_column else []
-    skipped = dict.fromkeys(
-        ["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"] + ["no_answer"] * need_answer + privileged, 0
-    )
+    teacher_skips = several.row_skips(args) if several else {}  # the self-teacher's: {reason: the flag to fix}
+    reasons = ["no_or_unreadable_image", "unusable_prompt", "prompt_too_long"] + ["no_answer"] * need_answer
+    skipped = dict.fromkeys(reasons + list(teacher_skips), 0)
     for start in tqdm(range(0, n, block), desc=f"checking {split}", disable=n < 500 or not log, leave=False):
         good, notes = [], []  # (row index, prompt, images); skip lines, logged once the block is judged
         for i in range(start, min(start + block, n)):
@@ -1212,14 +1203,14 @@ def prepare_split(
             try:
                 if need_answer and row[args.answer_column] is None:
                     raise ValueError("no reference answer")
-                reason, context = "no_privileged_context", row.get(args.privileged_column)
-                if args.privileged_column and several.context_text(context) is None:
-                    raise ValueError(f"no privileged context in column {args.privileged_column!r}")
+                reason = "no_privileged_context"
+                if teacher_skips:
+                    several.check_row(row, args)
                 reason = "no_or_unreadable_image"
                 images = row_images(row, args.image_column)
                 reason = "unusable_prompt"  # neither text nor chat, <image> markers that do not match the images, ...
                 build_messages(row[args.question_column], len(images), args.instruction)
-                good.append((i, row[args.question_column], images, context))
+                good.append((i, row[args.question_column], images, row.get(args.privileged_column)))
             except ValueError as e:
                 skipped[reason] += 1
                 missing += isinstance(e.__cause__, FileNotFoundError)
@@ -1240,8 +1231,7 @@ def prepare_split(
             "unusable_prompt": "{0}question_column",
             "prompt_too_long": "--max_prompt_length",
             "no_answer": "{0}answer_column",
-            "no_privileged_context": "--privileged_column",
-            "teacher_prompt_too_long": "--max_teacher_prompt_length",
+            **teacher_skips,
         }
         raise ValueError(
             f"no usable row in the {split!r} split ({skipped}): check "
@@ -1255,13 +1245,16 @@ def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int
     self-teacher reading privileged context, whose teacher prompt (the row's own context placed) fits
     --max_teacher_prompt_length: never cut to the student's bound. Counts the others in `skipped`."""
     rows = [(q, imgs) for _, q, imgs, _ in good]
-    fits = encode_prompts(processor, rows, args.instruction)["attention_mask"].sum(1) <= args.max_prompt_length
+
+    def lengths(rows: list) -> torch.Tensor:  # (n,) each prompt's tokens, images included
+        return encode_prompts(processor, rows, args.instruction)["attention_mask"].sum(1)
+
+    fits = lengths(rows) <= args.max_prompt_length
     skipped["prompt_too_long"] += int((~fits).sum())
-    if args.privileged_column and args.privileged_source != "none":
-        placed = several.place_contexts(rows, [c for *_, c in good], args.privileged_template)
-        lengths = encode_prompts(processor, placed, args.instruction)["attention_mask"].sum(1)
-        skipped["teacher_prompt_too_long"] += int((fits & (lengths > args.max_teacher_prompt_length)).sum())
-        fits &= lengths <= args.max_teacher_prompt_length
+    if "teacher_prompt_too_long" in skipped:  # the self-teacher's prompt, its context placed, fits too
+        teacher_fits = several.teacher_prompts_fit(rows, [c for *_, c in good], args, lengths)
+        skipped["teacher_prompt_too_long"] += int((fits & ~teacher_fits).sum())
+        fits &= teacher_fits
     return [i for (i, *_), ok in zip(good, fits.tolist()) if ok]
 
 
@@ -1613,8 +1606,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(args.student_model)
-    self_teacher = args.teacher_model == "self"  # the student's starting weights: no teacher of its own to load
-    paths = {} if self_teacher else teacher_paths(args)
+    paths = {} if args.teacher_model == "self" else teacher_paths(args)  # the self-teacher: none of its own to load
     for name, path in paths.items():
         teacher_processor = AutoProcessor.from_pretrained(path)
         try:
@@ -1630,19 +1622,11 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     dtype = resolve_dtype(args.dtype, accelerator.device)
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
-    if self_teacher:  # LoRA: the student itself, its adapter disabled; full fine-tuning: a frozen copy, counted
-        copy = None if args.lora_r else load_student(args, dtype).eval().requires_grad_(False).to(accelerator.device)
-        teachers = {"self": copy or student}
-    if args.shard_teacher and accelerator.num_processes > 1:
-        sharded = several.shard_frozen(
-            next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes
-        )
-        log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
-    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     teacher = f"{args.teacher_model}{' in 4-bit nf4' if args.teacher_4bit else ''}"
-    if self_teacher:  # in the student's precision: --teacher_4bit does not apply
-        size = sum(p.numel() for p in teachers["self"].parameters()) / 1e6
-        teacher = "self: the student with its adapter disabled" if args.lora_r else f"self: a frozen copy ({size:.2f}M)"
+    if several:  # the self-teacher (the student's starting weights), the sharded teacher
+        own = several.own_teachers(args, teachers, student, lambda: load_student(args, dtype), accelerator, log)
+        teacher = own or teacher
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     log(
         f"student {args.student_model}: {trainable / 1e6:.3f}M trainable "
         f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}) of "

@@ -325,6 +325,46 @@ def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
     return [shifted[g] for g in group_ids]
 
 
+# why the script's prepare_split skips a row for the self-teacher, and the flag that fixes it
+SKIPS = {"no_privileged_context": "--privileged_column", "teacher_prompt_too_long": "--max_teacher_prompt_length"}
+
+
+def data_columns(ds, args, split: str, error=ValueError) -> dict:
+    """{flag: column} of the split's columns these options read: the rows' teachers (each naming a loaded one), the
+    self-teacher's context. error: what a missing context column raises (the script's UsageError)."""
+    columns = {}
+    if "=" in args.teacher_model and len(names := list(teacher_paths(args.teacher_model))) > 1:
+        check_teacher_column(ds, args.teacher_column, names, split)
+        columns["teacher_column"] = args.teacher_column
+    if args.privileged_column:
+        if args.privileged_column not in ds.column_names:
+            raise error(
+                f"the {split!r} split has no column {args.privileged_column!r} (--privileged_column); its columns "
+                f"are {ds.column_names}: pass --privileged_column with the one that holds the context"
+            )
+        columns["privileged_column"] = args.privileged_column
+    return columns
+
+
+def row_skips(args) -> dict:
+    """SKIPS where the self-teacher reads privileged context, else none: the reasons prepare_split counts."""
+    return SKIPS if args.privileged_column else {}
+
+
+def check_row(row: dict, args) -> None:
+    """ValueError for a row without privileged context (the self-teacher reads one)."""
+    if context_text(row.get(args.privileged_column)) is None:
+        raise ValueError(f"no privileged context in column {args.privileged_column!r}")
+
+
+def teacher_prompts_fit(rows: list, contexts: list, args, lengths: Callable) -> torch.Tensor:
+    """(n,) bool: the self-teacher's prompt of each row, its own context placed, fits --max_teacher_prompt_length
+    (never cut to the student's bound). rows: [(prompt, images)]; lengths(rows) -> (n,) token counts."""
+    if args.privileged_source == "none":
+        return torch.ones(len(rows), dtype=torch.bool)
+    return lengths(place_contexts(rows, contexts, args.privileged_template)) <= args.max_teacher_prompt_length
+
+
 def check_args(args, num_processes: int) -> list[str]:
     """The problems with this module's flags in the script's arguments (several teachers, the sharded teacher, the
     self-teacher), each a line naming the flag and the fix."""
@@ -358,6 +398,23 @@ def check_args(args, num_processes: int) -> list[str]:
     if args.teacher_model == SELF and args.shard_teacher:
         problems.append("--shard_teacher shards a teacher of its own; the self-teacher is the student")
     return problems
+
+
+def own_teachers(args, teachers: dict, student, load_copy: Callable, accelerator, log=print) -> str | None:
+    """In place, after the script's load_models loaded the named teachers: the self-teacher ({"self": the student, or
+    with --lora_r 0 a frozen copy, load_copy()}), the sharded teacher sharded. Returns the self-teacher's words for the
+    start-up line, else None."""
+    if args.teacher_model == SELF:  # LoRA: the student itself, its adapter disabled; full fine-tuning: a frozen copy
+        teachers["self"] = (
+            load_copy().eval().requires_grad_(False).to(accelerator.device) if not args.lora_r else student
+        )
+    if args.shard_teacher and accelerator.num_processes > 1:
+        sharded = shard_frozen(next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes)
+        log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
+    if args.teacher_model != SELF:
+        return None
+    size = sum(p.numel() for p in teachers["self"].parameters()) / 1e6  # in the student's precision: not 4-bit
+    return "self: the student with its adapter disabled" if args.lora_r else f"self: a frozen copy ({size:.2f}M)"
 
 
 class StartingWeights:
