@@ -182,8 +182,9 @@ def page(rec: dict) -> str:
         "0.5 is lowered by M nats (M = 0: none lowered). Primary endpoint: log(update at the step of the largest "
         "gradient norm / the run's median update).",
         "",
-        "| cell | seeds | log(update at max grad / median update) | grad norm max | update at max grad | outliers' "
-        f"share of the gradient norm, step {PROBE_STEP} | accuracy after |",
+        "| cell | seeds | log(update at max grad / median update) | grad norm max | update at max grad | norm of the "
+        f"outliers' gradient / norm of the whole (above 1 where the rest cancels it), step {PROBE_STEP} | "
+        "accuracy after |",
         "|---|---|---|---|---|---|---|",
     ]
     for cell, m in result["cells"].items():
