@@ -443,8 +443,12 @@ def plug_in(models, args, teachers: dict, script: dict) -> None:
         plugin = SelfTeacher(models.teacher, encode, args.privileged_template, args.privileged_source)
     elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
 
-        def encode(part, *rest):  # (part, prompts, group_ids, row_prompts, distinct): its prompts encoded again
-            return script["encode_rollout_prompts"](processor, part, *rest[:2], args, *rest[2:])
+        def encode(part, rows, group_ids, *flags):  # (row_prompts, distinct): its prompts encoded again
+            if models.sampling.sharing is not None:  # gndpo_fast's prompt sharing; without it, every row's only
+                return models.sampling.sharing.encode(processor, part, rows, group_ids, args, *flags)
+            inputs = script["encode_prompts"](processor, rows, instruction)
+            part.row_inputs = script["pixels_on_host"](inputs, part.response_ids.device)
+            return part
 
         models.teacher = teachers
         plugin = SeveralTeachers(teachers, encode, script["spread"])
