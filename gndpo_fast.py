@@ -632,6 +632,16 @@ class SharedPrefix:
             scores = self.forward(token[:, None], torch.ones_like(token[:, None]))[:, -1].float()
         return torch.stack(tokens, 1)
 
+    @staticmethod
+    def decoder(distinct: dict) -> Callable:
+        """The script's rollout()'s decode on the distinct prompts (encode_distinct's), each read once:
+        (model, capture, sample config) -> (n, R) ids, instead of generate()."""
+
+        def decode(model, capture, config) -> torch.Tensor:
+            return SharedPrefix(model, distinct["prompt_inputs"], distinct["prompt_index"]).sample(capture, config)
+
+        return decode
+
 
 @contextlib.contextmanager
 def _dropout_off(model):
@@ -662,8 +672,8 @@ def check_rollout(
     cut: Callable, prompts, rollouts: list, num_generations: int, n_prompts: int = 2, max_tokens: int = 256
 ):
     """The start-up checks' rollout: all G rows of the first n_prompts prompts (a StepPrompts), responses cut to
-    max_tokens. cut(prompts, rollouts, size) -> the rollouts re-cut into micro-batches of size rows (the script's
-    cut_rollouts)."""
+    max_tokens. cut(prompts, rollouts, size) -> the rollouts re-cut into micro-batches of size rows, every row's
+    prompt and the distinct ones encoded (PrefixSharing.cut)."""
     rows = n_prompts * num_generations
     if len(set(prompts.group_ids[:rows])) > n_prompts:
         raise ValueError("the rows of a prompt must be next to each other (step_prompts repeats each prompt G times)")
@@ -687,7 +697,9 @@ class PrefixSharing:
     The checks run once, on the first step's rollouts, before anything is scored (run_checks), on the rows of two
     distinct prompts with all their samples (check_rollout). agree(ok) -> bool makes every process take the same
     decision (with sharded weights they must run the same forwards). A role given a reason at construction is off
-    from the start (the reason is logged, not checked).
+    from the start (the reason is logged, not checked). Its rollouts() is the script's Sampling.rollouts: it samples
+    with the script's rollout(), each distinct prompt attached (encode_distinct), and re-cuts with its cut_rollouts
+    (script: rollout, cut_rollouts, encode_prompts and pixels_on_host, the script's; plug_in hands them over).
     """
 
     ROLES = ("rollout", "teacher", "student")
@@ -701,17 +713,86 @@ class PrefixSharing:
         reasons: dict | None = None,
         lean: bool = True,
         compute_dtype: torch.dtype | None = None,
+        script: dict | None = None,
     ):
         self.plain = plain  # the forward a role falls back to, and the one checks compare with (response_logps)
         self.tolerance = tolerance  # (model, compute dtype) -> how far two forwards may differ (logps_tolerance)
         self.log, self.agree = log, agree
         self.compute_dtype = compute_dtype  # the student's autocast dtype under mixed precision (the teacher has none)
         self.lean = lean  # SharedPrefix.logps's own log-probs through the lean kernels (--lean_logps)
+        self.script = script or {}  # what rollouts() samples and encodes with
         self.decided = dict.fromkeys(self.ROLES)
         for role, reason in (reasons or {}).items():
             if reason:
                 self.decided[role] = False
                 log(f"{role}: each sample reads its prompt itself ({reason})")
+
+    def rollouts(self, models, prompts, args, generator: torch.Generator) -> list:
+        """The step's rollouts in micro-batches (the script's Sampling.rollouts; prompts: a StepPrompts, generator
+        seeded with prompts.seed): sampled on the shared prompts unless the rollout's check failed, each holding its
+        distinct prompts, and every row's while some forward may read them. On the first step the pending checks run
+        on them (check_rollout); a failed rollout check samples the step again with generate()."""
+        generated = self.generate(models, prompts, args, generator, self.decided["rollout"] is not False)
+        if self.pending() and not self.run_checks(
+            models,
+            check_rollout(lambda *a: self.cut(models.processor, *a, args), prompts, generated, args.num_generations),
+            args,
+        ):
+            generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
+            generated = self.generate(models, prompts, args, generator, False)
+        row_prompts = not self.all_shared()  # while some forward may read a row's prompt whole
+        return self.cut(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
+
+    def generate(self, models, prompts, args, generator: torch.Generator, shared: bool) -> list:
+        """One rollout per generation batch (args.generation_batch_size rows; 0: all of them), with its distinct
+        prompts: sampled on them (shared: SharedPrefix.sample) or by generate() (the script's rollout)."""
+        policy, sampling = _unwrap(models.student), models.sampling
+        size = args.generation_batch_size or len(prompts.prompts)
+        device = next(policy.parameters()).device  # the rollouts'
+        out = []
+        with sampling.weights():
+            for i in range(0, len(prompts.prompts), size):
+                rows = prompts.prompts[i : i + size]
+                distinct = self.encode_distinct(models.processor, rows, prompts.group_ids[i : i + size], args, device)
+                decode = SharedPrefix.decoder(distinct) if shared else None
+                rollout = self.script["rollout"](policy, models.processor, rows, sampling, args, generator, decode)
+                rollout.extra.update(distinct)
+                out.append(rollout)
+        return out
+
+    def encode_distinct(self, processor, rows: list, group_ids: list[int], args, device) -> dict:
+        """{"prompt_inputs": the processor batch of the rows' u distinct prompts, pixels on the host, "prompt_index":
+        (n,) each row's in it}."""
+        unique, index = distinct_prompts(rows, group_ids)
+        inputs = self.script["encode_prompts"](processor, unique, args.instruction)
+        return {
+            "prompt_inputs": self.script["pixels_on_host"](inputs, device),
+            "prompt_index": torch.tensor(index, device=device),
+        }
+
+    def encode(self, processor, part, rows: list, group_ids: list[int], args, row_prompts=True, distinct=True):
+        """`part` (a rollout) with its rows' prompts encoded again: every row's (row_prompts: row_inputs), the distinct
+        ones (distinct: encode_distinct's, in its extra)."""
+        device = part.response_ids.device
+        if row_prompts:
+            inputs = self.script["encode_prompts"](processor, rows, args.instruction)
+            part.row_inputs = self.script["pixels_on_host"](inputs, device)
+        part.extra.update(self.encode_distinct(processor, rows, group_ids, args, device) if distinct else {})
+        return part
+
+    def cut(self, processor, prompts, rollouts: list, size: int, args, row_prompts: bool = True) -> list:
+        """The script's cut_rollouts, the distinct prompts encoded again too, every row's only with row_prompts."""
+        if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
+            return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
+        distinct = "prompt_index" in rollouts[0].extra
+        return self.script["cut_rollouts"](
+            processor,
+            prompts,
+            rollouts,
+            size,
+            args,
+            lambda part, rows, group_ids: self.encode(processor, part, rows, group_ids, args, row_prompts, distinct),
+        )
 
     def pending(self) -> bool:
         """True while a role has not been checked."""
@@ -929,6 +1010,25 @@ class MergedAdapters:
                     layer.get_base_layer().weight.copy_(saved, non_blocking=True)
 
 
+# Each speed-up's flag (the script's SPEEDUPS) and what it does, as the start-up line names it
+SPEEDUPS = {
+    "lean_logps": "lean log-probs",
+    "share_prompt_prefix": "each prompt read once",
+    "fast_sampler": "the sampler",
+    "merged_sampling": "sampling from merged adapters",
+    "static_cache": "decoding on a static cache",
+    "varlen_vision": "one vision attention call per layer",
+}
+
+
+def startup_paths(args, off: dict[str, str]) -> str:
+    """The script's start-up line's paths: the speed-ups asked for (auto or true) that run, then each that does not
+    (off: speedups_off's {flag: why})."""
+    on = [what for flag, what in SPEEDUPS.items() if str(getattr(args, flag)).lower() != "false" and flag not in off]
+    paths = f"speed-ups of gndpo_fast: {', '.join(on)}" if on else "plain paths"
+    return paths + "".join(f"; {SPEEDUPS[flag]} off: {why}" for flag, why in off.items())
+
+
 # What their auto leaves off where: CUDA graphs and the variable-length kernel exist on CUDA only, and only there do
 # 16-bit kernels round by the batch's shape, so that a prompt read once differs from the plain forward
 OFF_AUTO = {
@@ -971,8 +1071,9 @@ def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: di
     log-probs and prompt sharing in the scoring forwards (a teacher forward the caller set stays), the sampler,
     merged adapters and the static cache in models.sampling, one vision attention call per layer in every model.
     teachers: {name: model}; sharded: no process holds the student's whole weights (FSDP); script: the script's
-    response_logps, sequence_inputs, logps_tolerance and compute_dtype (its mixed precision's, or None). Logs each
-    model's log-prob path; returns {flag: why} for the speed-ups asked for that do not run here."""
+    response_logps, sequence_inputs, logps_tolerance and compute_dtype (its mixed precision's, or None), and for the
+    rollouts on shared prompts its rollout, cut_rollouts, encode_prompts and pixels_on_host. Logs each model's
+    log-prob path; returns {flag: why} for the speed-ups asked for that do not run here."""
     rows = args.prompts_per_step * args.num_generations // accelerator.num_processes
     off = speedups_off(args, accelerator.device.type, sharded, rows)
     asked = lambda flag: str(getattr(args, flag)).lower() != "false"  # noqa: E731
@@ -993,8 +1094,9 @@ def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: di
         teacher = teacher or auto_off
         reasons = {"student": reason, "rollout": reason, "teacher": teacher}
         sampling.sharing = PrefixSharing(
-            plain, script["logps_tolerance"], log, agree, reasons, asked("lean_logps"), script["compute_dtype"]
+            plain, script["logps_tolerance"], log, agree, reasons, asked("lean_logps"), script["compute_dtype"], script
         )
+        sampling.rollouts = sampling.sharing.rollouts
         if models.teacher_forward is not None:  # a teacher forward of the caller's own is not ours to check
             sampling.sharing.decided["teacher"] = False
     sharing = sampling.sharing

@@ -596,6 +596,9 @@ class Sampling:
     sharing: object = None  # gndpo_fast.PrefixSharing: which forwards read each prompt once; None: none does
     precision: Callable = contextlib.nullcontext  # () -> autocast under mixed precision: sample the update's policy
     weights: Callable = contextlib.nullcontext  # () -> the weights it samples with (LoRA merged in: gndpo_fast)
+    # (models, prompts, args, generator) -> the step's micro-batches; None: generate_rollouts (gndpo_fast's samples
+    # on each prompt read once, checked against generate() on the first step)
+    rollouts: Callable | None = None
 
     def sharing_summary(self) -> dict:
         """Which forwards read each prompt once, for summary.json."""
@@ -603,56 +606,30 @@ class Sampling:
 
 
 def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Rollout]:
-    """A step's rollouts in micro-batches, from a generator seeded with prompts.seed (gndpo_fast's checks at first)."""
+    """A step's rollouts in micro-batches, from a generator seeded with prompts.seed (Sampling.rollouts samples)."""
     sampling = models.sampling
     if sampling is None:
         raise ValueError(
             "Models.sampling is None: make_models sets it; with rollouts of your own, call "
             "score_rollouts instead of generate_and_score"
         )
-    sharing, generator = sampling.sharing, torch.Generator(sampling.device).manual_seed(prompts.seed)
-    shared = sharing is not None and sharing.decided["rollout"] is not False
-    with sampling.weights():
-        generated = generate_rollouts(models, prompts, args, generator, shared)
-    if (
-        sharing is not None
-        and sharing.pending()
-        and not sharing.run_checks(
-            models,
-            fast.check_rollout(
-                lambda *a: cut_rollouts(models.processor, *a, args), prompts, generated, args.num_generations
-            ),
-            args,
-        )
-    ):
-        generator.manual_seed(prompts.seed)  # the rollout's check failed: sample the step again with generate()
-        with sampling.weights():
-            generated = generate_rollouts(models, prompts, args, generator, False)
-    row_prompts = sharing is None or not sharing.all_shared()  # while some forward may read a row's prompt whole
-    parts = cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args, row_prompts)
+    generator = torch.Generator(sampling.device).manual_seed(prompts.seed)
+    parts = (sampling.rollouts or generate_rollouts)(models, prompts, args, generator)
     for route in models.hooks("route"):  # several teachers: each micro-batch's rows by teacher
         parts = route(prompts, parts)
     return parts
 
 
-def generate_rollouts(
-    models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator, shared_prefix: bool
-) -> list[Rollout]:
-    """One rollout per generation batch (args.generation_batch_size rows; 0: all of them)."""
+def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator) -> list[Rollout]:
+    """One rollout per generation batch (args.generation_batch_size rows; 0: all of them), re-cut into micro-batches."""
     size = args.generation_batch_size or len(prompts.prompts)
-    return [
-        rollout(
-            unwrap(models.student),
-            models.processor,
-            prompts.prompts[i : i + size],
-            prompts.group_ids[i : i + size],
-            models.sampling,
-            args,
-            generator,
-            shared_prefix,
-        )
-        for i in range(0, len(prompts.prompts), size)
-    ]
+    policy = unwrap(models.student)  # the one with generate()
+    with models.sampling.weights():
+        generated = [
+            rollout(policy, models.processor, prompts.prompts[i : i + size], models.sampling, args, generator)
+            for i in range(0, len(prompts.prompts), size)
+        ]
+    return cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args)
 
 
 def unwrap(model):
@@ -675,20 +652,18 @@ def rollout(
     model,
     processor,
     prompts: list[tuple],
-    group_ids: list[int],
     sampling: Sampling,
     args: Args,
     generator: torch.Generator | None = None,
-    shared_prefix: bool = False,
+    decode: Callable | None = None,
 ) -> Rollout:
-    """One sampled response per row (group_ids (n,): each row's prompt), in eval mode, its sampling log-probs kept."""
-    device, config, row_inputs, extra = next(model.parameters()).device, sampling.config, None, {}
+    """One sampled response per row, in eval mode, its sampling log-probs kept. decode(model, capture, config) -> (n,
+    R) ids: how instead of generate() (gndpo_fast's reads each distinct prompt once; the rollout then holds none)."""
+    device, config, row_inputs = next(model.parameters()).device, sampling.config, None
     with evaluating(model), sampling.precision():
-        if speedup_on(args, "share_prompt_prefix"):
-            extra = encode_distinct(processor, prompts, group_ids, args.instruction, device)
         capture = SampledTokenLogps(args.temperature, config.suppress_tokens, sampling.draw, generator)
-        if shared_prefix:  # gndpo_fast's loop reads each distinct prompt once
-            ids = fast.SharedPrefix(model, extra["prompt_inputs"], extra["prompt_index"]).sample(capture, config)
+        if decode is not None:
+            ids = decode(model, capture, config)
         else:  # generate(), which reads every row's prompt: the rollout keeps them (row_inputs)
             row_inputs = dict(encode_prompts(processor, prompts, args.instruction).to(device))
             config = copy.copy(config)  # the suppression moves into capture
@@ -698,7 +673,7 @@ def rollout(
             )[:, row_inputs["input_ids"].shape[1] :]  # (n, R)
             row_inputs = pixels_on_host(row_inputs, device)
     mask = response_mask_from_ids(ids, config.eos_token_id)
-    return Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, capture.finish(), row_inputs, extra)
+    return Rollout(ids.masked_fill(mask == 0, config.pad_token_id), mask, capture.finish(), row_inputs)
 
 
 class SampledTokenLogps:
@@ -761,15 +736,6 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> to
     return (is_end.cumsum(1) - is_end == 0).long()
 
 
-def encode_distinct(processor, prompts: list, group_ids: list[int], instruction: str, device) -> dict:
-    """{"prompt_inputs": the processor batch of the u distinct prompts, "prompt_index": (n,) each row's in it}."""
-    unique, index = fast.distinct_prompts(prompts, group_ids)
-    return {
-        "prompt_inputs": pixels_on_host(encode_prompts(processor, unique, instruction), device),
-        "prompt_index": torch.tensor(index, device=device),
-    }
-
-
 def pixels_on_host(inputs: dict, device) -> dict:
     """The batch on `device`, its pixel_* tensors in host memory: the step's rollouts' pixels would fill a GPU."""
     return {
@@ -778,41 +744,26 @@ def pixels_on_host(inputs: dict, device) -> dict:
 
 
 def cut_rollouts(
-    processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args, row_prompts: bool = True
+    processor, prompts: StepPrompts, rollouts: list[Rollout], size: int, args: Args, encode: Callable | None = None
 ) -> list[Rollout]:
-    """Rollouts re-cut into micro-batches of `size` rows, prompts encoded again: image tensors don't slice by row."""
-    if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
+    """Rollouts re-cut into micro-batches of `size` rows, each row's prompt encoded again: image tensors don't slice
+    by row. encode(part, rows, group_ids) -> part: how instead (gndpo_fast's, the distinct prompts too)."""
+    if all(r.response_ids.shape[0] == size and r.row_inputs is not None for r in rollouts):
         return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
     cat = lambda key: pad_cat([getattr(r, key) for r in rollouts])  # (n, R)
-    mask, sampled, distinct = cat("response_mask"), cat("sampled_logps"), "prompt_index" in rollouts[0].extra
+    mask, sampled = cat("response_mask"), cat("sampled_logps")
     ids = cat("response_ids").masked_fill(mask == 0, processor.tokenizer.pad_token_id)
     out = []
     for i in range(0, len(prompts.prompts), size):
         R = max(1, int(mask[i : i + size].sum(1).max()))  # the micro-batch's longest response
         part = Rollout(ids[i : i + size, :R], mask[i : i + size, :R], sampled[i : i + size, :R])
-        out.append(
-            encode_rollout_prompts(
-                processor,
-                part,
-                prompts.prompts[i : i + size],
-                prompts.group_ids[i : i + size],
-                args,
-                row_prompts,
-                distinct,
-            )
-        )
+        rows = prompts.prompts[i : i + size]
+        if encode is not None:
+            part = encode(part, rows, prompts.group_ids[i : i + size])
+        else:
+            part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), ids.device)
+        out.append(part)
     return out
-
-
-def encode_rollout_prompts(
-    processor, part: Rollout, rows: list, groups: list[int], args: Args, row_prompts: bool, distinct: bool
-) -> Rollout:
-    """`part` with its rows' prompts encoded: every row's (row_prompts), the distinct ones (distinct)."""
-    device = part.response_ids.device
-    if row_prompts:
-        part.row_inputs = pixels_on_host(encode_prompts(processor, rows, args.instruction), device)
-    part.extra.update(encode_distinct(processor, rows, groups, args.instruction, device) if distinct else {})
-    return part
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -1669,7 +1620,7 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
 
 def startup_line(args: Args, accelerator, student, off: dict | None = None) -> str:
     """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here.
-    off: {flag: why} for the speed-ups that speedup_on allows but that do not run here (speedups_off)."""
+    off: {flag: why} for the speed-ups asked for that do not run here (gndpo_fast.speedups_off)."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
     device = accelerator.device
     teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
@@ -1677,14 +1628,7 @@ def startup_line(args: Args, accelerator, student, off: dict | None = None) -> s
         "self, the student's precision (--teacher_4bit does not apply)" if args.teacher_model == "self" else teacher
     )
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-    off = off or {}
-    on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag) and flag not in off]
-    paths = (
-        f"speed-ups of gndpo_fast: {', '.join(on)}"
-        if on
-        else "plain paths" + ("" if fast else " (gndpo_fast.py not found)")
-    )
-    paths += "".join(f"; {SPEEDUPS[flag]} off: {why}" for flag, why in off.items())
+    paths = fast.startup_paths(args, off or {}) if fast else "plain paths (gndpo_fast.py not found)"
     return (
         f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
         f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}"
@@ -1696,21 +1640,15 @@ def compute_dtype(accelerator) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
-SPEEDUPS = {
-    "lean_logps": "lean log-probs",
-    "share_prompt_prefix": "each prompt read once",
-    "fast_sampler": "the sampler",
-    "merged_sampling": "sampling from merged adapters",
-    "static_cache": "decoding on a static cache",
-    "varlen_vision": "one vision attention call per layer",
-}
+# the speed-ups' flags (Args): gndpo_fast.SPEEDUPS says what each does
+SPEEDUPS = ("lean_logps", "share_prompt_prefix", "fast_sampler", "merged_sampling", "static_cache", "varlen_vision")
 
 
 def speedup_on(args: Args, flag: str) -> bool:
     """Whether a speed-up flag of gndpo_fast runs: auto where the module imports; true stops without it."""
     value = str(getattr(args, flag)).lower()
     if value == "true" and fast is None:
-        raise ValueError(
+        raise UsageError(
             f"--{flag} true needs the optional module gndpo_fast.py beside gndpo_minimal.py: copy it "
             f"there, or pass --{flag} auto (the plain path where it is absent)"
         )
@@ -1744,7 +1682,8 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
         compute_dtype=compute_dtype(accelerator),
         encode_prompts=encode_prompts,
         pixels_on_host=pixels_on_host,
-        encode_rollout_prompts=encode_rollout_prompts,
+        rollout=rollout,
+        cut_rollouts=cut_rollouts,
         unwrap=unwrap,
         spread=spread,
         whiten=_whiten,

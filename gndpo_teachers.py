@@ -196,8 +196,8 @@ def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
 
 class SeveralTeachers:
     """The plug-in behind several teachers (the script's Models.plugins). teachers {name: model}; encode(part,
-    prompts, group_ids, row_prompts, distinct) encodes a rollout's prompts again (the script's
-    encode_rollout_prompts); spread(n, sum, sum of squares) is the script's std from running sums."""
+    prompts, group_ids, row_prompts, distinct) encodes a routed part's prompts again (plug_in's: every row's, or
+    through gndpo_fast's prompt sharing); spread(n, sum, sum of squares) is the script's std from running sums."""
 
     def __init__(self, teachers: dict, encode: Callable, spread: Callable):
         self.teachers, self.names, self.encode, self.spread = teachers, list(teachers), encode, spread
@@ -488,8 +488,8 @@ class SelfTeacher:
 def plug_in(models, args, teachers: dict, script: dict) -> None:
     """The self-teacher or several teachers into the script's Models, in place, when the flags ask: the teacher the
     step sees (StartingWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
-    model} (the script's load_models); script: the script's encode_prompts, pixels_on_host, encode_rollout_prompts,
-    unwrap and spread."""
+    model} (the script's load_models); script: the script's encode_prompts, pixels_on_host, unwrap
+    and spread."""
     processor, instruction = models.processor, args.instruction
     if args.teacher_model == SELF:  # the starting weights, reading the context
 
@@ -500,8 +500,12 @@ def plug_in(models, args, teachers: dict, script: dict) -> None:
         plugin = SelfTeacher(models.teacher, encode, args.privileged_template, args.privileged_source)
     elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
 
-        def encode(part, *rest):  # (part, prompts, group_ids, row_prompts, distinct): its prompts encoded again
-            return script["encode_rollout_prompts"](processor, part, *rest[:2], args, *rest[2:])
+        def encode(part, rows, group_ids, *flags):  # (row_prompts, distinct): its prompts encoded again
+            if models.sampling.sharing is not None:  # gndpo_fast's prompt sharing; without it, every row's only
+                return models.sampling.sharing.encode(processor, part, rows, group_ids, args, *flags)
+            inputs = script["encode_prompts"](processor, rows, instruction)
+            part.row_inputs = script["pixels_on_host"](inputs, part.response_ids.device)
+            return part
 
         models.teacher = teachers
         plugin = SeveralTeachers(teachers, encode, script["spread"])

@@ -61,7 +61,7 @@ def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     config, _ = g.generation_configs(processor.tokenizer, student, args)
     torch.manual_seed(0)  # the same rollouts on every process
     groups = [i // 2 for i in range(len(prompts))]
-    rollout = g.rollout(student, processor, prompts, groups, g.Sampling(config), args)
+    rollout = g.rollout(student, processor, prompts, g.Sampling(config), args)
     mask = rollout.response_mask.clone()
     mask[1] = 0
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask

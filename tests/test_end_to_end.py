@@ -266,9 +266,7 @@ def test_rollout_logps_match_full_forward(args, temperature):
     rows = tiny_world.make_rows(4, seed=3)
     prompts = [(r["question"], [r["image"]]) for r in rows for _ in range(2)]
     torch.manual_seed(0)
-    rollout = g.rollout(
-        student, processor, prompts, [i // 2 for i in range(8)], g.Sampling(config, fast.draw_tokens), args
-    )
+    rollout = g.rollout(student, processor, prompts, g.Sampling(config, fast.draw_tokens), args)
     ids, mask, sampled = rollout.response_ids, rollout.response_mask, rollout.sampled_logps
     assert ids.shape == mask.shape == sampled.shape and ids.shape[0] == len(prompts)
     assert ids.shape[1] <= args.max_new_tokens  # generate() stops early once every row has ended

@@ -131,17 +131,20 @@ def family_rollout(
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=n_prompts, log=None)
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
     step = g.StepPrompts(0, 0, prompts, list(range(len(keep))) * 2, [None] * len(prompts))
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))  # it encodes distinct prompts
+    distinct = sharing.encode_distinct(processor, prompts, step.group_ids, args, torch.device("cpu"))
     torch.manual_seed(0)
     rollout = g.rollout(
         student,
         processor,
         prompts,
-        step.group_ids,
         g.Sampling(sample_config, fast.draw_tokens),
         args,
-        shared_prefix=shared_prefix,
+        decode=fast.SharedPrefix.decoder(distinct) if shared_prefix else None,
     )
-    (rollout,) = g.cut_rollouts(processor, step, [rollout], len(prompts), args)  # every row's prompt: plain forwards
+    rollout.extra.update(distinct)
+    # every row's prompt (plain forwards) and the distinct ones
+    (rollout,) = sharing.cut(processor, step, [rollout], len(prompts), args)
     return args, processor, student, rollout, ignore_ids
 
 
@@ -385,7 +388,7 @@ def test_left_padding_changes_no_logprob(models):
         for k, r in zip((0, 1, 2, 0), tiny_world.make_rows(4, seed=3))
     ]
     torch.manual_seed(0)
-    rollout = g.rollout(student, processor, prompts, list(range(4)), g.Sampling(sample_config, fast.draw_tokens), args)
+    rollout = g.rollout(student, processor, prompts, g.Sampling(sample_config, fast.draw_tokens), args)
     assert (rollout.row_inputs["attention_mask"] == 0).sum(1).max() >= 8  # real left padding
     valid = rollout.response_mask.bool()
     for model in (student, teacher):

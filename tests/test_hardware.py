@@ -85,9 +85,8 @@ def test_chunked_head_follows_the_autocast_of_the_models_forward(trained_models)
     groups = [0, 0, 1, 1]
     ids = torch.randint(20, 200, (4, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(4, 6, dtype=torch.long)
-    rollout = g.encode_rollout_prompts(
-        processor, g.Rollout(ids, mask, torch.zeros(4, 6)), prompts, groups, args, True, True
-    )
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))  # every row's, distinct ones
+    rollout = sharing.encode(processor, g.Rollout(ids, mask, torch.zeros(4, 6)), prompts, groups, args)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         plain = g.response_logps(model, rollout, None)
         lean = fast.lean_forward(g.sequence_inputs)(model, rollout, None)

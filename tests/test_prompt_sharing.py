@@ -42,9 +42,10 @@ def pair(untrained_models):
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=16, log=None)
     step = g.step_prompts(ds, keep, args, step=0)
     torch.manual_seed(0)
-    rollout = g.rollout(
-        student, processor, step.prompts, step.group_ids, g.Sampling(sample_config, fast.draw_tokens), args
-    )
+    rollout = g.rollout(student, processor, step.prompts, g.Sampling(sample_config, fast.draw_tokens), args)
+    # the distinct prompts, as the sampler of gndpo_fast attaches them
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))
+    rollout.extra.update(sharing.encode_distinct(processor, step.prompts, step.group_ids, args, torch.device("cpu")))
     return {
         "args": args,
         "processor": processor,
@@ -161,12 +162,7 @@ def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
     torch.manual_seed(0)
     step = pair["step"]
     rollout = g.rollout(
-        pair["student"],
-        pair["processor"],
-        step.prompts,
-        step.group_ids,
-        g.Sampling(pair["config"], fast.draw_tokens),
-        args,
+        pair["student"], pair["processor"], step.prompts, g.Sampling(pair["config"], fast.draw_tokens), args
     )
     assert "prompt_inputs" not in rollout.extra and "prompt_index" not in rollout.extra
     assert torch.equal(rollout.response_ids, pair["rollout"].response_ids)  # sampling does not depend on the flag
@@ -178,7 +174,8 @@ def test_sharing_off_makes_plain_rollouts_and_plain_forwards(pair):
         teachers = {"teacher": pair["teacher"]}  # make_models takes load_models' {name: teacher}
         models = g.make_models(flags, Accelerator(cpu=True), pair["processor"], pair["student"], teachers)
         assert models.teacher is pair["teacher"] and models.plugins == []  # one teacher: the model, no plug-in
-        assert models.sampling.sharing is None and models.sampling.draw is draw
+        assert models.sampling.sharing is None and models.sampling.rollouts is None  # generate_rollouts samples
+        assert models.sampling.draw is draw
         assert models.teacher_forward is models.student_forward and models.student_forward.__name__ == forward
     assert models.sampling.sharing_summary() == {"teacher": False, "student": False, "rollout": False}
     # gradient checkpointing leaves every decision to its check
@@ -325,7 +322,8 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
     """check_rollout takes the rows of the first two distinct prompts, all G samples of each, even when the
     micro-batches hold one row each: rows of different prompts meet in the check's forwards."""
     args = dataclasses.replace(pair["args"], micro_batch_size=1)
-    cut = lambda *a: g.cut_rollouts(pair["processor"], *a, args)  # noqa: E731
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))
+    cut = lambda *a: sharing.cut(pair["processor"], *a, args)  # noqa: E731
     check = fast.check_rollout(cut, pair["step"], [pair["rollout"]], args.num_generations)
     assert check.extra["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
     assert check.extra["prompt_inputs"]["input_ids"].shape[0] == 2 and check.row_inputs["input_ids"].shape[0] == 6
@@ -348,7 +346,7 @@ def sampling_models(pair, sharing, student=None) -> g.Models:
         pair["teacher"],
         pair["processor"],
         pair["ignore_ids"],
-        sampling=g.Sampling(pair["config"], fast.draw_tokens, sharing=sharing),
+        sampling=g.Sampling(pair["config"], fast.draw_tokens, sharing=sharing, rollouts=sharing.rollouts),
     )
 
 
@@ -367,7 +365,7 @@ def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
     hook = student.register_forward_hook(off_on_a_cache, with_kwargs=True)
     try:
         logs = []
-        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append)
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append, script=vars(g))
         sharing.decided.update(teacher=True, student=True)  # only the rollout's check is pending
         rollouts = g.sample_rollouts(sampling_models(pair, sharing), prompts, pair["args"])
     finally:
@@ -436,9 +434,7 @@ def test_rollouts_sample_from_the_policy_without_dropout(pair):
         p.data = torch.randn(p.shape, generator=gen) * 0.3  # an adapter large enough for dropout to show
     student.train()
     torch.manual_seed(0)
-    rollout = g.rollout(
-        student, pair["processor"], pair["prompts"], pair["step"].group_ids, g.Sampling(pair["config"]), args
-    )
+    rollout = g.rollout(student, pair["processor"], pair["prompts"], g.Sampling(pair["config"]), args)
     assert student.training  # put back as it was
     valid = rollout.response_mask.bool()
     with torch.no_grad():

@@ -619,7 +619,7 @@ def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(n, seed)]
     torch.manual_seed(seed)
-    rollout = g.rollout(student, processor, prompts, list(range(n)), g.Sampling(sample_config, fast.draw_tokens), args)
+    rollout = g.rollout(student, processor, prompts, g.Sampling(sample_config, fast.draw_tokens), args)
     return args, rollout, torch.tensor(sample_config.suppress_tokens)
 
 

@@ -94,7 +94,7 @@ def test_a_decoding_step_launches_as_many_operations_as_plain_generate(deep_stud
         sampling = g.Sampling(g.generation_configs(processor.tokenizer, student, forced)[0], fast.draw_tokens)
         fast.static_cache(sampling.config, forced)
         with weights():
-            g.rollout(student, processor, prompts.prompts, prompts.group_ids, sampling, forced, torch.Generator())
+            g.rollout(student, processor, prompts.prompts, sampling, forced, torch.Generator())
 
     base = AutoModelForImageTextToText.from_pretrained(deep_student, dtype=torch.float32).eval()
     inputs = g.encode_prompts(processor, prompts.prompts)
@@ -130,7 +130,7 @@ def test_the_static_cache_samples_the_tokens_and_log_probs_of_the_dynamic_cache(
         assert (getattr(config, "cache_implementation", None) == "static") is static
         sampling = g.Sampling(config, fast.draw_tokens)
         generator = torch.Generator().manual_seed(3)
-        out[static] = g.rollout(student, processor, prompts.prompts, prompts.group_ids, sampling, args, generator)
+        out[static] = g.rollout(student, processor, prompts.prompts, sampling, args, generator)
     dynamic, static = out[False], out[True]
     assert torch.equal(dynamic.response_ids, static.response_ids) and torch.equal(
         dynamic.response_mask, static.response_mask
@@ -231,7 +231,7 @@ def test_the_frozen_vision_tower_stays_out_of_the_backward(untrained_models):
     for checkpointing in (False, True):
         student = lora_student(dataclasses.replace(args, gradient_checkpointing=checkpointing)).train()
         sampling = g.Sampling(g.generation_configs(processor.tokenizer, student, args)[0], fast.draw_tokens)
-        rollout = g.rollout(student, processor, prompts.prompts, prompts.group_ids, sampling, args, torch.Generator())
+        rollout = g.rollout(student, processor, prompts.prompts, sampling, args, torch.Generator())
         tower = student.get_base_model().model.visual
         hook = tower.register_forward_hook(lambda m, i, out: seen.append(out.pooler_output.requires_grad))
         g.response_logps(student, rollout, None).sum().backward()

@@ -47,8 +47,9 @@ def setup(untrained_models):
     student.train()
     prompts = g.step_prompts(train_ds, keep, args, step=0)
     batch = g.generate_and_score(models, prompts, args)
-    # the same micro-batches with every row's prompt, which the tests' plain forwards read
-    batch = dataclasses.replace(batch, rollouts=g.cut_rollouts(processor, prompts, batch.rollouts, 2, args))
+    # the same micro-batches with every row's prompt, which the tests' plain forwards read (and the distinct ones)
+    cut = models.sampling.sharing.cut if models.sampling.sharing else g.cut_rollouts
+    batch = dataclasses.replace(batch, rollouts=cut(processor, prompts, batch.rollouts, 2, args))
     return {
         "args": args,
         "accelerator": accelerator,

@@ -206,7 +206,8 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
         rollouts = g.sample_rollouts(models, prompts, args)
         mixed = [r for r in rollouts if len(set(r.extra["teachers"])) == 2]
         assert mixed
-        every_row = g.cut_rollouts(processor, prompts, rollouts, args.micro_batch_size, args)  # every row's prompt
+        cut = models.sampling.sharing.cut if share else g.cut_rollouts  # every row's prompt, the distinct ones too
+        every_row = cut(processor, prompts, rollouts, args.micro_batch_size, args)
         assert models.teacher is teachers  # several teachers: the dict, routed by the plug-in
         (several,) = [p for p in models.plugins if isinstance(p, gt.SeveralTeachers)]
         for r in several.route(prompts, every_row):

@@ -35,10 +35,11 @@ import torch
 from transformers import AutoProcessor
 
 from gndpo_eval import grade_answer  # held-out grading, an optional module beside the script
-from gndpo_fast import SharedPrefix, draw_tokens  # the optional speed-ups, beside the script
+from gndpo_fast import SharedPrefix, distinct_prompts, draw_tokens  # the optional speed-ups, beside the script
 from gndpo_minimal import (
     Args,
     Sampling,
+    encode_prompts,
     generation_configs,
     load_split,
     load_student,
@@ -111,20 +112,13 @@ references = [r[args.answer_column] for r in rows for _ in range(G)]
 sampling = Sampling(sample_config, draw_tokens)  # how rollouts are drawn: the config and gndpo_fast's sampler
 
 sampled = rollout(
-    student, processor, prompts, group_ids, sampling, args, torch.Generator().manual_seed(step_seed(args.seed, 0, 0))
+    student, processor, prompts, sampling, args, torch.Generator().manual_seed(step_seed(args.seed, 0, 0))
 )  # a Rollout
 for name, value in [("row_inputs['input_ids']", sampled.row_inputs["input_ids"])] + [
     (field, getattr(sampled, field)) for field in ("response_ids", "response_mask", "sampled_logps")
 ]:
     print(f"{name:23s} {str(tuple(value.shape)):9s} {value.dtype}")
-print(
-    "row_inputs:",
-    list(sampled.row_inputs),
-    "| extra['prompt_inputs']['input_ids']:",
-    tuple(sampled.extra["prompt_inputs"]["input_ids"].shape),
-    "| extra['prompt_index']:",
-    sampled.extra["prompt_index"].tolist(),
-)
+print("row_inputs:", list(sampled.row_inputs))
 
 # %% [markdown]
 # `row_inputs` is the processor's batch of every row's prompt (notebook 1): the left-padded `input_ids`
@@ -133,9 +127,11 @@ print(
 # it: the end token is a decision the student made (stopping), so it is scored and trained like any other token;
 # the padding after it is not.
 #
-# With `--share_prompt_prefix` (`auto`: on where gndpo_fast.py imports) the rollout's `extra` also holds
+# With `--share_prompt_prefix` (`auto`: on where gndpo_fast.py imports) the rollouts come from gndpo_fast's sampler
+# (`PrefixSharing.rollouts`, which `make_models` puts in `Sampling.rollouts`), and each one's `extra` also holds
 # `prompt_inputs`, the batch of the 3 *distinct* prompts, and `prompt_index`, each row's prompt in it: the faster
 # forwards of gndpo_fast.py (`SharedPrefix`) read each prompt and its image once for its G samples instead of G times.
+# Below, where the faster forwards are checked, we attach them by hand.
 
 # %%
 texts = tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
@@ -185,9 +181,9 @@ plt.show()
 # step), and the distillation score uses the recorded log-probs, so a gap would bias both. A useful check:
 # `update_student` measures the gap on every step's training forward, and `main()` logs it as `logp_mismatch`. The
 # paths of gndpo_fast.py that read each prompt once for its G samples must agree too: the forward
-# (`SharedPrefix.logps`) and the sampling loop (`rollout(..., shared_prefix=True)`, which does not encode every row's
-# prompt at all). `main()` samples that way from its first step, and checks both against the plain forward on that
-# step's rollouts before it relies on them (notebook 3).
+# (`SharedPrefix.logps`) and the sampling loop (`rollout(..., decode=SharedPrefix.decoder(...))`, which does not
+# encode every row's prompt at all). `main()` samples that way from its first step, and checks both against the plain
+# forward on that step's rollouts before it relies on them (notebook 3).
 
 # %%
 with torch.no_grad():
@@ -205,6 +201,16 @@ with torch.no_grad():
 print(f"...and without mm_token_type_ids: {(drifted - sampled.sampled_logps).abs()[valid].max():.2e}")
 
 # The forward that reads each distinct prompt once (prompt_inputs, prompt_index), then continues its G responses.
+unique, index = distinct_prompts(prompts, group_ids)  # as gndpo_fast's sampler attaches them to a rollout
+sampled.extra.update(
+    prompt_inputs=dict(encode_prompts(processor, unique, args.instruction)), prompt_index=torch.tensor(index)
+)
+print(
+    "extra['prompt_inputs']['input_ids']:",
+    tuple(sampled.extra["prompt_inputs"]["input_ids"].shape),
+    "| extra['prompt_index']:",
+    sampled.extra["prompt_index"].tolist(),
+)
 with torch.no_grad():
     shared = SharedPrefix.logps(student, sampled, ignore_ids, args.temperature)
 print(f"...and SharedPrefix.logps, each prompt read once: {(shared - sampled.sampled_logps).abs()[valid].max():.2e}")
@@ -214,14 +220,13 @@ on_shared = rollout(
     student,
     processor,
     prompts,
-    group_ids,
     sampling,
     args,
     torch.Generator().manual_seed(step_seed(args.seed, 0, 0)),
-    shared_prefix=True,
+    decode=SharedPrefix.decoder(sampled.extra),
 )
 print(
-    "rollout(..., shared_prefix=True) from the same seed: same tokens",
+    "rollout(..., decode=SharedPrefix.decoder(...)) from the same seed: same tokens",
     torch.equal(on_shared.response_ids, sampled.response_ids),
     "| row_inputs:",
     on_shared.row_inputs,

@@ -93,7 +93,6 @@ sampled = rollout(
     student,
     processor,
     prompts,
-    group_ids,
     Sampling(sample_config, draw_tokens),
     args,
     torch.Generator().manual_seed(step_seed(args.seed, 0, 0)),
