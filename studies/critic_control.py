@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import load_run, provenance, publish, record, run  # noqa: E402
+from study_runs import load_run, provenance, run, write  # noqa: E402
 
 NAME = "critic_control"
 ARMS = ["none", "global", "constant", "shuffle", "seqmean", "matched"]
@@ -273,12 +273,6 @@ def collect(runs_dir: str) -> dict:
     return rows
 
 
-def write(rows: dict, runs_dir: str) -> dict:
-    result = analyse(rows)
-    rec = record(NAME, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
-    return publish(rec, page(rec))
-
-
 def main() -> None:
     if "--train" in sys.argv[1:]:
         argv = sys.argv[1:]
@@ -297,7 +291,7 @@ def main() -> None:
                     run_one(args.runs_dir, arm, seed, made_by)
     rows = collect(args.runs_dir)
     if any(all((a, s) in rows for a in ARMS) for s in SEEDS):
-        write(rows, args.runs_dir)
+        write(NAME, args.runs_dir, rows, analyse, page)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import load_run, provenance, publish, record, run  # noqa: E402
+from study_runs import load_run, provenance, run, write  # noqa: E402
 
 NAME = "late_outliers"
 MODES = ["none", "global"]
@@ -227,12 +227,6 @@ def collect(runs_dir: str) -> dict:
     return rows
 
 
-def write(rows: dict, runs_dir: str) -> dict:
-    result = analyse(rows)
-    rec = record(NAME, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
-    return publish(rec, page(rec))
-
-
 def main() -> None:
     sys.path[:0] = [HERE]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,7 +245,7 @@ def main() -> None:
                             run_one(args.runs_dir, opt, mode, nats, seed, made_by)
     rows = collect(args.runs_dir)
     if any(all((o, m, n, s) in rows for o in ("sgd", "adamw") for m in MODES for n in NATS) for s in SEEDS):
-        write(rows, args.runs_dir)
+        write(NAME, args.runs_dir, rows, analyse, page)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import load_run, provenance, publish, record, run  # noqa: E402
+from study_runs import load_run, provenance, run, write  # noqa: E402
 
 NAME = "spike_replication"
 MODES = ["none", "center", "scale", "global"]
@@ -224,12 +224,6 @@ def collect(runs_dir: str) -> dict:
     return rows
 
 
-def write(rows: dict, runs_dir: str) -> dict:
-    result = analyse(rows)
-    rec = record(NAME, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
-    return publish(rec, page(rec))
-
-
 def main() -> None:
     sys.path[:0] = [HERE]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -246,7 +240,7 @@ def main() -> None:
     rows = collect(args.runs_dir)
     complete = [s for s in SEEDS if all((m, s) in rows for m in MODES)]
     if complete == SEEDS:
-        write(rows, args.runs_dir)
+        write(NAME, args.runs_dir, rows, analyse, page)
     else:
         print(f"{len(complete)} of {len(SEEDS)} seeds complete: no page until all are (resume: the same command)")
 

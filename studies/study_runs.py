@@ -120,3 +120,10 @@ def publish(rec: dict, text: str) -> dict:
         json.dump(rec, f, indent=1)
     print(text)
     return rec
+
+
+def write(name: str, runs_dir: str, rows: dict, analyse, page) -> dict:
+    """analyse(rows)'s result, recorded with the runs of the seeds it used and published as page(record)."""
+    result = analyse(rows)
+    rec = record(name, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
+    return publish(rec, page(rec))
