@@ -79,8 +79,7 @@ import torch
 
 import gndpo_fast as fast
 from gndpo_extras import UPDATE_SIZE_CHUNK
-from gndpo_fast import check_rollout, head_logps
-from gndpo_minimal import speedup_on
+from gndpo_fast import check_rollout, head_logps, speedup_on
 from gndpo_teachers import SELF
 
 

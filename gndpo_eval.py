@@ -7,7 +7,8 @@ before training, the student every --eval_steps and after training, and writes e
 eval_rows.jsonl. Without this module the script trains all the same and reports no accuracy. A task graded another
 way replaces grade_answer here; the training step never reads a grade (unless --reward_weight asks for one).
 
-It imports nothing from the script: what it needs (its data functions, the prompt encoder) comes in as arguments.
+It imports nothing from the script: what it needs (its data functions, the prompt encoder, the greedy generation
+config) it reads from the script's module object.
 """
 
 from __future__ import annotations
@@ -17,9 +18,39 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
+
+
+def _flag(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EvalArgs:
+    """The held-out evaluation's flags: which rows, how often, and how an answer is graded."""
+
+    _argument_group_name = "held-out accuracy (gndpo_eval.py)"
+    eval_split: str = _flag("test", "Held-out split for greedy evaluation.")
+    num_eval_samples: int = _flag(200, "Evaluate on at most this many held-out rows (0 = skip).")
+    eval_steps: int = _flag(0, "Evaluate every N steps (0 = only before and after training).")
+    require_think: bool = _flag(False, "A well-formed answer is <think>...</think> then \\boxed{}.")
+    eval_dataset_name: str | None = _flag(None, "Dataset to evaluate on (default: --dataset_name).")
+    eval_dataset_config: str | None = _flag(None, "Its configuration.")
+    eval_image_column: str | None = _flag(None, "Evaluation image column (default: --image_column).")
+    eval_question_column: str | None = _flag(None, "Evaluation prompt column (default: --question_column).")
+    eval_answer_column: str | None = _flag(None, "Evaluation answer column (default: --answer_column).")
+    eval_image_root: str | None = _flag(None, "Evaluation image folder (default: --image_root).")
+
+
+ARGS = EvalArgs  # the script parses these with its own Args
+RANGES = {"num_eval_samples": 0, "eval_steps": 0}  # the lowest values, checked by the script
+
+
+def check_args(script, args, num_processes: int) -> list[str]:
+    """Each local path this module's flags name that does not exist, as a line."""
+    return script.missing_paths({"eval_dataset_name": args.eval_dataset_name, "eval_image_root": args.eval_image_root})
 
 
 def extract_boxed(text: str) -> str | None:
@@ -158,16 +189,17 @@ def accuracy_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def load_eval_rows(args, processor, log, data: dict) -> list[tuple]:
+def load_eval_rows(script, args, processor, log, split_chat: Callable | None = None) -> list[tuple]:
     """At most args.num_eval_samples rows [(prompt, images, answer[, teacher][, context])] of the set the eval_* flags
-    name (--dataset_name's by default). data: the script's load_split, check_columns, prepare_split and row_images, and
-    split_chat (gndpo_data's, None without it: a chat's assistant turn as the answer)."""
+    name (--dataset_name's by default), read by the script's load_split, check_columns, prepare_split and row_images
+    (script: its module object). split_chat: gndpo_data's (a chat's assistant turn as the answer), None without it."""
+    if not args.num_eval_samples:
+        return []
     names = ("dataset_name", "dataset_config", "image_column", "question_column", "answer_column", "image_root")
     pick = {n: getattr(args, "eval_" + n) for n in names if getattr(args, "eval_" + n) is not None}
     e = replace(args, **{"dataset_config": None, **pick} if args.eval_dataset_name else pick)  # another set: its config
-    ds = data["load_split"](e, args.eval_split)
-    columns = data["check_columns"](ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
-    split_chat = data["split_chat"]
+    ds = script.load_split(e, args.eval_split)
+    columns = script.check_columns(ds, e, args.eval_split, need_answer=True, flag_prefix="--eval_")
     chat_answer = split_chat(ds[columns["question_column"]][0])[1] if split_chat and len(ds) else None
     if len(ds) and not columns["answer_column"] and chat_answer is None:
         problem = (
@@ -182,11 +214,11 @@ def load_eval_rows(args, processor, log, data: dict) -> list[tuple]:
         if log:
             log(f"evaluation skipped: {problem}; --eval_dataset_name names a set to measure accuracy on")
         return []
-    ds, keep, _ = data["prepare_split"](
+    ds, keep, _ = script.prepare_split(
         ds, e, processor, args.eval_split, args.num_eval_samples, log, need_answer=True, flag_prefix="--eval_"
     )
     return [
-        (row[e.question_column], data["row_images"](row, e.image_column), row[e.answer_column])
+        (row[e.question_column], script.row_images(row, e.image_column), row[e.answer_column])
         + ((row[e.teacher_column],) if "teacher_column" in columns else ())
         + ((row[e.privileged_column],) if "privileged_column" in columns else ())
         for row in map(ds.__getitem__, keep)
@@ -196,20 +228,23 @@ def load_eval_rows(args, processor, log, data: dict) -> list[tuple]:
 class HeldOut:
     """The run's held-out accuracy, a plug-in of the script's run (its hooks before_training, after_step and
     after_training): the teacher's and the untrained student's before training, the student's every --eval_steps and
-    after training, into the summary, the progress bar and eval_rows.jsonl. each: a plug-in's evaluate hook (several
-    teachers: each row with its own teacher), or None."""
+    after training, into the summary, the progress bar and eval_rows.jsonl. Idle when the run has no eval rows.
+    script: the script's module object (generation_configs, encode_prompts)."""
 
-    def __init__(self, run, gen_config, encode_prompts: Callable, each=None):
-        args, models = run.args, run.models
-        path = os.path.join(args.output_dir, "eval_rows.jsonl")
-        self.evaluator = Evaluator(
-            models.processor, run.eval_rows, args, run.accelerator, gen_config, encode_prompts, path, each
-        )
+    def __init__(self, script):
+        self.script, self.evaluator = script, None
 
     def accuracy_of(self, run, model, step: int) -> dict:
         """The evaluation of run.policy or the teacher(s), each row's verdict appended to eval_rows.jsonl (counted in
         run.counters: a resume cuts the file back to the count)."""
         args, models = run.args, run.models
+        if self.evaluator is None:  # several teachers: each row with its own (their plug-in's evaluate)
+            greedy = self.script.generation_configs(models.processor.tokenizer, run.policy, args)[1]
+            path = os.path.join(args.output_dir, "eval_rows.jsonl")
+            each = next(iter(models.hooks("evaluate")), None)
+            self.evaluator = Evaluator(
+                models.processor, run.eval_rows, args, run.accelerator, greedy, self.script.encode_prompts, path, each
+            )
         teacher = model is models.teacher
         synced = (
             args.shard_teacher and run.accelerator.num_processes > 1
@@ -223,6 +258,8 @@ class HeldOut:
     def before_training(self, run) -> None:
         """The teacher's and the untrained student's accuracy into the summary, saved at once: a resumed run reads its
         "before" from it (its student is no longer the first)."""
+        if not run.eval_rows:
+            return
         if "student_accuracy_before" not in run.summary:
             t, s = self.accuracy_of(run, run.models.teacher, 0), self.accuracy_of(run, run.policy, 0)
             run.summary.update(accuracies(t, "teacher"), **accuracies(s, "student", "_before"))
@@ -238,20 +275,21 @@ class HeldOut:
     def after_step(self, run, metrics: dict) -> None:
         """Every --eval_steps (but the last step's, after_training's), the student's accuracy into the metrics."""
         step, every = metrics["step"], run.args.eval_steps
-        if every and step % every == 0 and step < run.args.max_steps:
+        if run.eval_rows and every and step % every == 0 and step < run.args.max_steps:
             e = self.accuracy_of(run, run.policy, step)
             metrics.update(eval_accuracy=e["accuracy"], eval_format_rate=e["format_rate"], **e.get("metrics", {}))
             run.bar["acc"] = f"{e['accuracy']:.3f}"
 
     def after_training(self, run) -> None:
         """The trained student's accuracy into the summary, and the accuracy table."""
-        run.summary.update(accuracies(self.accuracy_of(run, run.policy, run.args.max_steps), "student", "_after"))
-        run.log(accuracy_table(run.summary))
+        if run.eval_rows:
+            run.summary.update(accuracies(self.accuracy_of(run, run.policy, run.args.max_steps), "student", "_after"))
+            run.log(accuracy_table(run.summary))
 
 
-def plug_in(run, gen_config, encode_prompts: Callable) -> HeldOut:
-    """Plugs the held-out accuracy of run.eval_rows (load_eval_rows') into the run's Models.plugins."""
-    each = next(iter(run.models.hooks("evaluate")), None)  # several teachers: each row with its own
-    held_out = HeldOut(run, gen_config, encode_prompts, each)
-    run.models.plugins.append(held_out)
-    return held_out
+def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> None:
+    """This module into the script's Models: its graded answers as models.task_rewards (--reward_weight reads them)
+    and, unless --num_eval_samples is 0, the held-out accuracy (HeldOut) among the plug-ins."""
+    models.task_rewards = task_rewards
+    if args.num_eval_samples:
+        models.plugins.append(HeldOut(script))

@@ -10,16 +10,37 @@ The ablation advantage modes (sequence, group, center, scale, constant), registe
 The diagnostic, used whenever this module imports: update_size, how far each optimizer update moved the weights
 (the metrics line's update_norm; NaN without this module).
 
-It imports nothing from the script: what it needs (the whitening, the graded rewards) comes in as arguments.
+It imports nothing from the script: register and plug_in read what they need (the whitening, the graded rewards)
+from the script's module object.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+def _flag(default: float, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ExtrasArgs:
+    """The flags of the options beyond the paper, each off (or unused) at its default."""
+
+    _argument_group_name = "beyond the paper (gndpo_extras.py)"
+    power_alpha: float = _flag(5.0, "alpha of --score_type power (p_T^a - p_S^a).")
+    score_std_floor: float = _flag(0.0, "global mode: only center a step whose scores' std is below this; 0 = off.")
+    reward_weight: float = _flag(0.0, "w: add w * the group-normalized task reward to the advantages; 0 = off.")
+    constant_advantage: float = _flag(-1.0, "--advantage_mode constant: each valid token's advantage.")
+
+
+ARGS = ExtrasArgs  # the script parses these with its own Args
+RANGES = {"score_std_floor": 0, "reward_weight": 0, "power_alpha": -1}  # lowest values (-1: above 0), the script checks
 
 
 def power_scores(
@@ -28,10 +49,6 @@ def power_scores(
     """PowerOPD's score p_T^alpha - p_S^alpha (arXiv 2606.17199), in [-1, 1]: (B, T) float32, 0 off the mask."""
     scores = torch.exp(alpha * teacher_logps.float()) - torch.exp(alpha * student_logps.float())
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
-
-
-# the script's SCORES entries: --score_type power, (teacher_logps, student_logps, mask, args) -> (B, T) scores
-SCORES = {"power": lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)}
 
 
 def score_std(scores: torch.Tensor, response_mask: torch.Tensor, all_reduce: bool = True) -> float:
@@ -108,21 +125,29 @@ def ablation_advantages(
     return whiten(scores, mask, *stats, eps, center=mode != "scale", scale=mode != "center")
 
 
-def check_args(args, num_processes: int) -> list[str]:
-    """The problems with this module's options in the script's arguments, each a line naming the flag and the fix."""
+def check_args(script, args, num_processes: int) -> list[str]:
+    """The problems with this module's flags in the run's arguments, each a line naming the flag and the fix."""
+    problems = []
     if args.advantage_mode == "group" and args.num_generations < 2:
-        return ["--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2"]
-    return []
-
-
-def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
-    """The script's ADVANTAGES entries for the ablations: (scores, mask, group_ids, extra, args) -> advantages."""
-    return {
-        mode: lambda s, m, g, extra, args, mode=mode: ablation_advantages(
-            s, m, mode, whiten, global_sums, g, getattr(args, "constant_advantage", -1.0)
+        problems.append(
+            "--advantage_mode group whitens over the G samples of a prompt: it needs --num_generations >= 2"
         )
-        for mode in ABLATIONS
-    }
+    if args.reward_weight and not hasattr(args, "num_eval_samples"):  # the grading is gndpo_eval's
+        problems.append(
+            "--reward_weight grades answers with the optional module gndpo_eval.py: copy it beside the script"
+        )
+    return problems
+
+
+def register(script) -> None:
+    """PowerOPD's score into the script's SCORES (--score_type power) and the ablations into its ADVANTAGES
+    (--advantage_mode): (scores, mask, group_ids, extra, args) -> advantages, with the script's whiten and
+    global_sums, the same float64 statistics as its global mode."""
+    script.SCORES["power"] = lambda t, s, mask, args: power_scores(t, s, mask, args.power_alpha)
+    for mode in ABLATIONS:
+        script.ADVANTAGES[mode] = lambda s, m, g, extra, args, mode=mode: ablation_advantages(
+            s, m, mode, script.whiten, script.global_sums, g, args.constant_advantage
+        )
 
 
 class BeyondThePaper:
@@ -132,6 +157,15 @@ class BeyondThePaper:
 
     def __init__(self, args, grade: Callable, whiten: Callable, global_sums: Callable):
         self.args, self.grade, self.whiten, self.global_sums = args, grade, whiten, global_sums
+
+    def before_training(self, run) -> None:
+        """--reward_weight grades answers: stops before the first step when the training rows have none."""
+        rows = [run.train_ds[i] for i in run.train_keep[:64]]
+        if self.args.reward_weight and all(row[self.args.answer_column] is None for row in rows):
+            raise ValueError(
+                f"--reward_weight {self.args.reward_weight} grades answers, but the training rows have none: set "
+                f"--answer_column (or the chat's assistant turn) or leave --reward_weight at 0"
+            )
 
     def on_batch(self, batch, prompts, log=print) -> None:
         """--score_std_floor: a step whose scores spread less than the floor is centered only (batch.extra
@@ -224,14 +258,14 @@ def update_size(optimizer, accelerator, chunk: int = UPDATE_SIZE_CHUNK) -> float
     return math.sqrt(float(squares))
 
 
-def plug_in(models, args, teachers: dict, script: dict) -> None:
+def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> None:
     """This module into the script's Models, in place: the update_norm diagnostic always, and BeyondThePaper when
-    --score_std_floor or --reward_weight ask. script: the script's whiten, global_sums and task_rewards (gndpo_eval's
-    grading, None without it: the script's check_args stops --reward_weight then)."""
+    --score_std_floor or --reward_weight ask. script: the script's module object (whiten, global_sums); the graded
+    rewards are models.task_rewards (gndpo_eval's), read when a batch is graded."""
     models.update_size = update_size
     if args.score_std_floor > 0 or args.reward_weight:
 
         def grade(rollouts: list, answers: list) -> torch.Tensor:  # (n,) each response's graded reward
-            return script["task_rewards"](models.processor, rollouts, answers)
+            return models.task_rewards(models.processor, rollouts, answers)
 
-        models.plugins.append(BeyondThePaper(args, grade, script["whiten"], script["global_sums"]))
+        models.plugins.append(BeyondThePaper(args, grade, script.whiten, script.global_sums))

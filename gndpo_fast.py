@@ -12,8 +12,9 @@
    script's --static_cache lets generate() compile its decoding step. Checked against the plain paths.
 
 gndpo_minimal.py imports this module when it is there (the flags' default, auto, then turns the speed-ups on) and
-runs its plain paths when it is not. It imports nothing from the script: what a speed-up needs (the plain forward to
-check against, the tolerance, the rollouts' inputs) comes in as arguments. The method is GNDPO (arXiv 2606.09091).
+runs its plain paths when it is not. It imports nothing from the script: plug_in reads what a speed-up needs (the
+plain forward to check against, the tolerance, the rollouts' inputs) from the script's module object. The method is
+GNDPO (arXiv 2606.09091).
 """
 
 from __future__ import annotations
@@ -25,8 +26,48 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import torch
+
+
+def _flag(help: str):
+    return field(default="auto", metadata={"help": help})
+
+
+@dataclass
+class FastArgs:
+    """The speed-ups' flags: auto (on where it runs), true (on, or start-up names why it cannot be) or false."""
+
+    _argument_group_name = "speed-ups (gndpo_fast.py): auto | true | false"
+    lean_logps: str = _flag("Log-probs by a chunked LM head, without float32 (n, R, V) logits.")
+    share_prompt_prefix: str = _flag("Read each prompt once for its G samples (checked on the first step).")
+    fast_sampler: str = _flag("Draw tokens by an exact two-level inverse CDF, not torch.multinomial.")
+    merged_sampling: str = _flag("Sample from LoRA adapters merged into the base weights (restored exactly).")
+    static_cache: str = _flag("Decode on a static KV cache, compiled into CUDA graphs by generate() (auto: CUDA).")
+    varlen_vision: str = _flag("One attention call per vision layer for all image windows (Qwen-VL, CUDA).")
+
+
+ARGS = FastArgs  # the script parses these with its own Args
+
+
+def setting(args, flag: str) -> str:
+    """A speed-up flag as auto, true or false (a recipe's YAML boolean as its word)."""
+    return str(getattr(args, flag)).lower()
+
+
+def speedup_on(args, flag: str) -> bool:
+    """Whether a speed-up is asked for (auto or true); speedups_off says where one asked for does not run."""
+    return setting(args, flag) != "false"
+
+
+def check_args(script, args, num_processes: int) -> list[str]:
+    """Each speed-up flag that is not auto, true or false, as a line."""
+    return [
+        f"--{f.name} {getattr(args, f.name)!r} is not one of auto, true, false"
+        for f in fields(FastArgs)
+        if setting(args, f.name) not in ("auto", "true", "false")
+    ]
 
 
 def _unwrap(model):
@@ -699,7 +740,7 @@ class PrefixSharing:
     decision (with sharded weights they must run the same forwards). A role given a reason at construction is off
     from the start (the reason is logged, not checked). Its rollouts() is the script's Sampling.rollouts: it samples
     with the script's rollout(), each distinct prompt attached (encode_distinct), and re-cuts with its cut_rollouts
-    (script: rollout, cut_rollouts, encode_prompts and pixels_on_host, the script's; plug_in hands them over).
+    (script: the script's module object, whose rollout, cut_rollouts, encode_prompts and pixels_on_host it calls).
     """
 
     ROLES = ("rollout", "teacher", "student")
@@ -713,14 +754,14 @@ class PrefixSharing:
         reasons: dict | None = None,
         lean: bool = True,
         compute_dtype: torch.dtype | None = None,
-        script: dict | None = None,
+        script=None,
     ):
         self.plain = plain  # the forward a role falls back to, and the one checks compare with (response_logps)
         self.tolerance = tolerance  # (model, compute dtype) -> how far two forwards may differ (logps_tolerance)
         self.log, self.agree = log, agree
         self.compute_dtype = compute_dtype  # the student's autocast dtype under mixed precision (the teacher has none)
         self.lean = lean  # SharedPrefix.logps's own log-probs through the lean kernels (--lean_logps)
-        self.script = script or {}  # what rollouts() samples and encodes with
+        self.script = script  # the script's module object: what rollouts() samples and encodes with
         self.decided = dict.fromkeys(self.ROLES)
         for role, reason in (reasons or {}).items():
             if reason:
@@ -755,7 +796,7 @@ class PrefixSharing:
                 rows = prompts.prompts[i : i + size]
                 distinct = self.encode_distinct(models.processor, rows, prompts.group_ids[i : i + size], args, device)
                 decode = SharedPrefix.decoder(distinct) if shared else None
-                rollout = self.script["rollout"](policy, models.processor, rows, sampling, args, generator, decode)
+                rollout = self.script.rollout(policy, models.processor, rows, sampling, args, generator, decode)
                 rollout.extra.update(distinct)
                 out.append(rollout)
         return out
@@ -764,9 +805,9 @@ class PrefixSharing:
         """{"prompt_inputs": the processor batch of the rows' u distinct prompts, pixels on the host, "prompt_index":
         (n,) each row's in it}."""
         unique, index = distinct_prompts(rows, group_ids)
-        inputs = self.script["encode_prompts"](processor, unique, args.instruction)
+        inputs = self.script.encode_prompts(processor, unique, args.instruction)
         return {
-            "prompt_inputs": self.script["pixels_on_host"](inputs, device),
+            "prompt_inputs": self.script.pixels_on_host(inputs, device),
             "prompt_index": torch.tensor(index, device=device),
         }
 
@@ -775,8 +816,8 @@ class PrefixSharing:
         ones (distinct: encode_distinct's, in its extra)."""
         device = part.response_ids.device
         if row_prompts:
-            inputs = self.script["encode_prompts"](processor, rows, args.instruction)
-            part.row_inputs = self.script["pixels_on_host"](inputs, device)
+            inputs = self.script.encode_prompts(processor, rows, args.instruction)
+            part.row_inputs = self.script.pixels_on_host(inputs, device)
         part.extra.update(self.encode_distinct(processor, rows, group_ids, args, device) if distinct else {})
         return part
 
@@ -785,7 +826,7 @@ class PrefixSharing:
         if all(r.response_ids.shape[0] == size and (r.row_inputs is not None or not row_prompts) for r in rollouts):
             return rollouts  # generated micro-batch by micro-batch, holding what the forwards read
         distinct = "prompt_index" in rollouts[0].extra
-        return self.script["cut_rollouts"](
+        return self.script.cut_rollouts(
             processor,
             prompts,
             rollouts,
@@ -1010,7 +1051,7 @@ class MergedAdapters:
                     layer.get_base_layer().weight.copy_(saved, non_blocking=True)
 
 
-# Each speed-up's flag (the script's SPEEDUPS) and what it does, as the start-up line names it
+# Each speed-up's flag and what it does, as the start-up line names it
 SPEEDUPS = {
     "lean_logps": "lean log-probs",
     "share_prompt_prefix": "each prompt read once",
@@ -1024,7 +1065,7 @@ SPEEDUPS = {
 def startup_paths(args, off: dict[str, str]) -> str:
     """The script's start-up line's paths: the speed-ups asked for (auto or true) that run, then each that does not
     (off: speedups_off's {flag: why})."""
-    on = [what for flag, what in SPEEDUPS.items() if str(getattr(args, flag)).lower() != "false" and flag not in off]
+    on = [what for flag, what in SPEEDUPS.items() if speedup_on(args, flag) and flag not in off]
     paths = f"speed-ups of gndpo_fast: {', '.join(on)}" if on else "plain paths"
     return paths + "".join(f"; {SPEEDUPS[flag]} off: {why}" for flag, why in off.items())
 
@@ -1041,12 +1082,12 @@ OFF_AUTO = {
 def speedups_off(args, device_type: str, sharded: bool, rows: int) -> dict[str, str]:
     """{flag: why} for the speed-ups asked for (auto or true) that do not run in a launch: an auto left off on this
     device (OFF_AUTO), merging with no adapter or sharded weights, a static cache that one batch size would not
-    serve. args: the script's Args; rows: a process's rollouts per step."""
-    asked = lambda flag: str(getattr(args, flag)).lower() != "false"  # noqa: E731
+    serve. args: the run's arguments; rows: a process's rollouts per step."""
+    asked = functools.partial(speedup_on, args)
     off = {
         flag: why
         for flag, (where, why) in OFF_AUTO.items()
-        if str(getattr(args, flag)).lower() == "auto" and (device_type == "cuda") == (where == "cuda")
+        if setting(args, flag) == "auto" and (device_type == "cuda") == (where == "cuda")
     }
     if asked("merged_sampling") and not args.lora_r:
         off["merged_sampling"] = "full fine-tuning has no adapter to merge"
@@ -1066,22 +1107,22 @@ def static_cache(config, args) -> None:
     config.max_cache_len = args.max_prompt_length + args.max_new_tokens
 
 
-def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: dict, log=print) -> dict[str, str]:
+def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> str:
     """The speed-ups asked for (auto or true) into the script's Models, in place, each where it runs: the lean
     log-probs and prompt sharing in the scoring forwards (a teacher forward the caller set stays), the sampler,
     merged adapters and the static cache in models.sampling, one vision attention call per layer in every model.
-    teachers: {name: model}; sharded: no process holds the student's whole weights (FSDP); script: the script's
-    response_logps, sequence_inputs, logps_tolerance and compute_dtype (its mixed precision's, or None), and for the
-    rollouts on shared prompts its rollout, cut_rollouts, encode_prompts and pixels_on_host. Logs each model's
-    log-prob path; returns {flag: why} for the speed-ups asked for that do not run here."""
+    script: the script's module object (its response_logps, sequence_inputs, logps_tolerance, compute_dtype and, for
+    the rollouts on shared prompts, rollout, cut_rollouts, encode_prompts, pixels_on_host); teachers: {name: model}.
+    Logs each model's log-prob path; returns the start-up line's words: what runs, and why an asked one does not."""
+    sharded = script.weights_are_sharded(accelerator)
     rows = args.prompts_per_step * args.num_generations // accelerator.num_processes
     off = speedups_off(args, accelerator.device.type, sharded, rows)
-    asked = lambda flag: str(getattr(args, flag)).lower() != "false"  # noqa: E731
+    asked = functools.partial(speedup_on, args)
     runs = lambda flag: asked(flag) and flag not in off  # noqa: E731
     sampling, policy = models.sampling, _unwrap(models.student)
     if runs("static_cache"):
         static_cache(sampling.config, args)
-    plain = lean_forward(script["sequence_inputs"]) if asked("lean_logps") else script["response_logps"]
+    plain = lean_forward(script.sequence_inputs) if asked("lean_logps") else script.response_logps
     if asked("share_prompt_prefix"):
         n, device = accelerator.num_processes, accelerator.device
 
@@ -1093,8 +1134,9 @@ def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: di
         teacher = "the teacher is sharded: each forward gathers its layers" if args.shard_teacher and n > 1 else None
         teacher = teacher or auto_off
         reasons = {"student": reason, "rollout": reason, "teacher": teacher}
+        compute_dtype = script.compute_dtype(accelerator)
         sampling.sharing = PrefixSharing(
-            plain, script["logps_tolerance"], log, agree, reasons, asked("lean_logps"), script["compute_dtype"], script
+            plain, script.logps_tolerance, log, agree, reasons, asked("lean_logps"), compute_dtype, script
         )
         sampling.rollouts = sampling.sharing.rollouts
         if models.teacher_forward is not None:  # a teacher forward of the caller's own is not ours to check
@@ -1118,7 +1160,7 @@ def plug_in(models, args, teachers: dict, accelerator, sharded: bool, script: di
         for role, m in (("student", models.student), ("teacher", teacher))
     ]
     log("log-probs: " + ", ".join(paths))
-    return off
+    return startup_paths(args, off)
 
 
 VARLEN_VISION = "flash_varlen_windows"  # transformers passes cu_seqlens only to implementations named "flash..."

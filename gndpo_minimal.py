@@ -12,9 +12,8 @@ Distillation for MLLM Reasoning with Global Normalization" (arXiv 2606.09091). P
 
 PART I is GNDPO: Args, the math (pure functions that copy out alone), the step (step_prompts -> generate_and_score
 -> update_student) and main(). PART II is the plain machinery, in the order the step calls it. The file runs alone;
-optional modules beside it plug into the step's hooks: gndpo_fast.py (speed-ups, each checked against the plain
-path), gndpo_teachers.py (several teachers, the sharded teacher), gndpo_extras.py (beyond the paper, a diagnostic),
-gndpo_data.py (data formats beyond the plain one) and gndpo_eval.py (held-out accuracy).
+the optional modules beside it plug in where EXTENSION POINTS says: gndpo_fast.py (speed-ups), gndpo_teachers.py
+(several teachers, the self-teacher), gndpo_extras.py (beyond the paper), gndpo_data.py, gndpo_eval.py.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import copy
 import datetime
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -38,18 +38,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-try:  # the optional speed-ups: --lean_logps, --share_prompt_prefix and --fast_sampler default to auto, on with it
+try:  # the speed-ups: each on where it runs (its flags default to auto), the plain paths where it is absent
     import gndpo_fast as fast
 except ImportError:
     fast = None
+try:  # several teachers, the sharded teacher and the self-teacher (asked for by their flags)
+    import gndpo_teachers as several
+except ImportError:
+    several = None
 try:  # the options beyond the paper (asked for by their flags) and the update-size diagnostic (used when it imports)
     import gndpo_extras as extras
 except ImportError:
     extras = None
-try:  # several teachers and the sharded teacher (asked for by their flags)
-    import gndpo_teachers as several
-except ImportError:
-    several = None
 try:  # the data formats beyond the plain one (chat prompts, image paths; used when the data asks)
     import gndpo_data as formats
 except ImportError:
@@ -58,7 +58,8 @@ try:  # held-out accuracy: greedy answers graded against the reference (used whe
     import gndpo_eval as evaluation
 except ImportError:
     evaluation = None
-
+MODULES = [m for m in (fast, several, extras, formats, evaluation) if m is not None]  # the optional modules present
+SCRIPT = sys.modules[__name__]  # this module, run or imported: what the optional modules read (EXTENSION POINTS)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -74,10 +75,11 @@ def arg(default, help: str):
 
 @dataclass
 class Args:
+    """The script's flags; each optional module adds its own (RunArgs). A recipe file holds any of them."""
+
+    _argument_group_name = "GNDPO (gndpo_minimal.py)"
     # --- GNDPO, as in the paper (arXiv 2606.09091) ---
-    advantage_mode: str = arg(
-        "global", "global (GNDPO) | none (OPD) | sequence, group, center, scale, per_teacher, constant (ablations)."
-    )
+    advantage_mode: str = arg("global", "global (GNDPO) | none (OPD) | an ablation of the modules (ADVANTAGES).")
     score_clip: float = arg(5.0, "Clamp teacher_lp - student_lp to [-clip, clip].")
     prompts_per_step: int = arg(32, "B: prompts per optimizer step, over all processes.")
     num_generations: int = arg(4, "G: sampled responses per prompt.")
@@ -90,33 +92,17 @@ class Args:
     max_grad_norm: float = arg(1.0, "Clip the gradient norm to this (the pre-clip norm is logged).")
     max_steps: int = arg(90, "Optimizer steps.")
     # --- beyond the paper: each off (or at the paper's choice) by default ---
-    score_type: str = arg("log_ratio", "log_ratio (GNDPO's clamped log-ratio) | power (PowerOPD's p_T^a - p_S^a).")
-    power_alpha: float = arg(5.0, "alpha of the power score.")
-    score_std_floor: float = arg(0.0, "global mode: center only when the scores' std is below this; 0 = off.")
-    reward_weight: float = arg(0.0, "w: add w * the group-normalized task reward to the advantages; 0 = off.")
-    constant_advantage: float = arg(-1.0, "advantage_mode constant: each valid token's advantage (no teacher signal).")
+    score_type: str = arg("log_ratio", "log_ratio (GNDPO's clamped log-ratio) | power (PowerOPD's, gndpo_extras).")
     optimizer: str = arg("adamw", "adamw (the paper's) | sgd (plain, no momentum).")
     steps_per_generation: int = arg(1, "K: updates per rollout batch, one per mini-batch (K > 1: off-policy).")
     num_iterations: int = arg(1, "E: passes over the rollout batch per step (K * E updates).")
     # --- models ---
     student_model: str = arg(os.path.join(HERE, "assets/tiny/student"), "Student checkpoint: Hub id or path.")
-    teacher_model: str = arg(
-        os.path.join(HERE, "assets/tiny/teacher"),
-        "Teacher checkpoint (the student's tokenizer); several: name=path pairs; self (gndpo_teachers.py).",
-    )
+    teacher_model: str = arg(os.path.join(HERE, "assets/tiny/teacher"), "Teacher: a path; name=path pairs; self.")
     teacher_4bit: bool = arg(True, "Load the teacher in 4-bit nf4 (bitsandbytes).")
-    shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers.py).")
+    shard_teacher: bool = arg(False, "Shard a 16-bit teacher's layers over the processes (FSDP2; gndpo_teachers).")
     dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float16 | float32.")
     gradient_checkpointing: bool = arg(False, "Recompute student activations in backward to save memory.")
-    # --- the self-teacher (--teacher_model self): the student's starting weights, reading privileged context ---
-    privileged_column: str | None = arg(
-        None, "Self-teacher: the column of context its prompt holds (answer, solution)."
-    )
-    privileged_template: str = arg("\n\nReference solution: {context}", "Appended to the teacher's user turn.")
-    privileged_source: str = arg("own", "own (OPSD) | other: another prompt's (OP2SD) | none: the plain self-teacher.")
-    max_teacher_prompt_length: int = arg(
-        1024, "Skip (and count) rows whose teacher prompt, context included, is longer."
-    )
     # --- LoRA on the language model (the vision tower stays frozen), or full fine-tuning ---
     lora_r: int = arg(16, "LoRA rank; 0 = full fine-tuning (the paper's): language model, projector and LM head.")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r).")
@@ -130,24 +116,12 @@ class Args:
     dataset_name: str = arg(os.path.join(HERE, "assets/tiny/data"), "Hub id, local folder or data file.")
     dataset_config: str | None = arg(None, "Dataset configuration name.")
     train_split: str = arg("train", "Split to train on.")
-    eval_split: str = arg("test", "Held-out split for greedy evaluation.")
     image_column: str = arg("image", "Column of one image or a list (at its default, 'images' too).")
-    question_column: str = arg(
-        "question", "Prompt column: text or chat messages (at its default, 'prompt', 'messages', 'conversations' too)."
-    )
-    answer_column: str = arg("answer", "Reference answer column (at its default, 'completion' too); eval only.")
-    teacher_column: str = arg("teacher", "Several teachers: the column naming each row's teacher.")
+    question_column: str = arg("question", "Prompt column: text or chat messages (at its default, others too).")
+    answer_column: str = arg("answer", "Reference answer column (at its default, 'completion' too).")
     image_root: str | None = arg(None, "Folder relative image paths start from (default: the data file's folder).")
-    eval_dataset_name: str | None = arg(None, "Dataset to evaluate on (default: --dataset_name).")
-    eval_dataset_config: str | None = arg(None, "Its configuration.")
-    eval_image_column: str | None = arg(None, "Evaluation image column (default: --image_column).")
-    eval_question_column: str | None = arg(None, "Evaluation prompt column (default: --question_column).")
-    eval_answer_column: str | None = arg(None, "Evaluation answer column (default: --answer_column).")
-    eval_image_root: str | None = arg(None, "Evaluation image folder (default: --image_root).")
     instruction: str = arg("", "Text appended to every question (e.g. the think/boxed instruction).")
-    require_think: bool = arg(False, "A well-formed answer is <think>...</think> then \\boxed{}.")
     max_train_samples: int = arg(0, "Use at most this many training rows (0 = all).")
-    num_eval_samples: int = arg(200, "Evaluate on at most this many held-out rows (0 = skip).")
     # --- rollout ---
     max_prompt_length: int = arg(512, "Skip (and count) prompts longer than this many tokens, images included.")
     max_new_tokens: int = arg(8, "Maximum response length in tokens.")
@@ -160,24 +134,19 @@ class Args:
     seed: int = arg(0, "Seed; every step's sampling is seeded from (seed, step, process).")
     process_timeout_minutes: int = arg(120, "How long a process waits for the others at a collective.")
     cpu_threads: int = arg(0, "Threads per CPU process; 0 = torch's choice (the cores shared under accelerate).")
-    # --- the speed-ups of gndpo_fast.py: auto = on where it imports; true without it stops start-up ---
-    share_prompt_prefix: str = arg("auto", "Read each prompt once for its G samples (checked at start-up).")
-    lean_logps: str = arg("auto", "Log-probs by a chunked LM head, without float32 (n, R, V) logits.")
-    fast_sampler: str = arg("auto", "Draw tokens by an exact two-level inverse CDF, not torch.multinomial.")
-    merged_sampling: str = arg("auto", "Sample from LoRA adapters merged into the base weights (restored exactly).")
-    static_cache: str = arg(
-        "auto", "Decode on a static KV cache, compiled into CUDA graphs by generate() (auto: CUDA)."
-    )
-    varlen_vision: str = arg("auto", "One attention call per vision layer for all image windows (Qwen-VL, CUDA).")
     # --- output ---
     output_dir: str = arg("runs/gndpo", "Where metrics.jsonl, checkpoints, the student and summary.json go.")
     overwrite_output_dir: bool = arg(False, "Start over in an output_dir that already holds a run.")
     save_steps: int = arg(50, "Checkpoint every N steps (0 = only at the end).")
     save_total_limit: int = arg(2, "Keep this many most recent checkpoints.")
-    eval_steps: int = arg(0, "Evaluate every N steps (0 = only before and after training).")
     logging_steps: int = arg(10, "Print the full metrics line every N steps (metrics.jsonl gets every step).")
     resume_from_checkpoint: str | None = arg(None, "A checkpoint folder, or 'latest' (the newest in output_dir).")
     report_to: str = arg("none", "Accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated).")
+
+
+@dataclass
+class RunArgs(*(m.ARGS for m in reversed(MODULES) if hasattr(m, "ARGS")), Args):
+    """Args and the flags of each optional module present (its ARGS): what parse_args returns and the step reads."""
 
 
 # --- GNDPO math: pure functions. Copy them into other codebases; this section runs pasted alone after `import torch`.
@@ -200,7 +169,7 @@ def distill_scores(
     return torch.where(response_mask.bool(), scores, torch.zeros_like(scores))
 
 
-def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
+def global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> torch.Tensor:
     """(3,) float64 (count, sum, sum of squares) of the valid scores, all-reduced in one call when torch.distributed
     runs several processes and all_reduce is set. mask: float64 (B, T)."""
     s = scores.double() * mask
@@ -210,7 +179,7 @@ def _global_sums(scores: torch.Tensor, mask: torch.Tensor, all_reduce: bool) -> 
     return stats
 
 
-def _whiten(
+def whiten(
     scores: torch.Tensor,
     mask: torch.Tensor,
     count: torch.Tensor,
@@ -246,13 +215,13 @@ def normalize_scores(
     if mode == "none":
         return scores * response_mask.to(scores.dtype)
     mask = response_mask.to(torch.float64)
-    stats = _global_sums(scores, mask, all_reduce)  # (3,)
+    stats = global_sums(scores, mask, all_reduce)  # (3,)
     if stats[0] < 2:
         raise ValueError(
             f"{mode} normalization needs at least 2 valid response tokens in the batch, got {int(stats[0])}: raise "
             f"max_new_tokens or prompts_per_step, or check that responses are not empty"
         )
-    return _whiten(scores, mask, *stats, eps)
+    return whiten(scores, mask, *stats, eps)
 
 
 def policy_loss(
@@ -341,11 +310,6 @@ class ScoredBatch:
         return out
 
 
-def plugin_hooks(plugins: list, name: str) -> list[Callable]:
-    """The plug-ins' hooks of this name, in order."""
-    return [getattr(p, name) for p in plugins if hasattr(p, name)]
-
-
 @dataclass
 class Models:
     """The models a step runs, and how each gives its log-probs of a rollout's sampled tokens."""
@@ -359,13 +323,12 @@ class Models:
     student_forward: Callable | None = None
     sampling: object = None  # PART II's Sampling: how sample_rollouts draws; only generate_and_score needs it
     update_size: Callable | None = None  # (optimizer, accelerator) -> the update's size, a diagnostic; None: NaN
-    # the optional modules' plug-ins; each may define route(prompts, rollouts) -> rollouts, batch_extra(rollouts) ->
-    # dict, on_batch(batch, prompts, log), metric_sums(batch) -> dict, metrics(r, batch) -> dict, evaluate(one, model,
-    # rows) -> dict, and the run's before_training(run), after_step(run, metrics), after_training(run)
-    plugins: list = field(default_factory=list)
+    task_rewards: Callable | None = None  # (processor, rollouts, answers) -> (n,) graded rewards (gndpo_eval's)
+    plugins: list = field(default_factory=list)  # the optional modules' plug-ins: their hooks are HOOKS'
 
     def hooks(self, name: str) -> list[Callable]:
-        return plugin_hooks(self.plugins, name)
+        """The plug-ins' hooks of this name (one of HOOKS), in order."""
+        return [getattr(p, name) for p in self.plugins if hasattr(p, name)]
 
     def teacher_logps_of(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) float32 teacher log-probs of a micro-batch's sampled tokens."""
@@ -385,8 +348,7 @@ class StepPrompts:
     prompts: list  # n = (this process's prompts) x G pairs (prompt, images), a prompt's G rows next to each other
     group_ids: list[int]  # (n,) each row's prompt id, unique over the run
     answers: list  # (n,) each row's reference answer, None where the data has none
-    teachers: list[str] | None = None  # several teachers: (n,) each row's teacher name (its --teacher_column)
-    contexts: list | None = None  # the self-teacher: (n,) each row's privileged context (its --privileged_column)
+    rows: list | None = None  # (n,) each row's data: the columns the plug-ins read (a row's teacher, its context)
 
 
 # --- The step: prompts -> rollouts -> scores and advantages -> student update
@@ -396,7 +358,7 @@ def step_prompts(
     train_ds, train_keep: list[int], args: Args, step: int, num_processes: int = 1, process_index: int = 0
 ) -> StepPrompts:
     """This process's share of the step's B prompts, each repeated G times, and the step's sampling seed."""
-    prompts, group_ids, answers, teachers, contexts = [], [], [], [], []
+    prompts, group_ids, answers, rows = [], [], [], []
     for group_id, position in process_prompts(
         step, len(train_keep), args.prompts_per_step, args.seed, num_processes, process_index
     ):
@@ -404,22 +366,12 @@ def step_prompts(
         prompts += [(row[args.question_column], row_images(row, args.image_column))] * args.num_generations
         group_ids += [group_id] * args.num_generations
         answers += [row[args.answer_column]] * args.num_generations
-        teachers += [row.get(args.teacher_column)] * args.num_generations
-        contexts += [row.get(args.privileged_column)] * args.num_generations
-    return StepPrompts(
-        step,
-        step_seed(args.seed, step, process_index),
-        prompts,
-        group_ids,
-        answers,
-        teachers if len(teacher_paths(args)) > 1 else None,
-        contexts if args.privileged_column else None,
-    )
+        rows += [row] * args.num_generations
+    return StepPrompts(step, step_seed(args.seed, step, process_index), prompts, group_ids, answers, rows)
 
 
 def generate_and_score(models: Models, prompts: StepPrompts, args: Args, log=print) -> ScoredBatch:
-    """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored by score_rollouts, then the options
-    beyond the paper, each off by default."""
+    """The step's rollouts (sample_rollouts, seeded by prompts.seed), scored (score_rollouts), then on_batch hooks."""
     t0 = time.time()
     rollouts = sample_rollouts(models, prompts, args)  # micro-batches of args.micro_batch_size rows
     t_generate = time.time() - t0
@@ -452,39 +404,15 @@ def score_rollouts(
     scores = SCORES[args.score_type](teacher_logps, student_logps, mask, args)
     group_ids = torch.as_tensor(group_ids, device=mask.device)
     extra = {k: v for batch_extra in models.hooks("batch_extra") for k, v in batch_extra(rollouts).items()}
-    advantages = whiten_or_skip(scores, mask, args.advantage_mode, group_ids, nonfinite, log, extra, args)
-    return ScoredBatch(
-        rollouts,
-        group_ids,
-        mask,
-        teacher_logps,
-        student_logps,
-        scores,
-        advantages,
-        nonfinite,
-        {"score": time.time() - t0},
-        extra=extra,
-    )
-
-
-def whiten_or_skip(
-    scores: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    group_ids: torch.Tensor,
-    nonfinite: int,
-    log=print,
-    extra: dict | None = None,
-    args: Args | None = None,
-):
-    """ADVANTAGES[mode] (normalize_scores for global and none), or (n, R) NaN advantages with a log line when too few
-    valid tokens are left: they make the loss and, through the gradient all-reduce, every process's gradient
-    non-finite, so all processes skip together. extra: the batch's (ScoredBatch.extra), for the plug-ins' modes."""
-    try:
-        return ADVANTAGES[mode](scores, mask, group_ids, extra or {}, args)
-    except ValueError as e:
+    try:  # ADVANTAGES[args.advantage_mode]: normalize_scores for global and none
+        advantages = ADVANTAGES[args.advantage_mode](scores, mask, group_ids, extra, args)
+    except ValueError as e:  # too few valid tokens: NaN advantages make every process's gradient, so the step, skip
         log(f"{e} ({nonfinite} non-finite teacher/student log-probs on this process)")
-        return torch.full_like(scores, float("nan"))
+        advantages = torch.full_like(scores, float("nan"))
+    timing = {"score": time.time() - t0}
+    return ScoredBatch(
+        rollouts, group_ids, mask, teacher_logps, student_logps, scores, advantages, nonfinite, timing, extra
+    )
 
 
 def update_student(
@@ -493,8 +421,8 @@ def update_student(
     """The step's optimizer updates: K = steps_per_generation mini-batches, one update each, E = num_iterations
     passes (K = E = 1, the paper's: one update, ratio 1). The first mini-batch's first forward runs before any update,
     so its detached log-probs are the old policy's; the others' come from old_policy_logps. Each loss is a mean over
-    the valid sequences of the whole mini-batch, all processes together. An update whose loss or gradient is not
-    finite on any process is skipped on all. loss_fn has policy_loss's signature. Returns UpdateStats.result()."""
+    the valid sequences of the whole mini-batch, all processes together. An update not finite on any process is
+    skipped on all. loss_fn has policy_loss's signature. Returns UpdateStats.result()."""
     t0 = time.time()
     parts, K, E = batch.micro_batches(), args.steps_per_generation, args.num_iterations
     per_update = len(parts) // K  # check_args made it divide
@@ -522,9 +450,10 @@ def update_student(
             if update_is_finite(accelerator, stats.update_loss, grad_norm):  # every process decides alike
                 optimizer.step()
                 scheduler.step()
-                stats.update(
-                    grad_norm, lr, models.update_size(optimizer, accelerator) if models.update_size else float("nan")
-                )
+                size = (
+                    models.update_size(optimizer, accelerator) if models.update_size else float("nan")
+                )  # a diagnostic
+                stats.update(grad_norm, lr, size)
             else:
                 stats.update(grad_norm, lr)
                 log(
@@ -540,13 +469,11 @@ def update_student(
 
 
 def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) -> dict:
-    """Trains the student; returns the run's summary (also written to output_dir/summary.json).
-
-    on_step(step) is called with the 1-based step before it runs. teacher_forward(teacher, rollout, ignore_ids)
-    replaces the teacher's scoring forward and loss_fn the policy loss (to record what a step used, or to feed
-    broken numbers)."""
+    """Trains the student; returns the run's summary (also written to output_dir/summary.json). on_step(step) runs
+    before each 1-based step; teacher_forward(teacher, rollout, ignore_ids) replaces the teacher's scoring forward and
+    loss_fn the policy loss (to record what a step used, or to feed broken numbers)."""
     run = setup(args, teacher_forward)  # the launch, models, data, optimizer; resumed from a checkpoint if asked
-    accelerator, models = run.accelerator, run.models
+    args, accelerator, models = run.args, run.accelerator, run.models
     for before_training in models.hooks("before_training"):  # gndpo_eval: the teacher's and the student's accuracy
         before_training(run)
     models.student.train()
@@ -561,7 +488,7 @@ def main(args: Args, on_step=None, teacher_forward=None, loss_fn=policy_loss) ->
         batch = generate_and_score(models, prompts, args, step_log)
         update = update_student(models, run.optimizer, run.scheduler, accelerator, batch, args, loss_fn, step_log)
         clip = args.score_clip if args.score_type == "log_ratio" else None  # the clamp whose hits are counted
-        metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step, clip, models.plugins)
+        metrics = step_metrics(accelerator, batch, update, step + 1, time.time() - t_step, clip, models)
         end_step(run, batch, update, metrics)  # counters, evaluation, the metrics line, a checkpoint
     finish_run(run)  # the trained student (adapter/ or model/), its evaluation, summary.json
     return run.summary
@@ -596,9 +523,7 @@ class Sampling:
     sharing: object = None  # gndpo_fast.PrefixSharing: which forwards read each prompt once; None: none does
     precision: Callable = contextlib.nullcontext  # () -> autocast under mixed precision: sample the update's policy
     weights: Callable = contextlib.nullcontext  # () -> the weights it samples with (LoRA merged in: gndpo_fast)
-    # (models, prompts, args, generator) -> the step's micro-batches; None: generate_rollouts (gndpo_fast's samples
-    # on each prompt read once, checked against generate() on the first step)
-    rollouts: Callable | None = None
+    rollouts: Callable | None = None  # (models, prompts, args, generator) -> micro-batches; None: generate_rollouts
 
     def sharing_summary(self) -> dict:
         """Which forwards read each prompt once, for summary.json."""
@@ -609,10 +534,7 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
     """A step's rollouts in micro-batches, from a generator seeded with prompts.seed (Sampling.rollouts samples)."""
     sampling = models.sampling
     if sampling is None:
-        raise ValueError(
-            "Models.sampling is None: make_models sets it; with rollouts of your own, call "
-            "score_rollouts instead of generate_and_score"
-        )
+        raise ValueError("Models.sampling is None: make_models sets it; rollouts of your own go to score_rollouts")
     generator = torch.Generator(sampling.device).manual_seed(prompts.seed)
     parts = (sampling.rollouts or generate_rollouts)(models, prompts, args, generator)
     for route in models.hooks("route"):  # several teachers: each micro-batch's rows by teacher
@@ -622,19 +544,16 @@ def sample_rollouts(models: Models, prompts: StepPrompts, args: Args) -> list[Ro
 
 def generate_rollouts(models: Models, prompts: StepPrompts, args: Args, generator: torch.Generator) -> list[Rollout]:
     """One rollout per generation batch (args.generation_batch_size rows; 0: all of them), re-cut into micro-batches."""
+    from accelerate.utils import extract_model_from_parallel
+
     size = args.generation_batch_size or len(prompts.prompts)
-    policy = unwrap(models.student)  # the one with generate()
+    policy = extract_model_from_parallel(models.student)  # the one with generate(), out of DDP
     with models.sampling.weights():
         generated = [
             rollout(policy, models.processor, prompts.prompts[i : i + size], models.sampling, args, generator)
             for i in range(0, len(prompts.prompts), size)
         ]
     return cut_rollouts(models.processor, prompts, generated, args.micro_batch_size, args)
-
-
-def unwrap(model):
-    """The model inside a DDP wrapper (FSDP2 shards in place and wraps nothing): the one with generate()."""
-    return unwrap(model.module) if hasattr(model, "module") else model
 
 
 @contextlib.contextmanager
@@ -648,15 +567,7 @@ def evaluating(model):
 
 
 @torch.no_grad()
-def rollout(
-    model,
-    processor,
-    prompts: list[tuple],
-    sampling: Sampling,
-    args: Args,
-    generator: torch.Generator | None = None,
-    decode: Callable | None = None,
-) -> Rollout:
+def rollout(model, processor, prompts: list[tuple], sampling: Sampling, args: Args, generator=None, decode=None):
     """One sampled response per row, in eval mode, its sampling log-probs kept. decode(model, capture, config) -> (n,
     R) ids: how instead of generate() (gndpo_fast's reads each distinct prompt once; the rollout then holds none)."""
     device, config, row_inputs = next(model.parameters()).device, sampling.config, None
@@ -679,13 +590,7 @@ def rollout(
 class SampledTokenLogps:
     """A generate() logits processor that draws each token itself, recording its (suppressed, tempered) log-prob."""
 
-    def __init__(
-        self,
-        temperature: float,
-        suppress_ids: list[int] | None = None,
-        draw: Callable = multinomial,
-        generator: torch.Generator | None = None,
-    ):
+    def __init__(self, temperature: float, suppress_ids: list | None = None, draw=multinomial, generator=None):
         self.temperature, self.logps, self.draw, self.generator = temperature, [], draw, generator
         self.suppress = torch.tensor(suppress_ids) if suppress_ids else None
 
@@ -718,16 +623,8 @@ def generation_configs(tokenizer, model, args: Args) -> tuple:
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
     )
-    sample = GenerationConfig(
-        do_sample=False,
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        repetition_penalty=1.0,
-        **({"min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}),
-        **common,
-    )
-    return sample, GenerationConfig(do_sample=False, **common)
+    untruncated = dict(top_k=None, top_p=None, min_p=None, repetition_penalty=1.0, min_new_tokens=args.min_new_tokens)
+    return GenerationConfig(do_sample=False, **untruncated, **common), GenerationConfig(do_sample=False, **common)
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -807,11 +704,21 @@ def response_logps(model, rollout: Rollout, ignore_ids: torch.Tensor | None, tem
 SCORES = {"log_ratio": lambda t, s, mask, args: distill_scores(t, s, mask, args.score_clip)}  # the paper's
 # --advantage_mode: (scores, mask, group_ids (n,), extra: the batch's, args) -> (n, R), read once by score_rollouts
 ADVANTAGES = {mode: lambda s, m, g, extra, args, mode=mode: normalize_scores(s, m, mode) for mode in ADVANTAGE_MODES}
-for module in filter(None, (extras, several)):  # PowerOPD's score and the ablations (gndpo_extras), per_teacher
-    SCORES.update(getattr(module, "SCORES", {}))
-    ADVANTAGES.update(module.advantage_modes(_whiten, _global_sums))
+
+
+def module_functions(name: str) -> list[Callable]:
+    """The optional modules' functions of this name (EXTENSION POINTS), in MODULES' order."""
+    return [getattr(m, name) for m in MODULES if hasattr(m, name)]
+
+
+for register in module_functions("register"):  # PowerOPD's score, the ablations (gndpo_extras), per_teacher
+    register(SCRIPT)
 
 # --- Models: LoRA student, 4-bit teacher, and the checks that they speak the same tokens
+
+# bitsandbytes asks the Hub for a faster CPU 4-bit kernel, and offline falls back to its own: nothing to act on
+for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    logging.getLogger(_name).addFilter(lambda record: "kernels-community" not in record.getMessage())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -822,12 +729,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def lora_target_names(model, target_modules: str) -> list[str]:
     """The language model's linear layers named in `target_modules`: the vision tower's of the same names excluded."""
     wanted = {m.strip() for m in target_modules.split(",") if m.strip()}
-    inside = {id(m) for m in model.get_decoder().modules()}
-    names = [
-        n
-        for n, m in model.named_modules()
-        if id(m) in inside and isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in wanted
-    ]
+    inside = {id(m) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)}
+    names = [n for n, m in model.named_modules() if id(m) in inside and n.rsplit(".", 1)[-1] in wanted]
     if not names:
         raise ValueError(
             f"no linear layer named {sorted(wanted)} in the language model "
@@ -862,16 +765,11 @@ def load_student(args: Args, dtype: torch.dtype):
     if args.lora_r == 0:
         freeze_vision_tower(model)
     else:
-        lora = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            target_modules=lora_target_names(model, args.lora_target_modules),
-            task_type="CAUSAL_LM",
-        )
+        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM")
+        targets = lora_target_names(model, args.lora_target_modules)
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora)
+            model = get_peft_model(model, LoraConfig(target_modules=targets, **lora))
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         # transformers then hooks every input embedding, the frozen vision tower's too, to output a tensor that
@@ -885,9 +783,7 @@ def load_student(args: Args, dtype: torch.dtype):
 def needs(module, name: str, flags: str):
     """An optional module (imported at the top, None where absent) that `flags` ask for; stops naming it if absent."""
     if module is None:
-        raise UsageError(
-            f"{flags} need the optional module {name}.py beside gndpo_minimal.py: copy it there, or run without them"
-        )
+        raise UsageError(f"{flags} need the optional module {name}.py beside gndpo_minimal.py: copy it there")
     return module
 
 
@@ -903,21 +799,16 @@ def load_teacher(args: Args, dtype: torch.dtype, device: torch.device, path: str
     """The frozen teacher (`path` or args.teacher_model), a replica per process; teacher_4bit: nf4 but the lm_head."""
     from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
 
-    quantized = (
-        dict(
-            device_map={"": device},
-            quantization_config=BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_compute_dtype=dtype,
-                bnb_4bit_use_double_quant=True,
-            ),
-        )
-        if args.teacher_4bit
-        else {}
+    path = path or args.teacher_model
+    if not args.teacher_4bit:
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True
     )
-    model = AutoModelForImageTextToText.from_pretrained(path or args.teacher_model, dtype=dtype, **quantized)
-    return (model if args.teacher_4bit else model.to(device)).eval().requires_grad_(False)
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=dtype, device_map={"": device}, quantization_config=nf4
+    )
+    return model.eval().requires_grad_(False)
 
 
 def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
@@ -932,17 +823,11 @@ def check_same_tokenizer(student_tokenizer, teacher_tokenizer) -> None:
             f"ids with the teacher, so both must share one tokenizer: pick a teacher of the student's model family."
         )
     for name in ("eos_token_id", "pad_token_id"):
-        if getattr(student_tokenizer, name) != getattr(teacher_tokenizer, name):
-            raise ValueError(
-                f"teacher and student tokenizers disagree on {name}: "
-                f"{getattr(teacher_tokenizer, name)} vs {getattr(student_tokenizer, name)}"
-            )
+        if (t := getattr(teacher_tokenizer, name)) != (s := getattr(student_tokenizer, name)):
+            raise ValueError(f"teacher and student tokenizers disagree on {name}: {t} vs {s}")
     probe = "<|im_start|>user\nHow many shapes? \\boxed{42} 3.14 <|image_pad|><|im_end|>"
     if student_tokenizer(probe)["input_ids"] != teacher_tokenizer(probe)["input_ids"]:
-        raise ValueError(
-            "teacher and student tokenizers encode the same text to different ids: use a teacher "
-            "of the student's model family"
-        )
+        raise ValueError("teacher and student tokenizers encode a text to different ids: use one model family's")
 
 
 def check_same_image_inputs(student_processor, teacher_processor) -> None:
@@ -963,18 +848,13 @@ def check_same_image_inputs(student_processor, teacher_processor) -> None:
 
 def vision_token_ids(tokenizer, config=None) -> list[int]:
     """The image/video special tokens (by name, and the config's token ids), never sampled: they break scoring."""
-    ids = {
-        i
-        for i, tok in tokenizer.added_tokens_decoder.items()
-        if tok.special and re.search(r"image|img|vision|video|row_\d+_col_\d+", tok.content, re.IGNORECASE)
-    }
-    ids |= {
-        v
-        for k, v in (config.to_dict().items() if config is not None else ())
-        if isinstance(v, int)
-        and k.endswith(("token_id", "token_index"))
-        and re.search(r"image|video|vision|boi|eoi", k)
-    }
+    named = r"image|img|vision|video|row_\d+_col_\d+"
+    ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special and re.search(named, t.content, re.I)}
+    config = config.to_dict() if config is not None else {}
+    keys = [
+        k for k in config if k.endswith(("token_id", "token_index")) and re.search(r"image|video|vision|boi|eoi", k)
+    ]
+    ids |= {config[k] for k in keys if isinstance(config[k], int)}
     return sorted(i for i in ids if i != tokenizer.unk_token_id and 0 <= i)
 
 
@@ -1010,8 +890,7 @@ def row_images(row: dict, image_column: str) -> list:
 
 
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
-    """The chat to render: one user turn of the images, then the question and the instruction. A chat prompt, or
-    <image> markers placing the images, go through gndpo_data (ValueError for a bad one)."""
+    """The chat to render: one user turn of the images, the question, the instruction (chats, <image>: gndpo_data)."""
     if not isinstance(prompt, str) or "<image>" in prompt:
         fmt = needs(formats, "gndpo_data", "chat prompts and <image> markers")
         return fmt.build_messages(prompt, num_images, instruction)
@@ -1021,12 +900,8 @@ def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]
 
 def encode_prompts(processor, prompts: list[tuple], instruction: str = "") -> dict:
     """[(prompt, images)] -> a left-padded processor batch: input_ids, attention_mask (n, P), pixel_values, ..."""
-    texts = [
-        processor.apply_chat_template(
-            build_messages(q, len(imgs), instruction), add_generation_prompt=True, tokenize=False
-        )
-        for q, imgs in prompts
-    ]
+    chats = [build_messages(q, len(imgs), instruction) for q, imgs in prompts]
+    texts = [processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     processor.tokenizer.padding_side = "left"  # generation appends on the right
     bos = processor.tokenizer.bos_token  # a template writing it (Gemma 3's) must not get a second from the tokenizer
     extra = {"add_special_tokens": False} if bos and all(t.startswith(bos) for t in texts) else {}
@@ -1050,22 +925,21 @@ def load_split(args: Args, split: str):
         if files:  # the extension names the builder
             ext = os.path.splitext(files[0])[1].lstrip(".")
             return datasets.load_dataset("json" if ext == "jsonl" else ext, data_files={split: files}, split=split)
-        if any(os.path.isfile(os.path.join(args.dataset_name, f)) for f in ("dataset_dict.json", "state.json")):
-            ds = datasets.load_from_disk(args.dataset_name)  # load_dataset refuses a saved Dataset; it serves any split
+        if any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
+            ds = datasets.load_from_disk(name)  # load_dataset refuses a saved Dataset; it serves any split
             if isinstance(ds, datasets.DatasetDict) and split not in ds:
                 raise ValueError(f"Unknown split {split!r}. Should be one of {list(ds)}.")
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)
+        return datasets.load_dataset(name, args.dataset_config, split=split)
     except ValueError as e:
         raise ValueError(
-            f"could not load split {split!r} of dataset {args.dataset_name!r}: {e} (--train_split and "
-            f"--eval_split name the splits to use; --num_eval_samples 0 needs no eval split)"
+            f"could not load split {split!r} of dataset {name!r}: {e} (--train_split and --eval_split name the "
+            "splits to use; --num_eval_samples 0 needs no eval split)"
         ) from e
 
 
 def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_prefix: str = "--") -> dict:
-    """{flag: its column (None: no answers)}, at a default other formats' names too (gndpo_data: TRL's, LLaVA's);
-    stops naming a missing one."""
+    """{flag: its column (None: no answers)}, at a default gndpo_data's other names too; stops naming a missing one."""
     columns = {}
     for flag in ("image_column", "question_column", "answer_column"):
         name = getattr(args, flag)
@@ -1084,24 +958,9 @@ def check_columns(ds, args: Args, split: str, need_answer: bool = False, flag_pr
     return columns
 
 
-def other_format(row: dict, columns: dict, args: Args) -> bool:
-    """Whether a raw row needs gndpo_data: another format's columns, a chat prompt or answer, <image> markers, image
-    paths (a relative one is looked up beside the data file), or --image_root."""
-    prompt, images = row[columns["question_column"]], row[columns["image_column"]]
-    answer = row[columns["answer_column"]] if columns["answer_column"] else None
-    cells = images if isinstance(images, list) else [images]
-    paths = [isinstance(v, str) or isinstance(v, dict) and v.get("bytes") is None for v in cells]
-    renamed = any(
-        columns[f] not in (None, getattr(args, f)) for f in ("image_column", "question_column", "answer_column")
-    )
-    text = isinstance(prompt, str) and "<image>" not in prompt and isinstance(answer, (str, int, float, type(None)))
-    return bool(args.image_root) or renamed or not text or any(paths)
-
-
 def normalize_rows(examples: dict, columns: dict, args: Args, roots: list[str] | None) -> dict:
     """Raw rows (a dict of columns) under args' column names: each row's images a list, its answer text or None.
-    roots: other formats, through gndpo_data (chat prompts cut to the first turn, relative image paths looked up in
-    roots); None: the plain layout."""
+    roots: through gndpo_data (chats, relative image paths looked up in roots); None: the plain layout alone."""
     names = {f: getattr(args, f) for f in ("image_column", "question_column", "answer_column")}
     if roots is not None:
         out = formats.normalize_rows(examples, columns, names, roots)
@@ -1134,11 +993,8 @@ def prepare_split(
     if isinstance(getattr(feature, "feature", feature), datasets.Image):  # that a broken image skips its row
         ds = ds.cast_column(columns["image_column"], datasets.List(lazy) if hasattr(feature, "feature") else lazy)
     roots, where = None, "the current directory"
-    if other_format(ds[0], columns, args):  # the folders a relative image path is looked up in, and whence
-        fmt = needs(
-            formats, "gndpo_data", f"the {split!r} split's layout (chat, <image> markers, image paths, columns)"
-        )
-        roots, where = fmt.image_roots(args.image_root, args.dataset_name, split, flag_prefix)
+    if formats:  # the other layouts: the folders a relative image path is looked up in, and whence
+        roots, where = formats.image_roots(args.image_root, args.dataset_name, split, flag_prefix)
     raw, ds = ds, ds.with_transform(lambda examples: normalize_rows(examples, columns, args, roots))
     chat = isinstance(ds[0][args.question_column], list)
     if log and (chat or columns != {f: getattr(args, f) for f in columns}):
@@ -1161,12 +1017,12 @@ def prepare_split(
                 images = row_images(row, args.image_column)
                 reason = "unusable_prompt"  # neither text nor chat, <image> markers that do not match the images, ...
                 build_messages(row[args.question_column], len(images), args.instruction)
-                good.append((i, row[args.question_column], images, row.get(args.privileged_column)))
+                good.append((i, row[args.question_column], images, row))
             except ValueError as e:
                 skipped[reason] += 1
                 missing += isinstance(e.__cause__, FileNotFoundError)
                 notes.append(f"skipping {split} row {i}: {e}")
-        if missing == min(start + block, n):  # no row so far has its image file (paths: gndpo_data's layouts)
+        if formats and missing == min(start + block, n):  # no row so far has its image file (paths: gndpo_data's)
             formats.images_not_found(raw[0][columns["image_column"]], roots, where, split, flag_prefix)
         for note in notes if log else ():
             log(note)
@@ -1192,9 +1048,8 @@ def prepare_split(
 
 
 def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int]:
-    """The rows of `good` [(index, prompt, images, context)] whose prompt fits --max_prompt_length and, for a
-    self-teacher reading privileged context, whose teacher prompt (the row's own context placed) fits
-    --max_teacher_prompt_length: never cut to the student's bound. Counts the others in `skipped`."""
+    """The rows of `good` [(index, prompt, images, row)] whose prompt fits --max_prompt_length and, for a self-teacher
+    reading privileged context, whose teacher prompt fits its own bound (gndpo_teachers). Counts the others."""
     rows = [(q, imgs) for _, q, imgs, _ in good]
 
     def lengths(rows: list) -> torch.Tensor:  # (n,) each prompt's tokens, images included
@@ -1203,21 +1058,19 @@ def fitting(processor, good: list[tuple], args: Args, skipped: dict) -> list[int
     fits = lengths(rows) <= args.max_prompt_length
     skipped["prompt_too_long"] += int((~fits).sum())
     if "teacher_prompt_too_long" in skipped:  # the self-teacher's prompt, its context placed, fits too
-        teacher_fits = several.teacher_prompts_fit(rows, [c for *_, c in good], args, lengths)
+        teacher_fits = several.teacher_prompts_fit(rows, [row for *_, row in good], args, lengths)
         skipped["teacher_prompt_too_long"] += int((fits & ~teacher_fits).sum())
         fits &= teacher_fits
     return [i for (i, *_), ok in zip(good, fits.tolist()) if ok]
 
 
 def load_eval_rows(args: Args, processor, log=print) -> list[tuple]:
-    """gndpo_eval's held-out rows [(prompt, images, answer)] of the set the eval_* flags name; none without it."""
-    if not args.num_eval_samples or evaluation is None:
-        if args.num_eval_samples and log:  # at its default: check_args stops a --num_eval_samples set by hand
+    """gndpo_eval's held-out rows [(prompt, images, answer)] of the set its flags name; none without it."""
+    if evaluation is None:
+        if log:
             log("no held-out accuracy: the optional module gndpo_eval.py is not beside the script")
         return []
-    split_chat = formats.split_chat if formats else None
-    data = dict(load_split=load_split, check_columns=check_columns, prepare_split=prepare_split, row_images=row_images)
-    return evaluation.load_eval_rows(args, processor, log, dict(data, split_chat=split_chat))
+    return evaluation.load_eval_rows(SCRIPT, args, processor, log, formats.split_chat if formats else None)
 
 
 def step_prompt_indices(step: int, n_rows: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -1257,39 +1110,36 @@ def weights_are_sharded(accelerator) -> bool:
     return accelerator.distributed_type == "FSDP"  # accelerate's DistributedType is a str enum
 
 
-def student_folder(args) -> str:
-    """The student's folder in a run and its checkpoints: adapter/ (LoRA) or model/ (full). args: Args or asdict()."""
-    return "model" if (args["lora_r"] if isinstance(args, dict) else args.lora_r) == 0 else "adapter"
-
-
-def save_student(accelerator, student, processor, path: str) -> None:
-    """Saves the student (adapter or whole model) and processor to `path`; on every process (sharded: a collective)."""
+def save_student(run, folder: str) -> None:
+    """The student (adapter/, or model/ for full fine-tuning) and processor into `folder`; on every process."""
+    accelerator, student = run.accelerator, run.models.student
+    path = os.path.join(folder, "adapter" if run.args.lora_r else "model")
     state_dict = accelerator.get_state_dict(student) if weights_are_sharded(accelerator) else None
     if accelerator.is_main_process:
         accelerator.unwrap_model(student).save_pretrained(path, state_dict=state_dict)
-        processor.save_pretrained(path)
+        run.models.processor.save_pretrained(path)
 
 
-def save_checkpoint(accelerator, student, processor, output_dir: str, step: int, state: dict, keep: int) -> str:
-    """Writes checkpoint-<step> as a .tmp folder renamed when complete (a crash never leaves one that looks whole);
-    keeps the `keep` newest."""
+def save_checkpoint(run, step: int) -> str:
+    """Writes checkpoint-<step> (model, optimizer, scheduler, RNG states, the student, trainer_state.json) as a .tmp
+    folder renamed when complete (a crash never leaves one that looks whole); keeps --save_total_limit of them."""
+    accelerator, output_dir, keep = run.accelerator, run.args.output_dir, run.args.save_total_limit
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    import logging  # to hide Accelerate's "Removed shared tensor": a tied LM head, saved once, is tied again on load
-
+    # to hide Accelerate's "Removed shared tensor": a tied LM head, saved once, is tied again on load
     logger, drop = logging.getLogger("accelerate.utils.other"), lambda r: "Removed shared tensor" not in r.getMessage()
     logger.addFilter(drop)
     try:
         accelerator.save_state(tmp)  # model, optimizer, scheduler and RNG states of every process
     finally:
         logger.removeFilter(drop)
-    save_student(accelerator, student, processor, os.path.join(tmp, student_folder(state["args"])))
+    save_student(run, tmp)
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f, indent=2)
+            json.dump({"step": step, "counters": run.counters, "args": asdict(run.args)}, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
@@ -1304,23 +1154,17 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     resume, found = args.resume_from_checkpoint, list_checkpoints(args.output_dir)
     if resume and resume != "latest":
         if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
-            raise ValueError(f"{resume} is not a complete checkpoint (no trainer_state.json)")
+            raise UsageError(f"{resume} is not a complete checkpoint (no trainer_state.json)")
         return resume
     files = [os.path.join(args.output_dir, name) for name in ("metrics.jsonl", "summary.json", "eval_rows.jsonl")]
     holds_run = os.path.isfile(files[0]) or os.path.isfile(files[2]) or bool(found)
     if resume and found:
         return found[-1][1]
     if resume:  # with metrics.jsonl: a run that crashed before its first save, whose metrics would repeat steps
-        log(
-            f"no checkpoint in {args.output_dir} yet: "
-            + (
-                "its metrics.jsonl is from a run that saved none; starting over at step 0"
-                if holds_run
-                else "starting from step 0"
-            )
-        )
+        why = "its metrics.jsonl is from a run that saved none; starting over" if holds_run else "starting from"
+        log(f"no checkpoint in {args.output_dir} yet: {why} step 0")
     elif holds_run and not args.overwrite_output_dir:
-        raise ValueError(
+        raise UsageError(
             f"--output_dir {args.output_dir} already holds a run: pass --resume_from_checkpoint latest "
             f"to continue it, --overwrite_output_dir to start over, or another --output_dir"
         )
@@ -1334,26 +1178,21 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
 
 def restore_checkpoint(accelerator, resume_from: str, metrics_path: str) -> tuple[int, dict]:
     """Loads model, optimizer, scheduler and RNG states; cuts metrics.jsonl and eval_rows.jsonl back to the
-    checkpoint: (step, counters)."""
+    checkpoint (the lines logged after it go): (step, counters)."""
     accelerator.load_state(resume_from)
     with open(os.path.join(resume_from, "trainer_state.json")) as f:
-        saved = json.load(f)
-    kept = {
-        "metrics.jsonl": lambda lines: [
-            ln
-            for ln in lines
-            if ln.endswith("\n")  # not a half-written last line
-            and int(re.match(r'\{"step": (\d+)', ln).group(1)) <= saved["step"]
-        ],
-        "eval_rows.jsonl": lambda lines: lines[: saved["counters"].get("eval_rows", 0)],
-    }  # the rows it counted
-    for name, keep in kept.items() if accelerator.is_main_process else ():  # lines logged after the checkpoint go
+        step, counters = (saved := json.load(f))["step"], saved["counters"]
+    kept = {  # a half-written last line is never kept
+        "metrics.jsonl": lambda lines: [ln for ln in lines if ln.endswith("\n") and json.loads(ln)["step"] <= step],
+        "eval_rows.jsonl": lambda lines: lines[: counters.get("eval_rows", 0)],
+    }
+    for name, keep in kept.items() if accelerator.is_main_process else ():
         if os.path.exists(path := os.path.join(os.path.dirname(metrics_path), name)):
             with open(path) as f:
                 lines = keep(f.readlines())
             with open(path, "w") as f:
                 f.writelines(lines)
-    return saved["step"], saved["counters"]
+    return step, counters
 
 
 # --- Set-up: the launch, the models, the data, the optimizer, the optional modules; setup() for main() and tutorials
@@ -1363,74 +1202,54 @@ class UsageError(ValueError):
     """A mistake in the arguments or in the paths they name: the command line says so in one line and exits with 2."""
 
 
-# each numeric flag's lowest value: 1, 0, or -1 for "above 0"
+# each numeric flag's lowest value: 1, 0, or -1 for "above 0"; a module's RANGES add its own
 RANGES = dict.fromkeys(
     "steps_per_generation num_iterations prompts_per_step num_generations micro_batch_size max_steps max_new_tokens "
-    "max_prompt_length max_consecutive_skips process_timeout_minutes save_total_limit "
-    "max_teacher_prompt_length".split(),
+    "max_prompt_length max_consecutive_skips process_timeout_minutes save_total_limit".split(),
     1,
 )
 RANGES |= dict.fromkeys(
     "learning_rate cpu_threads min_new_tokens lora_r weight_decay clip_low clip_high warmup_steps max_train_samples "
-    "num_eval_samples save_steps eval_steps logging_steps lora_dropout seed generation_batch_size reward_weight "
-    "score_std_floor".split(),
+    "save_steps logging_steps lora_dropout seed generation_batch_size".split(),
     0,
 )
-RANGES |= dict.fromkeys("max_grad_norm lora_alpha temperature power_alpha score_clip".split(), -1)
+RANGES |= dict.fromkeys("max_grad_norm lora_alpha temperature score_clip".split(), -1)
+RANGES |= {flag: low for module in MODULES for flag, low in getattr(module, "RANGES", {}).items()}
 RANGE_WORDS = {1: "at least 1", 0: ">= 0", -1: "> 0"}
-DATA_FILES = (".jsonl", ".json", ".csv", ".parquet")
+OPTIMIZERS = ("adamw", "sgd")
 
 
-def missing_path(name: str | None) -> bool:
-    """A name that can only be a local path (a data file's extension, or starting with ./, ../, / or ~, or two or more
-    slashes: a Hub id is owner/name) and that does not exist."""
-    if not name or os.path.exists(os.path.expanduser(name)):
-        return False
-    return name.endswith(DATA_FILES) or name.startswith((".", "/", "~")) or name.count("/") > 1
-
-
-def check_paths(args: Args) -> list[str]:
-    """The local paths the arguments name that do not exist, each with what it was taken for."""
-    named = {
-        "dataset_name": args.dataset_name,
-        "eval_dataset_name": args.eval_dataset_name,
-        "image_root": args.image_root,
-        "eval_image_root": args.eval_image_root,
-        "student_model": args.student_model,
-    }
-    named.update({f"teacher_model {name}": path for name, path in teacher_paths(args).items()})
+def missing_paths(named: dict) -> list[str]:
+    """{flag: name} -> a line for each name that can only be a local path (a data file's extension, ./, ../, /, ~,
+    more than one slash: a Hub id is owner/name; a flag's *image_root: a folder) and does not exist."""
     problems = []
-    for flag, path in named.items():
-        where = os.path.abspath(os.path.expanduser(path or ""))
-        if flag.endswith("image_root") and path and not os.path.isdir(path):
-            problems.append(f"--{flag} {path!r}: no such folder ({where})")
-        elif missing_path(path):
-            problems.append(
-                f"--{flag.split()[0]} {path!r}: no such file or folder ({where}); a Hub id is owner/name, a local "
-                "path starts from the current directory"
-            )
+    for flag, name in ((f, n) for f, n in named.items() if n):
+        path, folder = os.path.expanduser(name), flag.endswith("image_root")
+        local = folder or name.endswith((".jsonl", ".json", ".csv", ".parquet")) or name.startswith((".", "/", "~"))
+        if (local or name.count("/") > 1) and not (os.path.isdir(path) if folder else os.path.exists(path)):
+            hub = "" if folder else "; a Hub id is owner/name, a local path starts from the current directory"
+            kind = "folder" if folder else "file or folder"
+            problems.append(f"--{flag.split()[0]} {name!r}: no such {kind} ({os.path.abspath(path)}){hub}")
     return problems
 
 
 def check_args(args: Args, num_processes: int) -> int:
-    """Validates arguments, alone and together, and the local paths they name, before anything loads (UsageError);
-    returns the micro-batches per optimizer update (gradient accumulation)."""
+    """Validates arguments, alone and together (each module its own: check_args), and the local paths they name,
+    before anything loads (UsageError); returns the micro-batches per optimizer update (gradient accumulation)."""
+    args = run_args(args)
     problems = list(range_problems(args))
     if not problems:  # the checks below divide by these
         problems += list(combination_problems(args, num_processes))
-        for module in filter(None, (extras, several)):  # the flags of the options each module adds
-            problems += module.check_args(args, num_processes)
-        problems += check_paths(args)
+        for module_check in module_functions("check_args"):
+            problems += module_check(SCRIPT, args, num_processes)
+        paths = {"dataset_name": args.dataset_name, "image_root": args.image_root, "student_model": args.student_model}
+        problems += missing_paths(paths | {f"teacher_model {k}": v for k, v in teacher_paths(args).items()})
     if problems:
         raise UsageError(problems[0] if len(problems) == 1 else "\n  - ".join(["invalid arguments:", *problems]))
-    for flag in SPEEDUPS:
-        speedup_on(args, flag)  # an explicit true without gndpo_fast stops here
-    if args.score_std_floor > 0 or args.reward_weight:
-        needs(extras, "gndpo_extras", "--score_std_floor and --reward_weight")
-    if args.reward_weight or args.eval_steps or args.num_eval_samples not in (0, Args.num_eval_samples):
-        needs(evaluation, "gndpo_eval", "--reward_weight, --eval_steps and --num_eval_samples")
-    if args.shard_teacher or args.teacher_model == "self" or args.privileged_column:
-        needs(several, "gndpo_teachers", "--shard_teacher, --teacher_model self and --privileged_column")
+    if args.shard_teacher or args.teacher_model == "self":
+        needs(several, "gndpo_teachers", "--shard_teacher and --teacher_model self")
+    if args.image_root:  # relative image paths are gndpo_data's
+        needs(formats, "gndpo_data", "--image_root")
     sequences = args.prompts_per_step // num_processes * args.num_generations  # on each process, per step
     return sequences // args.micro_batch_size // args.steps_per_generation  # micro-batches per update: never a flag
 
@@ -1451,52 +1270,24 @@ def range_problems(args: Args):
 
 def combination_problems(args: Args, num_processes: int):
     """Each choice that is not one of its flag's, and each batch size that does not divide the next, as a line."""
-    choices = {
-        "advantage_mode": tuple(ADVANTAGES),
-        "loss_type": LOSS_TYPES,
-        "score_type": tuple(SCORES),
-        "optimizer": ("adamw", "sgd"),
-    }
+    choices = dict(
+        advantage_mode=tuple(ADVANTAGES), loss_type=LOSS_TYPES, score_type=tuple(SCORES), optimizer=OPTIMIZERS
+    )
     for flag, allowed in choices.items():
         if getattr(args, flag) not in allowed:
             more = "" if extras and several else " here (gndpo_extras.py and gndpo_teachers.py add more)"
             yield f"--{flag} {getattr(args, flag)!r} is not one of {allowed}{more}"
-    for flag in SPEEDUPS:
-        if str(getattr(args, flag)).lower() not in ("auto", "true", "false"):
-            yield f"--{flag} {getattr(args, flag)!r} is not one of auto, true, false"
     if args.prompts_per_step % num_processes:
-        yield (
-            f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes: use a "
-            f"multiple of {num_processes}"
-        )
+        yield f"--prompts_per_step {args.prompts_per_step} does not divide across {num_processes} processes"
         return
-    sequences = args.prompts_per_step // num_processes * args.num_generations
-    if sequences % args.micro_batch_size:
+    sequences, mbs = args.prompts_per_step // num_processes * args.num_generations, args.micro_batch_size
+    if sequences % mbs:
+        yield f"each process holds {sequences} sequences per step: not a multiple of --micro_batch_size {mbs}"
+    elif sequences // mbs % args.steps_per_generation:
         yield (
-            f"each process holds {sequences} sequences per step (prompts_per_step*G/processes), which "
-            f"--micro_batch_size {args.micro_batch_size} does not divide"
+            f"each process holds {sequences // mbs} micro-batches per step, which "
+            f"--steps_per_generation {args.steps_per_generation} does not divide (every update gets whole ones)"
         )
-    elif sequences // args.micro_batch_size % args.steps_per_generation:
-        yield (
-            f"each process holds {sequences // args.micro_batch_size} micro-batches per step, which "
-            f"--steps_per_generation {args.steps_per_generation} does not divide (every update gets whole "
-            "micro-batches): change --micro_batch_size or --steps_per_generation"
-        )
-
-
-def check_cuda(driver_file: str = "/proc/driver/nvidia/version", cuda_available: bool | None = None) -> None:
-    """Stops where an NVIDIA driver is installed but torch cannot use CUDA (a CPU run: accelerate launch --cpu)."""
-    available = torch.cuda.is_available() if cuda_available is None else cuda_available
-    if available or not os.path.exists(driver_file) or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return
-    with open(driver_file) as f:
-        driver = re.search(r"Kernel Module\s+(\S+)", f.read())
-    raise RuntimeError(
-        f"an NVIDIA driver is installed (version {driver.group(1) if driver else 'unreadable'}, "
-        f"{driver_file}) but torch {torch.__version__} cannot use CUDA (built for CUDA "
-        f"{torch.version.cuda or 'none: a CPU build'}): install a torch build whose CUDA this driver "
-        f"supports, or train on the CPU on purpose with accelerate launch --cpu"
-    )
 
 
 def make_accelerator(args: Args):
@@ -1504,17 +1295,11 @@ def make_accelerator(args: Args):
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, parse_flag_from_env
 
-    asked_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
-    cpu = asked_cpu or not torch.accelerator.is_available()  # without cpu=True, CPU processes would each train alone
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.accelerator.is_available()  # else each trains alone
     if not cpu:  # the caching allocator's fixed-size segments fragment under generate()'s growing KV caches
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    elif not asked_cpu:
-        check_cuda()
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        raise ValueError(
-            "DeepSpeed is not supported: shard the student with FSDP2 instead (configs/fsdp_lora.yaml, "
-            "configs/fsdp2_full.yaml; docs/scaling.md)"
-        )
+        raise UsageError("DeepSpeed is not supported: shard the student with FSDP2 instead (docs/scaling.md)")
     state = PartialState(cpu=cpu, timeout=datetime.timedelta(minutes=args.process_timeout_minutes))
     if state.num_processes != int(os.environ.get("WORLD_SIZE", state.num_processes)):
         raise RuntimeError(
@@ -1529,25 +1314,21 @@ def make_accelerator(args: Args):
         torch.set_num_threads(args.cpu_threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     # full fine-tuning follows the paper's setting on a GPU: float32 master weights, bf16 compute (dtype auto)
     precision = "bf16" if args.lora_r == 0 and args.dtype == "auto" and state.device.type == "cuda" else None
+    trackers = None if args.report_to == "none" else args.report_to.split(",")
     accelerator = Accelerator(
         cpu=cpu,
         gradient_accumulation_steps=accum,
         project_dir=args.output_dir,
-        log_with=None if args.report_to == "none" else args.report_to.split(","),
+        log_with=trackers,
         mixed_precision=precision,
     )
     if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        raise ValueError(
-            "FSDP runs need fsdp_version: 2 in the Accelerate config (generation on the sharded "
-            "student is set up for FSDP2 only): see configs/fsdp_lora.yaml"
-        )
+        raise UsageError("FSDP runs need fsdp_version: 2 in the Accelerate config: see configs/fsdp_lora.yaml")
     # on CPU processes Accelerate silently trains whole replicas (DDP) for an FSDP config
     if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
-        kind = accelerator.distributed_type.value
-        raise ValueError(
-            f"the Accelerate config asks for FSDP, but Accelerate runs FSDP on GPUs only: on "
-            f"{accelerator.device.type} it would train unsharded replicas ({kind}); launch CPU processes "
-            "with `accelerate launch --multi_gpu --num_processes N` instead"
+        raise UsageError(
+            f"the Accelerate config asks for FSDP, which Accelerate runs on GPUs only: on {accelerator.device.type} "
+            "it would train unsharded replicas; launch CPU processes with `accelerate launch --multi_gpu` instead"
         )
     return accelerator, accum
 
@@ -1573,19 +1354,8 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     dtype = resolve_dtype(args.dtype, accelerator.device)
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
-    teacher = f"{args.teacher_model}{' in 4-bit nf4' if args.teacher_4bit else ''}"
     if several:  # the self-teacher (the student's starting weights), the sharded teacher
-        own = several.own_teachers(args, teachers, student, lambda: load_student(args, dtype), accelerator, log)
-        teacher = own or teacher
-    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    log(
-        f"student {args.student_model}: {trainable / 1e6:.3f}M trainable "
-        f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}) of "
-        f"{sum(p.numel() for p in student.parameters()) / 1e6:.2f}M; teacher {teacher}; "
-        f"{accelerator.num_processes} process(es), "
-        f"{args.steps_per_generation * args.num_iterations} update(s) of {accelerator.gradient_accumulation_steps} "
-        f"micro-batch(es) of {args.micro_batch_size} per step"
-    )
+        several.own_teachers(args, teachers, student, lambda: load_student(args, dtype), accelerator, log)
     return processor, student, teachers
 
 
@@ -1598,11 +1368,6 @@ def load_data(args: Args, processor, is_main: bool, log=print) -> tuple:
     eval_rows = load_eval_rows(args, processor, split_log)
     log(f"train rows: {len(train_keep)} usable, skipped {train_skipped}; eval rows: {len(eval_rows)}")
     step_prompt_indices(0, len(train_keep), args.prompts_per_step, args.seed)  # fails now if rows < prompts_per_step
-    if args.reward_weight and all(train_ds[i][args.answer_column] is None for i in train_keep[:64]):
-        raise ValueError(
-            f"--reward_weight {args.reward_weight} grades answers, but the training rows have none: set "
-            f"--answer_column (or the chat's assistant turn) or leave --reward_weight at 0"
-        )
     return train_ds, train_keep, train_skipped, eval_rows
 
 
@@ -1618,20 +1383,24 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     return student, optimizer, scheduler
 
 
-def startup_line(args: Args, accelerator, student, off: dict | None = None) -> str:
-    """Where and how the run computes, and which paths run: a GPU run on the CPU, or bf16 weights, show here.
-    off: {flag: why} for the speed-ups asked for that do not run here (gndpo_fast.speedups_off)."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in student.parameters() if p.is_floating_point()})
+def startup_line(args: Args, accelerator, student, paths: str = "plain paths (no gndpo_fast.py): full logits") -> str:
+    """The run in one line: where and in what precision it computes, the paths (gndpo_fast's words), the models."""
+    params = list(student.parameters())
+    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params if p.is_floating_point()}))
+    trainable, total = sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
     device = accelerator.device
-    teacher = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
-    teacher = (
-        "self, the student's precision (--teacher_4bit does not apply)" if args.teacher_model == "self" else teacher
-    )
+    precision = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    teacher = f"{args.teacher_model} in {precision}"
+    if args.teacher_model == "self":  # the student's starting weights, in its precision (--teacher_4bit n/a)
+        teacher = f"self: {'the student, its adapter disabled' if args.lora_r else 'a frozen copy of the student'}"
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-    paths = fast.startup_paths(args, off or {}) if fast else "plain paths (gndpo_fast.py not found)"
     return (
-        f"device {device.type}{name}, student {'/'.join(dtypes)}, teacher {teacher}, mixed precision "
-        f"{accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}"
+        f"device {device.type}{name}, student {dtypes}, teacher {precision if teacher.endswith(precision) else 'self'}"
+        f", mixed precision {accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}; "
+        f"student {args.student_model}: {trainable / 1e6:.3f}M of {total / 1e6:.2f}M trainable "
+        f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}); teacher {teacher}; "
+        f"{accelerator.num_processes} process(es), {args.steps_per_generation * args.num_iterations} update(s) of "
+        f"{accelerator.gradient_accumulation_steps} micro-batch(es) of {args.micro_batch_size} per step"
     )
 
 
@@ -1640,63 +1409,48 @@ def compute_dtype(accelerator) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
 
 
-# the speed-ups' flags (Args): gndpo_fast.SPEEDUPS says what each does
-SPEEDUPS = ("lean_logps", "share_prompt_prefix", "fast_sampler", "merged_sampling", "static_cache", "varlen_vision")
-
-
-def speedup_on(args: Args, flag: str) -> bool:
-    """Whether a speed-up flag of gndpo_fast runs: auto where the module imports; true stops without it."""
-    value = str(getattr(args, flag)).lower()
-    if value == "true" and fast is None:
-        raise UsageError(
-            f"--{flag} true needs the optional module gndpo_fast.py beside gndpo_minimal.py: copy it "
-            f"there, or pass --{flag} auto (the plain path where it is absent)"
-        )
-    return value == "true" or (value == "auto" and fast is not None)
+# --- EXTENSION POINTS: the one list of what the optional modules define, read and fill (tests/test_layout.py)
+# A module may define ARGS (its flags: a dataclass RunArgs joins to Args), RANGES ({flag: lowest value}),
+# register(script) (at import: into SCORES, ADVANTAGES), check_args(script, args, num_processes) -> [problem] (before
+# anything loads) and plug_in(script, models, args, teachers, accelerator, log) -> start-up words or None (in
+# make_models). Beyond these the script calls gndpo_data's data functions where the data asks, gndpo_eval's
+# load_eval_rows, and gndpo_teachers' teacher_paths, data_columns, row_skips, check_row, teacher_prompts_fit and
+# own_teachers where its flags ask. script is this module (SCRIPT): a module reads only names of __all__ from it.
+# plug_in may set Models' teacher, teacher_forward, student_forward, update_size, task_rewards and Sampling's draw,
+# weights, rollouts, sharing, config, and append to Models.plugins objects with any of these hooks, called as said:
+HOOKS = {
+    "route": "(prompts, rollouts) -> rollouts: sample_rollouts, after sampling (each row to its teacher)",
+    "batch_extra": "(rollouts) -> dict for ScoredBatch.extra: score_rollouts, before the advantages",
+    "on_batch": "(batch, prompts, log): generate_and_score, the scored batch in place",
+    "metric_sums": "(batch) -> {key: this process's sum}: step_metrics, reduced over processes",
+    "metrics": "(reduced sums, batch) -> the metrics line's keys: step_metrics",
+    "evaluate": "(one, model, rows) -> an evaluation: gndpo_eval, how a model is evaluated on its rows",
+    "before_training": "(run): main(), before the first step",
+    "after_step": "(run, metrics): end_step, before the metrics line",
+    "after_training": "(run): finish_run, after the student is saved",
+}
 
 
 def make_models(args: Args, accelerator, processor, student, teachers: dict, log=print, teacher_forward=None) -> Models:
-    """The step's Models: the models, ids never sampled, each scoring forward (plain or gndpo_fast's), Sampling, and
-    the optional modules plugged in (each module's plug_in). teachers: {name: model} (load_models')."""
+    """The step's Models: the models, ids never sampled, the plain scoring forward, Sampling, and the optional modules
+    plugged in (each one's plug_in, in MODULES' order); logs the start-up line. teachers: {name: model}."""
+    from accelerate.utils import extract_model_from_parallel
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    policy = unwrap(student)  # for generate(): the wrapped module has no generate
+    args = run_args(args)
+    policy = extract_model_from_parallel(student)  # for generate(): the DDP wrapper has none
     # generate() never calls the FSDP2 root's forward, which would leave the root's own parameters sharded
     register_fsdp_forward_method(policy, "generate")  # a no-op unless FSDP2
     sample_config, _ = generation_configs(processor.tokenizer, policy, args)
-    ignore_ids = (
-        torch.tensor(sample_config.suppress_tokens, device=accelerator.device)
-        if sample_config.suppress_tokens
-        else None
-    )
-    sharded = weights_are_sharded(accelerator)
+    suppressed = sample_config.suppress_tokens
+    ignore_ids = torch.tensor(suppressed, device=accelerator.device) if suppressed else None
     precision = accelerator.autocast if accelerator.mixed_precision != "no" else contextlib.nullcontext
-    synced_gpus = sharded and accelerator.num_processes > 1  # every process steps generate() to the last's end
+    synced_gpus = weights_are_sharded(accelerator) and accelerator.num_processes > 1  # all step generate() alike
     sampling = Sampling(sample_config, device=accelerator.device, synced_gpus=synced_gpus, precision=precision)
     teacher = next(iter(teachers.values()))
     models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling)
-    script = dict(  # the script's functions that the modules call: they import nothing from it
-        response_logps=response_logps,
-        sequence_inputs=sequence_inputs,
-        logps_tolerance=logps_tolerance,
-        compute_dtype=compute_dtype(accelerator),
-        encode_prompts=encode_prompts,
-        pixels_on_host=pixels_on_host,
-        rollout=rollout,
-        cut_rollouts=cut_rollouts,
-        unwrap=unwrap,
-        spread=spread,
-        whiten=_whiten,
-        global_sums=_global_sums,
-        task_rewards=evaluation.task_rewards if evaluation else None,
-    )
-    off = fast.plug_in(models, args, teachers, accelerator, sharded, script, log) if fast else {}
-    if not fast:  # the plain forward's log-probs: a log-softmax over (n, R, V) float32 logits
-        log("log-probs: student full logits, teacher full logits")
-    models.teacher_forward = models.teacher_forward or response_logps
-    log(startup_line(args, accelerator, student, off))
-    for module in filter(None, (several, extras)):  # several teachers or the self-teacher; beyond the paper
-        module.plug_in(models, args, teachers, script)
+    words = [plug_in(SCRIPT, models, args, teachers, accelerator, log) for plug_in in module_functions("plug_in")]
+    log(startup_line(args, accelerator, student, *filter(None, words)))
     return models
 
 
@@ -1704,7 +1458,7 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
 class Run:
     """What setup() made: main()'s state, and what the tutorials step through."""
 
-    args: Args
+    args: RunArgs
     accelerator: object
     models: Models
     optimizer: object
@@ -1717,13 +1471,19 @@ class Run:
     start_step: int = 0
     counters: dict = field(default_factory=lambda: {"skipped_steps": 0, "consecutive_skips": 0})
     summary: dict = field(default_factory=dict)  # summary.json's contents so far
-    mismatch: object = None  # MismatchWatch
+    mismatch_tolerance: float = 1e-4  # logps_tolerance: above it for 3 steps in a row, watch_mismatch says so
+    mismatch_streak: int = 0
     progress: object = None  # the tqdm bar over the steps (progress_bar), and its postfix's accuracy
     bar: dict = field(default_factory=dict)
     wall_start: float = field(default_factory=time.time)
-    policy = property(lambda self: unwrap(self.models.student))
+    policy = property(lambda self: self.accelerator.unwrap_model(self.models.student))
     metrics_path = property(lambda self: os.path.join(self.args.output_dir, "metrics.jsonl"))
     summary_path = property(lambda self: os.path.join(self.args.output_dir, "summary.json"))
+
+
+def run_args(args: Args) -> RunArgs:
+    """args as RunArgs: an Args of the script alone gets the modules' flags at their defaults."""
+    return args if isinstance(args, RunArgs) else RunArgs(**asdict(args))
 
 
 def setup(args: Args, teacher_forward=None) -> Run:
@@ -1731,7 +1491,7 @@ def setup(args: Args, teacher_forward=None) -> Run:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    wall_start = time.time()
+    wall_start, args = time.time(), run_args(args)
     accelerator, accum = make_accelerator(args)
     log = (lambda msg: tqdm.write(str(msg))) if accelerator.is_main_process else (lambda msg: None)
     resume_from = prepare_output_dir(args, accelerator.is_main_process, log)
@@ -1741,22 +1501,9 @@ def setup(args: Args, teacher_forward=None) -> Run:
     train_ds, train_keep, train_skipped, eval_rows = load_data(args, processor, accelerator.is_main_process, log)
     student, optimizer, scheduler = make_optimizer(args, accelerator, student, accum)
     models = make_models(args, accelerator, processor, student, teacher, log, teacher_forward)
-    run = Run(
-        args,
-        accelerator,
-        models,
-        optimizer,
-        scheduler,
-        train_ds,
-        train_keep,
-        eval_rows,
-        log,
-        train_skipped,
-        mismatch=MismatchWatch(logps_tolerance(unwrap(student), compute_dtype(accelerator)), log=log),
-        wall_start=wall_start,
-    )
-    if eval_rows:  # gndpo_eval's (without it load_eval_rows gives none): its hooks evaluate before, during, after
-        evaluation.plug_in(run, generation_configs(processor.tokenizer, run.policy, args)[1], encode_prompts)
+    run = Run(args, accelerator, models, optimizer, scheduler, train_ds, train_keep, eval_rows, log, train_skipped)
+    run.mismatch_tolerance = logps_tolerance(run.policy, compute_dtype(accelerator))
+    run.wall_start = wall_start
     if resume_from:
         run.start_step, run.counters = restore_checkpoint(accelerator, resume_from, run.metrics_path)
         log(f"resumed from {resume_from} at step {run.start_step}")
@@ -1772,7 +1519,7 @@ def setup(args: Args, teacher_forward=None) -> Run:
     return run
 
 
-# --- The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its metrics
+# --- The update's helpers: the old policy's log-probs, the sequence counts, the skip decision, its sums
 
 
 def old_policy_logps(models: Models, parts: list[tuple], start: int, temperature: float) -> dict[int, torch.Tensor]:
@@ -1794,47 +1541,45 @@ def update_is_finite(accelerator, loss: float, grad_norm) -> bool:
     return accelerator.reduce(torch.tensor(float(not ok), device=accelerator.device), reduction="sum").item() == 0
 
 
+UPDATE_SUMS = ("update_tokens", "clipped_tokens", "ratio_sum", "mismatch_sum", "mismatch_tokens")
+
+
 class UpdateStats:
-    """What update_student reports, summed over its micro-batches and updates."""
+    """What update_student reports: this process's sums over its tokens (step_metrics reduces them over processes),
+    and each update's loss, gradient norm, rate and size (the same on every process)."""
 
     def __init__(self):
-        self.sums = dict.fromkeys(("loss", "clipped_tokens", "ratio", "tokens", "mismatch", "mismatch_tokens"), 0.0)
-        self.update_loss, self.grad_norms, self.lr, self.skipped, self.size_squares = 0.0, [], float("nan"), 0, 0.0
+        self.sums, self.grad_norms, self.loss_sum, self.update_loss = dict.fromkeys(UPDATE_SUMS, 0.0), [], 0.0, 0.0
+        self.lr, self.skipped, self.size_squares = 0.0, 0, 0.0
 
     def micro_batch(self, loss, m: dict, mask, old_logps, sampled_logps=None) -> None:
         """A micro-batch's loss and metrics; with sampled_logps (first pass), their mismatch with the forward's."""
         n_tok, s = mask.sum().item(), self.sums
         self.update_loss += loss.item()
+        s["update_tokens"] += n_tok
         s["clipped_tokens"] += m["clip_frac"] * n_tok
-        s["ratio"] += m["ratio_mean"] * n_tok
-        s["tokens"] += n_tok
+        s["ratio_sum"] += m["ratio_mean"] * n_tok
         if sampled_logps is not None:
-            s["mismatch"] += ((old_logps - sampled_logps).abs() * mask).sum().item()
+            s["mismatch_sum"] += ((old_logps - sampled_logps).abs() * mask).sum().item()
             s["mismatch_tokens"] += n_tok
 
     def update(self, grad_norm, lr: float, size: float | None = None) -> None:
         """An update's end: applied (its size given, NaN where unmeasured) or skipped (None)."""
         self.grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-        self.sums["loss"] += self.update_loss
-        self.update_loss, self.lr = 0.0, lr
+        self.loss_sum, self.update_loss, self.lr = self.loss_sum + self.update_loss, 0.0, lr
         self.skipped += size is None
         self.size_squares += 0.0 if size is None else size**2
 
     def result(self, seconds: float) -> dict:
-        """The update's metrics, means over updates or tokens (docs/metrics_and_arguments.md)."""
-        s, n, updates = self.sums, max(self.sums["tokens"], 1.0), len(self.grad_norms)
-        return {
-            "loss": s["loss"] / updates,
-            "clip_frac": s["clipped_tokens"] / n,
-            "ratio_mean": s["ratio"] / n,
-            "logp_mismatch": s["mismatch"] / max(s["mismatch_tokens"], 1.0),
+        """The sums, and the means over updates of the loss (this process's share) and of the gradient norm."""
+        updates = len(self.grad_norms)
+        return self.sums | {
+            "loss": self.loss_sum / updates,
             "grad_norm": sum(self.grad_norms) / updates,
             "grad_norm_max": max(self.grad_norms),
             "lr": self.lr,
             "updates": updates,
             "skipped_updates": self.skipped,
-            "tokens": s["tokens"],
-            "mismatch_tokens": s["mismatch_tokens"],
             "update_norm": math.sqrt(self.size_squares),
             "time_update": seconds,
         }
@@ -1844,18 +1589,12 @@ class UpdateStats:
 
 
 def step_metrics(
-    accelerator,
-    batch: ScoredBatch,
-    update: dict,
-    step: int,
-    step_time: float,
-    score_clip: float | None = 5.0,
-    plugins: list = (),
-) -> dict:
+    accelerator, batch: ScoredBatch, update: dict, step: int, step_time: float, score_clip=5.0, models=None
+):
     """One step's metrics over the global batch, every valid token weighing alike (loss: the sum of the processes'
     shares; grad_norm, lr: the same everywhere). score_clamped_frac: tokens at the clamp (none with score_clip None).
-    plugins: Models.plugins, whose metric_sums and metrics add their keys."""
-    hooks = lambda name: plugin_hooks(plugins, name)  # noqa: E731
+    models: its plug-ins' metric_sums and metrics hooks add their keys."""
+    hooks = models.hooks if models else lambda name: []
     mask = batch.response_mask.bool()
     student_lp, teacher_lp = batch.student_logps[mask], batch.teacher_logps[mask]
     scores, advantages = batch.scores[mask], batch.advantages[mask]
@@ -1873,11 +1612,7 @@ def step_metrics(
             "adv_sq_sum": (advantages.double() ** 2).sum().item(),
             "nonfinite": float(batch.nonfinite_tokens),
             "loss": update["loss"],
-            "update_tokens": update["tokens"],
-            "clipped_tokens": update["clip_frac"] * update["tokens"],
-            "ratio_sum": update["ratio_mean"] * update["tokens"],
-            "mismatch_tokens": update["mismatch_tokens"],
-            "mismatch_sum": update["logp_mismatch"] * update["mismatch_tokens"],
+            **{k: update[k] for k in UPDATE_SUMS},
             **{k: v for metric_sums in hooks("metric_sums") for k, v in metric_sums(batch).items()},
         },
         lows={"adv_min": advantages.min().item() if advantages.numel() else 0.0},
@@ -1926,17 +1661,11 @@ def spread(n: float, total: float, total_sq: float) -> float:
 
 def reduce_metrics(accelerator, sums: dict[str, float], lows: dict[str, float], highs: dict[str, float]) -> dict:
     """Sums, minima and maxima over processes, in one gather."""
-    local = torch.tensor(
-        [*sums.values(), *lows.values(), *highs.values()], dtype=torch.float64, device=accelerator.device
-    )
-    every = accelerator.gather(local[None]).double()  # (processes, K)
+    local = [[*sums.values(), *lows.values(), *highs.values()]]
+    every = accelerator.gather(torch.tensor(local, dtype=torch.float64, device=accelerator.device))  # (processes, K)
     a, b = len(sums), len(sums) + len(lows)
-    return dict(
-        zip(
-            [*sums, *lows, *highs],
-            every[:, :a].sum(0).tolist() + every[:, a:b].min(0).values.tolist() + every[:, b:].max(0).values.tolist(),
-        )
-    )
+    values = every[:, :a].sum(0).tolist() + every[:, a:b].min(0).values.tolist() + every[:, b:].max(0).values.tolist()
+    return dict(zip([*sums, *lows, *highs], values))
 
 
 def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
@@ -1947,70 +1676,52 @@ def logps_tolerance(model, compute_dtype: torch.dtype | None = None) -> float:
     return 1e-4 if dtypes <= {torch.float32} and not quantized else 0.05
 
 
-class MismatchWatch:
-    """Reports once when logp_mismatch stays above `threshold` for `steps` steps in a row."""
-
-    def __init__(self, threshold: float, steps: int = 3, log=print):
-        self.threshold, self.steps, self.log, self.run, self.reported = threshold, steps, log, 0, False
-
-    def see(self, step: int, mismatch: float) -> None:
-        self.run = self.run + 1 if mismatch > self.threshold else 0
-        if self.run == self.steps and not self.reported:
-            self.reported = True
-            self.log(
-                f"step {step}: logp_mismatch {mismatch:.2e} has been above {self.threshold:.0e} for {self.steps} "
-                f"steps: the log-probs recorded while sampling are not what the training forward computes for "
-                f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
-                f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
-                f"reading each prompt once (--share_prompt_prefix false)"
-            )
-
-
-def log_step(run: Run, metrics: dict) -> None:
-    """A step's metrics to metrics.jsonl, the progress bar, the full line every logging_steps, the trackers."""
-    args, step = run.args, metrics["step"]
-    if run.accelerator.is_main_process:
-        with open(run.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if run.progress is not None:
-            run.progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **run.bar)
-        if args.logging_steps and (step % args.logging_steps == 0 or step == args.max_steps):
-            run.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
-    run.accelerator.log(metrics, step=step)
+def watch_mismatch(run: Run, step: int, mismatch: float, steps: int = 3) -> None:
+    """Says so once logp_mismatch has stayed above run.mismatch_tolerance for `steps` steps in a row."""
+    run.mismatch_streak = run.mismatch_streak + 1 if mismatch > run.mismatch_tolerance else 0
+    if run.mismatch_streak == steps:
+        run.log(
+            f"step {step}: logp_mismatch {mismatch:.2e} has been above {run.mismatch_tolerance:.0e} for {steps} "
+            f"steps: the log-probs recorded while sampling are not what the training forward computes for "
+            f"the same tokens, so every update is off-policy by that much. Look at what differs between the "
+            f"two: dropout (--lora_dropout), the model's inputs (positions, token types, image tensors), or "
+            f"reading each prompt once (--share_prompt_prefix false)"
+        )
 
 
 # --- The run around the step: the progress bar, each step's end, the finish, the command line
 
 
 def progress_bar(run: Run):
-    """The steps left, as a tqdm bar drawn by the main process only (disable=False there would override
-    TQDM_DISABLE=1); its postfix shows the last accuracy."""
+    """The steps left, as a tqdm bar on the main process (disable=False elsewhere would override TQDM_DISABLE=1)."""
     from tqdm.auto import tqdm
 
-    run.progress = tqdm(
-        range(run.start_step, run.args.max_steps),
-        initial=run.start_step,
-        total=run.args.max_steps,
-        desc="GNDPO",
-        dynamic_ncols=True,
-        **({} if run.accelerator.is_main_process else {"disable": True}),
-    )
+    hide = {} if run.accelerator.is_main_process else {"disable": True}
+    steps = range(run.start_step, run.args.max_steps)
+    run.progress = tqdm(steps, initial=run.start_step, total=run.args.max_steps, desc="GNDPO", **hide)
     return run.progress
 
 
 def end_step(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
-    """After a step: the run's counters (skipped steps, the plug-ins'), an evaluation every eval_steps, the metrics
-    line, a stop after max_consecutive_skips non-finite steps in a row, a checkpoint every save_steps and at the end."""
+    """After a step: the run's counters (skipped steps, the plug-ins'), after_step hooks, the metrics line, a stop
+    after max_consecutive_skips non-finite steps in a row, a checkpoint every save_steps and at the end."""
     args, counters, step = run.args, run.counters, metrics["step"]
     counters["consecutive_skips"] = counters["consecutive_skips"] + 1 if update["skipped_updates"] else 0
     counters["skipped_steps"] += bool(update["skipped_updates"])
     for key, n in batch.extra.get("counters", {}).items():  # the plug-ins' (std_floored_steps)
         counters[key] = counters.get(key, 0) + n
     metrics["skipped_steps"] = counters["skipped_steps"]
-    run.mismatch.see(step, metrics["logp_mismatch"])
+    watch_mismatch(run, step, metrics["logp_mismatch"])
     for after_step in run.models.hooks("after_step"):  # gndpo_eval: the accuracy every --eval_steps
         after_step(run, metrics)
-    log_step(run, metrics)
+    if run.accelerator.is_main_process:  # metrics.jsonl, the progress bar, the full line every logging_steps
+        with open(run.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if run.progress is not None:
+            run.progress.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", gn=f"{metrics['grad_norm']:.2f}", **run.bar)
+        if args.logging_steps and (step % args.logging_steps == 0 or step == args.max_steps):
+            run.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+    run.accelerator.log(metrics, step=step)  # the trackers
     if counters["consecutive_skips"] >= args.max_consecutive_skips:
         last = list_checkpoints(args.output_dir)
         raise RuntimeError(
@@ -2019,19 +1730,14 @@ def end_step(run: Run, batch: ScoredBatch, update: dict, metrics: dict) -> None:
             f"check the teacher's outputs, then resume from it."
         )
     if (args.save_steps and step % args.save_steps == 0) or step == args.max_steps:
-        state = {"step": step, "counters": counters, "args": asdict(args)}
-        models = run.models
-        save_checkpoint(
-            run.accelerator, models.student, models.processor, args.output_dir, step, state, args.save_total_limit
-        )
+        save_checkpoint(run, step)
 
 
 def finish_run(run: Run) -> None:
-    """Saves the trained student (adapter/ or model/) and evaluates it; prints the accuracy table, completes
-    summary.json; closes trackers and the process group."""
+    """Saves the trained student, calls after_training hooks, completes summary.json, closes the process group."""
     args, accelerator, summary, log, models = run.args, run.accelerator, run.summary, run.log, run.models
     accelerator.wait_for_everyone()
-    save_student(accelerator, models.student, models.processor, os.path.join(args.output_dir, student_folder(args)))
+    save_student(run, args.output_dir)
     for after_training in models.hooks("after_training"):  # gndpo_eval: the trained student's accuracy
         after_training(run)
     summary.update(
@@ -2043,7 +1749,7 @@ def finish_run(run: Run) -> None:
         eval_rows=len(run.eval_rows),
         skipped_train_rows=run.train_skipped,
         **{k: v for k, v in run.counters.items() if k.endswith("_steps")},  # skipped, std-floored (a plug-in's)
-        share_prompt_prefix=run.models.sampling.sharing_summary(),
+        share_prompt_prefix=models.sampling.sharing_summary(),
         torch_threads=torch.get_num_threads(),
     )
     if accelerator.is_main_process:
@@ -2056,90 +1762,74 @@ def finish_run(run: Run) -> None:
         dist.destroy_process_group()  # without it, multi-process runs often abort at exit
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
-    """Command line flags, or a YAML/JSON file of them first, with flags after it overriding its values."""
+# The optional modules' flags, by name only: a flag of a module that is absent stops start-up naming the module
+MODULE_FLAGS = {
+    "gndpo_fast": "lean_logps share_prompt_prefix fast_sampler merged_sampling static_cache varlen_vision",
+    "gndpo_teachers": "teacher_column privileged_column privileged_template privileged_source "
+    "max_teacher_prompt_length",
+    "gndpo_extras": "power_alpha score_std_floor reward_weight constant_advantage",
+    "gndpo_eval": "eval_split num_eval_samples eval_steps require_think eval_dataset_name eval_dataset_config "
+    "eval_image_column eval_question_column eval_answer_column eval_image_root",
+}
+USAGE = """python gndpo_minimal.py [RECIPE.yaml] [--flag value ...]   (or: accelerate launch gndpo_minimal.py ...)
+
+A YAML (or JSON) recipe first holds any of the flags below, one key each (recipes/, docs/recipes.md); flags after
+it override its values. The flags come in groups: the script's, then those of each optional module beside it."""
+
+
+def parse_args(argv: list[str] | None = None) -> RunArgs:
+    """Command line flags, or a YAML/JSON recipe first whose values the flags after it override. A mistake (an
+    unknown flag, with the closest known one; a flag of an absent module; a bad value) is one UsageError."""
+    import difflib
+
+    import yaml  # JSON is YAML too
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(Args)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
-        import yaml  # JSON is YAML too
+    class Parser(HfArgumentParser):
+        def error(self, message: str):  # argparse prints its usage, then exits: one line instead (__main__)
+            raise UsageError(message)
 
-        with open(argv[0]) as f:
+    classes = [Args, *(m.ARGS for m in MODULES if hasattr(m, "ARGS"))]
+    known = {f.name for f in fields(RunArgs)}
+    argv, values, where = list(sys.argv[1:] if argv is None else argv), {}, ""
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+        where = f"{argv[0]}: "
+        with open(argv.pop(0)) as f:
             values = yaml.safe_load(f) or {}
-        unknown = sorted(set(values) - {f.name for f in fields(Args)})
-        if unknown:
-            raise SystemExit(
-                f"{argv[0]}: unknown setting(s) {unknown}; `python gndpo_minimal.py --help` lists "
-                "the settings a recipe can hold"
-            )
-        # auto | true | false: YAML's booleans as the flag's words
-        values.update({f: str(values[f]).lower() for f in SPEEDUPS if isinstance(values.get(f), bool)})
         if isinstance(values.get("teacher_model"), dict):  # several teachers as a mapping {name: path}
             values["teacher_model"] = ",".join(f"{k}={v}" for k, v in values["teacher_model"].items())
-        parser.set_defaults(**values)  # the file's values stand where flags are absent
-        argv = argv[1:]
-    return parser.parse_args_into_dataclasses(argv)[0]
+        words = {f.name for f in fields(RunArgs) if f.type in (str, "str")}  # YAML's true for auto|true|false
+        values = {k: str(v).lower() if k in words and isinstance(v, bool) else v for k, v in values.items()}
+    named = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--help"]
+    for name in [*values, *named]:
+        if name in known:
+            continue
+        module = next((m for m, flags in MODULE_FLAGS.items() if name in flags.split()), None)
+        if module:
+            raise UsageError(f"--{name} is a flag of {module}.py, which is not beside gndpo_minimal.py: copy it there")
+        close = difflib.get_close_matches(name, known, n=1)
+        raise UsageError(f"{where}unknown flag --{name}" + (f": did you mean --{close[0]}?" if close else ""))
+    parser = Parser(classes, usage=USAGE, allow_abbrev=False)
+    parser.set_defaults(**values)  # the recipe's values stand where flags are absent
+    return RunArgs(**{k: v for parsed in parser.parse_args_into_dataclasses(argv) for k, v in asdict(parsed).items()})
 
 
-# The public surface: what the tutorials, bench/ and docs/code.md use (tests/test_public_surface.py holds them to it)
-__all__ = [
-    # Part I: the arguments, the math, the containers, the step, main()
-    "Args",
-    "ADVANTAGE_MODES",
-    "LOSS_TYPES",
-    "distill_scores",
-    "normalize_scores",
-    "policy_loss",
-    "Rollout",
-    "ScoredBatch",
-    "Models",
-    "StepPrompts",
-    "step_prompts",
-    "generate_and_score",
-    "score_rollouts",
-    "update_student",
-    "main",
-    # Part II: the pieces a reader steps through, in the order the step calls them
-    "step_seed",
-    "Sampling",
-    "sample_rollouts",
-    "rollout",
-    "unwrap",
-    "evaluating",
-    "generation_configs",
-    "pad_cat",
-    "response_logps",
-    "SCORES",
-    "ADVANTAGES",
-    "load_student",
-    "load_teacher",
-    "teacher_paths",
-    "vision_token_ids",
-    "row_images",
-    "build_messages",
-    "encode_prompts",
-    "load_split",
-    "prepare_split",
-    "load_eval_rows",
-    "list_checkpoints",
-    "UsageError",
-    "make_accelerator",
-    "load_models",
-    "load_data",
-    "make_optimizer",
-    "speedup_on",
-    "make_models",
-    "Run",
-    "setup",
-    "step_metrics",
-    "parse_args",
-]
+# The public surface: what the tutorials, bench/, docs/code.md and the modules use (tests/test_public_surface.py)
+__all__ = """
+    Args RunArgs ADVANTAGE_MODES LOSS_TYPES distill_scores global_sums whiten normalize_scores policy_loss
+    Rollout ScoredBatch Models StepPrompts step_prompts generate_and_score score_rollouts update_student main
+    step_seed Sampling sample_rollouts rollout evaluating generation_configs cut_rollouts pad_cat pixels_on_host
+    sequence_inputs response_logps SCORES ADVANTAGES load_student load_teacher teacher_paths vision_token_ids
+    row_images build_messages encode_prompts load_split check_columns prepare_split load_eval_rows
+    list_checkpoints weights_are_sharded UsageError missing_paths make_accelerator load_models load_data
+    make_optimizer compute_dtype HOOKS make_models Run run_args setup step_metrics spread logps_tolerance
+    watch_mismatch parse_args
+""".split()
 
 
 if __name__ == "__main__":
     try:
         main(parse_args())
-    except UsageError as e:  # a user's mistake: one message, no traceback (a bug keeps its traceback)
+    except UsageError as e:  # a user's mistake: one line, no traceback (a bug keeps its traceback)
         print(f"gndpo_minimal.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,9 +7,9 @@ per_teacher, registered in the script's ADVANTAGES), and the metrics line adds e
 The sharded teacher: --shard_teacher shards one frozen 16-bit teacher's layers over the processes (FSDP2).
 
 gndpo_minimal.py imports this module plainly and plugs SeveralTeachers into the step when --teacher_model names
-several; this module imports nothing from the script: the script passes its own functions (the scoring forward,
-evaluate, the prompt encoder, the whitening) as arguments. The method is GNDPO
-(arXiv 2606.09091); several teachers go beyond the paper.
+several; this module imports nothing from the script: register and plug_in read what they need (the prompt encoder,
+the whitening, the std from running sums) from the script's module object. The method is GNDPO (arXiv 2606.09091);
+several teachers and the self-teacher go beyond the paper.
 """
 
 from __future__ import annotations
@@ -17,9 +17,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+
+def _flag(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TeacherArgs:
+    """The flags of several teachers and of the self-teacher (--teacher_model self)."""
+
+    _argument_group_name = "several teachers, the self-teacher (gndpo_teachers.py)"
+    teacher_column: str = _flag("teacher", "Several teachers: the column naming each row's teacher.")
+    privileged_column: str | None = _flag(None, "Self-teacher: the column of context its prompt holds (answer).")
+    privileged_template: str = _flag("\n\nReference solution: {context}", "Appended to the teacher's user turn.")
+    privileged_source: str = _flag(
+        "own", "own (OPSD) | other: another prompt's (OP2SD) | none: the plain self-teacher."
+    )
+    max_teacher_prompt_length: int = _flag(
+        1024, "Skip (and count) rows whose teacher prompt, context included, is longer."
+    )
+
+
+ARGS = TeacherArgs  # the script parses these with its own Args
+RANGES = {"max_teacher_prompt_length": 1}  # the lowest value, checked by the script
 
 
 def teacher_paths(value: str) -> dict[str, str]:
@@ -182,37 +207,45 @@ def per_teacher_advantages(
     return whiten(scores, mask, *(x[ids][:, None] for x in sums), eps)
 
 
-def advantage_modes(whiten: Callable, global_sums: Callable) -> dict:
-    """The script's ADVANTAGES entry for per_teacher: (scores, mask, group_ids, extra, args) -> advantages, extra
-    holding the batch's teacher_ids and teacher_names (SeveralTeachers.batch_extra)."""
+def register(script) -> None:
+    """per_teacher into the script's ADVANTAGES: (scores, mask, group_ids, extra, args) -> advantages, extra holding
+    the batch's teacher_ids and teacher_names (SeveralTeachers.batch_extra); the script's whiten."""
 
     def per_teacher(scores, mask, group_ids, extra, args):
         if "teacher_ids" not in extra:
             raise ValueError("per_teacher normalization needs several teachers: each row's teacher (teacher_ids)")
-        return per_teacher_advantages(scores, mask, extra["teacher_ids"], len(extra["teacher_names"]), whiten)
+        return per_teacher_advantages(scores, mask, extra["teacher_ids"], len(extra["teacher_names"]), script.whiten)
 
-    return {"per_teacher": per_teacher}
+    script.ADVANTAGES["per_teacher"] = per_teacher
 
 
 class SeveralTeachers:
-    """The plug-in behind several teachers (the script's Models.plugins). teachers {name: model}; encode(part,
-    prompts, group_ids, row_prompts, distinct) encodes a routed part's prompts again (plug_in's: every row's, or
-    through gndpo_fast's prompt sharing); spread(n, sum, sum of squares) is the script's std from running sums."""
+    """The plug-in behind several teachers (the script's Models.plugins). teachers {name: model}; column: the data
+    column naming each row's teacher; encode(part, prompts, group_ids, row_prompts, distinct) encodes a routed part's
+    prompts again (plug_in's: every row's, or through gndpo_fast's prompt sharing); spread(n, sum, sum of squares) is
+    the script's std from running sums."""
 
-    def __init__(self, teachers: dict, encode: Callable, spread: Callable):
-        self.teachers, self.names, self.encode, self.spread = teachers, list(teachers), encode, spread
+    def __init__(self, teachers: dict, column: str, encode: Callable, spread: Callable):
+        self.teachers, self.names, self.column, self.encode, self.spread = (
+            teachers,
+            list(teachers),
+            column,
+            encode,
+            spread,
+        )
 
     def forward(self, forward: Callable) -> Callable:
         """The teacher scoring forward that scores each row with its own teacher (routed_forward)."""
         return routed_forward(forward)
 
     def route(self, prompts, rollouts: list) -> list:
-        """After sampling: each micro-batch's rows by teacher (route_to_teachers; prompts.teachers: each row's)."""
+        """After sampling: each micro-batch's rows by teacher (route_to_teachers; prompts.rows: each row's data)."""
 
         def encode(part, rows, *flags):  # rows: positions in the step's rows
             return self.encode(part, [prompts.prompts[i] for i in rows], [prompts.group_ids[i] for i in rows], *flags)
 
-        return route_to_teachers(rollouts, prompts.teachers, self.names, encode)
+        teachers = [row[self.column] for row in prompts.rows]
+        return route_to_teachers(rollouts, teachers, self.names, encode)
 
     def batch_extra(self, rollouts: list) -> dict:
         """What per_teacher and the metrics read from a scored batch: the names, and (n,) each row's teacher index."""
@@ -357,16 +390,18 @@ def check_row(row: dict, args) -> None:
         raise ValueError(f"no privileged context in column {args.privileged_column!r}")
 
 
-def teacher_prompts_fit(rows: list, contexts: list, args, lengths: Callable) -> torch.Tensor:
+def teacher_prompts_fit(rows: list, data: list, args, lengths: Callable) -> torch.Tensor:
     """(n,) bool: the self-teacher's prompt of each row, its own context placed, fits --max_teacher_prompt_length
-    (never cut to the student's bound). rows: [(prompt, images)]; lengths(rows) -> (n,) token counts."""
+    (never cut to the student's bound). rows: [(prompt, images)]; data: (n,) the rows' columns; lengths(rows) -> (n,)
+    token counts."""
     if args.privileged_source == "none":
         return torch.ones(len(rows), dtype=torch.bool)
+    contexts = [row.get(args.privileged_column) for row in data]
     return lengths(place_contexts(rows, contexts, args.privileged_template)) <= args.max_teacher_prompt_length
 
 
-def check_args(args, num_processes: int) -> list[str]:
-    """The problems with this module's flags in the script's arguments (several teachers, the sharded teacher, the
+def check_args(script, args, num_processes: int) -> list[str]:
+    """The problems with this module's flags in the run's arguments (several teachers, the sharded teacher, the
     self-teacher), each a line naming the flag and the fix."""
     problems = []
     many = "=" in args.teacher_model and len(teacher_paths(args.teacher_model)) > 1
@@ -400,10 +435,9 @@ def check_args(args, num_processes: int) -> list[str]:
     return problems
 
 
-def own_teachers(args, teachers: dict, student, load_copy: Callable, accelerator, log=print) -> str | None:
+def own_teachers(args, teachers: dict, student, load_copy: Callable, accelerator, log=print) -> None:
     """In place, after the script's load_models loaded the named teachers: the self-teacher ({"self": the student, or
-    with --lora_r 0 a frozen copy, load_copy()}), the sharded teacher sharded. Returns the self-teacher's words for the
-    start-up line, else None."""
+    with --lora_r 0 a frozen copy, load_copy()}), the sharded teacher sharded."""
     if args.teacher_model == SELF:  # LoRA: the student itself, its adapter disabled; full fine-tuning: a frozen copy
         teachers["self"] = (
             load_copy().eval().requires_grad_(False).to(accelerator.device) if not args.lora_r else student
@@ -411,10 +445,6 @@ def own_teachers(args, teachers: dict, student, load_copy: Callable, accelerator
     if args.shard_teacher and accelerator.num_processes > 1:
         sharded = shard_frozen(next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes)
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
-    if args.teacher_model != SELF:
-        return None
-    size = sum(p.numel() for p in teachers["self"].parameters()) / 1e6  # in the student's precision: not 4-bit
-    return "self: the student with its adapter disabled" if args.lora_r else f"self: a frozen copy ({size:.2f}M)"
 
 
 class StartingWeights:
@@ -443,8 +473,9 @@ class SelfTeacher:
     a processor batch (the script's encode_prompts, pixels on the host); template and source: --privileged_template
     and --privileged_source."""
 
-    def __init__(self, teacher: StartingWeights, encode: Callable, template: str, source: str):
-        self.teacher, self.encode, self.template, self.source = teacher, encode, template, source
+    def __init__(self, teacher: StartingWeights, encode: Callable, args):
+        self.teacher, self.encode, self.column = teacher, encode, args.privileged_column
+        self.template, self.source = args.privileged_template, args.privileged_source
 
     def prompts(self, prompts: list, contexts: list) -> list:
         return place_contexts(prompts, contexts, self.template)
@@ -453,7 +484,8 @@ class SelfTeacher:
         """After sampling: each micro-batch's teacher prompts, encoded (rollout.extra["teacher_inputs"])."""
         if self.source == "none":  # the plain self-teacher reads the student's own prompt
             return rollouts
-        contexts, start = row_contexts(prompts.contexts, prompts.group_ids, self.source), 0
+        contexts = [row.get(self.column) for row in prompts.rows]
+        contexts, start = row_contexts(contexts, prompts.group_ids, self.source), 0
         for r in rollouts:
             n = r.response_ids.shape[0]
             rows = self.prompts(prompts.prompts[start : start + n], contexts[start : start + n])
@@ -485,31 +517,30 @@ class SelfTeacher:
             return one(inner, rows)
 
 
-def plug_in(models, args, teachers: dict, script: dict) -> None:
+def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> None:
     """The self-teacher or several teachers into the script's Models, in place, when the flags ask: the teacher the
     step sees (StartingWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
-    model} (the script's load_models); script: the script's encode_prompts, pixels_on_host, unwrap
-    and spread."""
+    model} (the script's load_models); script: the script's module object (encode_prompts, pixels_on_host, spread)."""
     processor, instruction = models.processor, args.instruction
     if args.teacher_model == SELF:  # the starting weights, reading the context
 
         def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
-            return script["pixels_on_host"](script["encode_prompts"](processor, rows, instruction), device)
+            return script.pixels_on_host(script.encode_prompts(processor, rows, instruction), device)
 
-        models.teacher = StartingWeights(script["unwrap"](models.teacher), lora=args.lora_r > 0)
-        plugin = SelfTeacher(models.teacher, encode, args.privileged_template, args.privileged_source)
+        models.teacher = StartingWeights(accelerator.unwrap_model(models.teacher), lora=args.lora_r > 0)
+        plugin = SelfTeacher(models.teacher, encode, args)
     elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
 
         def encode(part, rows, group_ids, *flags):  # (row_prompts, distinct): its prompts encoded again
             if models.sampling.sharing is not None:  # gndpo_fast's prompt sharing; without it, every row's only
                 return models.sampling.sharing.encode(processor, part, rows, group_ids, args, *flags)
-            inputs = script["encode_prompts"](processor, rows, instruction)
-            part.row_inputs = script["pixels_on_host"](inputs, part.response_ids.device)
+            inputs = script.encode_prompts(processor, rows, instruction)
+            part.row_inputs = script.pixels_on_host(inputs, part.response_ids.device)
             return part
 
         models.teacher = teachers
-        plugin = SeveralTeachers(teachers, encode, script["spread"])
+        plugin = SeveralTeachers(teachers, args.teacher_column, encode, script.spread)
     else:
         return
-    models.teacher_forward = plugin.forward(models.teacher_forward)
+    models.teacher_forward = plugin.forward(models.teacher_forward or script.response_logps)
     models.plugins.append(plugin)

@@ -23,7 +23,7 @@ def tiny_models(student: str | None = None, teacher: str | None = None, seed: in
 
     if student and teacher:
         return student, teacher, f"the given models ({student}, {teacher})"
-    defaults = g.Args()
+    defaults = g.RunArgs()
     if os.path.isdir(defaults.student_model) and os.path.isdir(defaults.teacher_model):
         return defaults.student_model, defaults.teacher_model, "trained tiny models (assets/tiny)"
     import tempfile
@@ -45,7 +45,7 @@ def tiny_dataset() -> str:
     written once to a temp folder (they depend on nothing but tiny_world.DATA_SPLITS)."""
     import gndpo_minimal as g
 
-    default = g.Args().dataset_name
+    default = g.RunArgs().dataset_name
     if os.path.isdir(default):
         return default
     import tempfile

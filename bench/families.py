@@ -37,7 +37,7 @@ def run(families: list[str] | None = None, steps: int = 3, json_path: str | None
             models = tiny_families.build(family, os.path.join(tmp, family))
             run_dir = os.path.join(tmp, family + "-run")
             g.main(
-                g.Args(
+                g.RunArgs(
                     student_model=os.path.join(models, "student"),
                     teacher_model=os.path.join(models, "teacher"),
                     dataset_name=data,

@@ -59,6 +59,7 @@ for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
+from accelerate.utils import extract_model_from_parallel as unwrap  # noqa: E402  (the model inside a DDP wrapper)
 from benchutil import ROOT, table, tiny_dataset, tiny_models  # noqa: E402
 from memory import live_peak  # noqa: E402
 from reproduce import code_is_clean, git, machine  # noqa: E402
@@ -402,7 +403,7 @@ def packages() -> dict:
 def base_args(tiny: bool, student: str, teacher: str, output_dir: str) -> g.Args:
     """The 24 GB recipe's arguments on the tiny task's rows (its columns, no evaluation), with these models; under
     --tiny its shape shrunk (TINY_SHAPE). Every response is forced to max_new_tokens (--min_new_tokens)."""
-    defaults = g.Args()
+    defaults = g.RunArgs()
     changes = dict(
         student_model=student,
         teacher_model=teacher,
@@ -595,7 +596,7 @@ def update_phase(
         sync(cuda)
         first = time.perf_counter() - t0
         applied, stats = measure(update, cuda)
-        flops = update_flops(g.unwrap(models.student), batch.rollouts[0], setup_args)
+        flops = update_flops(unwrap(models.student), batch.rollouts[0], setup_args)
         phases["update"] = phase_record(
             stats,
             batch.rollouts,
@@ -632,7 +633,7 @@ def update_flops(policy, rollout: g.Rollout, args: g.Args) -> float:
 def vision_check(student, rollout: g.Rollout) -> dict:
     """Where varlen_vision runs: the vision tower's features of a micro-batch's images with its windows in one call
     against the model's own loop over the windows (the implementation set back for the second forward)."""
-    policy = g.unwrap(student)
+    policy = unwrap(student)
     model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     tower = getattr(model.model, "visual", None)
     implementation = getattr(getattr(tower, "config", None), "_attn_implementation", None)
@@ -863,7 +864,7 @@ def prefix_diagnosis(tiny: bool, work: str) -> list[dict]:
     for dtype, four_bit in DIAGNOSIS["tiny" if tiny else "gpu"]:
         lines = []
         a = dataclasses.replace(
-            g.Args(),
+            g.RunArgs(),
             student_model=student,
             teacher_model=teacher,
             dataset_name=tiny_dataset(),

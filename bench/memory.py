@@ -233,7 +233,7 @@ def measure_sharded(args: g.Args, tmp: str, timeout: float = 1800) -> dict:
 def worker(args_path: str, folder: str) -> None:
     """One process of measure_sharded's launch: this process's measure_phases(), written to rank<RANK>.json."""
     with open(args_path) as f:
-        args = g.Args(**json.load(f))
+        args = g.RunArgs(**json.load(f))
     m = measure_phases(args)
     with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
         json.dump(m, f)
@@ -242,7 +242,7 @@ def worker(args_path: str, folder: str) -> None:
 def workloads(quick: bool, tmp: str) -> dict[str, g.Args]:
     """{name: Args}: the tiny models (names with `tiny`) and, unless quick, the larger stand-in."""
     student, teacher, _ = tiny_models()
-    data = g.Args().dataset_name  # the tiny task's dataset on disk
+    data = g.RunArgs().dataset_name  # the tiny task's dataset on disk
     base = dict(
         dataset_name=data,
         prompts_per_step=4,
@@ -267,7 +267,7 @@ def workloads(quick: bool, tmp: str) -> dict[str, g.Args]:
         for train, lora_r in (("lora", 16), ("full", 0)):
             for share in (True, False):
                 key = f"{name}_{train}_{'shared' if share else 'plain'}"
-                out[key] = g.Args(
+                out[key] = g.RunArgs(
                     **{
                         **base,
                         "student_model": s,

@@ -60,7 +60,8 @@ def headroom_text(e: dict, gpu: GPU) -> str:
 
 def markdown_table(paths: list[str]) -> str:
     """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
-    from gndpo_minimal import parse_args, speedup_on
+    from gndpo_fast import speedup_on
+    from gndpo_minimal import parse_args
 
     lines = [
         "| recipe | processes | student | teacher | student reads each prompt once | resident | largest phase "

@@ -123,7 +123,7 @@ def default_world() -> dict:
 
     import gndpo_minimal as g
 
-    a, processes = g.Args(), 1
+    a, processes = g.RunArgs(), 1
     rollouts = a.prompts_per_step * a.num_generations // processes
     student = tiny_models()[0]
     config = transformers.AutoConfig.from_pretrained(student)

@@ -39,6 +39,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
+from accelerate.utils import extract_model_from_parallel as unwrap  # noqa: E402  (the model inside a DDP wrapper)
 from benchutil import add_json_flag, padded_models, percent, report, tiny_dataset, tiny_models  # noqa: E402
 
 import gndpo_minimal as g  # noqa: E402
@@ -240,13 +241,13 @@ def step_args(
 ) -> tuple[g.Args, int, int]:
     """(the Args the steps run with, warm-up steps, measured steps): what is not given is Args' default (a tiny
     batch with quick), so that the step measured is the step gndpo_minimal.py runs by default."""
-    defaults = g.Args()
+    defaults = g.RunArgs()
     B = prompts or (2 if quick else defaults.prompts_per_step)
     G = generations or (2 if quick else defaults.num_generations)
     warmup = 1 if warmup is None else warmup
     steps = steps or (2 if quick else 5)
     # as many rows as the steps draw prompts: every step gets B rows no earlier step saw
-    args = g.Args(
+    args = g.RunArgs(
         student_model=student_dir,
         teacher_model=teacher_dir,
         teacher_4bit=teacher_4bit,
@@ -273,7 +274,7 @@ def measure_steps(args: g.Args, warmup: int, steps: int, compare: bool, log) -> 
     models = setup["models"]
     clock = Clock()
     time_update_calls(clock, setup["accelerator"], setup["optimizer"], setup["scheduler"])
-    policy = g.unwrap(models.student)  # the model with generate(), inside any DDP wrapper
+    policy = unwrap(models.student)  # the model with generate(), inside any DDP wrapper
     timers = {"student": ForwardTimer(policy.get_base_model()), "teacher": ForwardTimer(models.teacher)}
     sides = {"shared": (args, models)}
     if compare:  # the same student, optimizer and teacher; every forward plain, no distinct prompts encoded

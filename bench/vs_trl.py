@@ -120,7 +120,7 @@ def gndpo_args(cfg: dict):
         "min_new_tokens": cfg.get("min_new_tokens", 0),
     }
     extra = {k: v for k, v in extra.items() if k in fields}  # older checkouts
-    return g.Args(
+    return g.RunArgs(
         **extra,
         student_model=cfg["student"],
         teacher_model=cfg["teacher"],

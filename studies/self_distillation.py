@@ -58,8 +58,8 @@ def noisy_teacher(noise: float, seed: int):
 
 
 def run(name: str, changes: dict, noise: float, steps: int, seed: int, out: str) -> dict:
-    args = g.Args(
-        teacher_model=g.Args().student_model,
+    args = g.RunArgs(
+        teacher_model=g.RunArgs().student_model,
         teacher_4bit=False,
         max_steps=steps,
         num_eval_samples=0,

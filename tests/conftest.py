@@ -53,7 +53,7 @@ def two_teacher_args(untrained_models, two_teacher_data):
     teachers = f"a={os.path.join(untrained_models, 'teacher')},b={os.path.join(two_teacher_data, 'other', 'student')}"
 
     def make(tmp_path, **changes):
-        return g.Args(
+        return g.RunArgs(
             **{
                 **dict(
                     student_model=os.path.join(untrained_models, "student"),

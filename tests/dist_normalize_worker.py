@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gndpo_extras import ablation_advantages  # noqa: E402
-from gndpo_minimal import _global_sums, _whiten, normalize_scores  # noqa: E402
+from gndpo_minimal import global_sums, normalize_scores, whiten  # noqa: E402
 from gndpo_teachers import per_teacher_advantages  # noqa: E402
 
 NUM_TEACHERS = 3
@@ -23,12 +23,12 @@ NUM_TEACHERS = 3
 
 def advantages(scores, mask, mode, group_ids=None, teacher_ids=None):
     """The advantages of one mode as the script's step computes them (ADVANTAGES): global by normalize_scores, the
-    ablations by gndpo_extras, per_teacher (of NUM_TEACHERS) by gndpo_teachers, all on the script's _whiten."""
+    ablations by gndpo_extras, per_teacher (of NUM_TEACHERS) by gndpo_teachers, all on the script's whiten."""
     if mode == "global":
         return normalize_scores(scores, mask, mode)
     if mode == "per_teacher":
-        return per_teacher_advantages(scores, mask, teacher_ids, NUM_TEACHERS, _whiten)
-    return ablation_advantages(scores, mask, mode, _whiten, _global_sums, group_ids)
+        return per_teacher_advantages(scores, mask, teacher_ids, NUM_TEACHERS, whiten)
+    return ablation_advantages(scores, mask, mode, whiten, global_sums, group_ids)
 
 
 def global_batch(seed: int = 0, G: int = 2) -> dict:

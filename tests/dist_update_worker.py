@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gndpo_fast as fast  # noqa: E402
@@ -28,7 +29,7 @@ from worlds import tiny_world  # noqa: E402
 def main() -> None:
     models_dir = os.environ["MODELS_DIR"]
     ranks = [int(r) for r in os.environ.get("LORA_R", "16").split(",")]
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(models_dir, "student"),
         teacher_model=os.path.join(models_dir, "teacher"),
         prompts_per_step=4,
@@ -97,7 +98,7 @@ def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     optimizer.step = record
     lean = os.environ.get("LEAN") == "1"
     if lean:  # under FSDP2 the head is sharded: the chunked head must run on its unit's gathered weight
-        assert fast.head_path(student) == "chunked head", type(g.unwrap(student).get_output_embeddings())
+        assert fast.head_path(student) == "chunked head", type(unwrap(student).get_output_embeddings())
     models = g.Models(
         student,
         None,

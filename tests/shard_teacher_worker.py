@@ -101,7 +101,7 @@ def forwards(flags: list[str]) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(20, 200, (8, 6), generator=gen)
     mask = (torch.arange(6)[None] < torch.tensor([6, 5, 4, 6, 3, 6, 2, 5])[:, None]).long()
-    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))  # every row's, distinct ones
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=g)  # every row's, distinct ones
     rollout = sharing.encode(processor, g.Rollout(ids, mask, torch.zeros(8, 6)), prompts, groups, args)
     ignore = torch.tensor(g.vision_token_ids(processor.tokenizer, whole.config))
     with torch.no_grad():

@@ -121,7 +121,7 @@ def test_prepare_split_skips_and_counts_bad_rows(processor):
     questions = [QUESTION] * 8
     questions[6] = "<image> and <image>: two markers, one image"  # markers that do not match the images
     lines = []
-    ds, keep, skipped = g.prepare_split(make_ds(images, questions), g.Args(), processor, "train", log=lines.append)
+    ds, keep, skipped = g.prepare_split(make_ds(images, questions), g.RunArgs(), processor, "train", log=lines.append)
     assert keep == [0, 1, 3, 7]
     assert skipped == {"no_or_unreadable_image": 3, "unusable_prompt": 1, "prompt_too_long": 0}
     for i in (2, 4, 5, 6):  # every skipped row is logged with its index and the reason
@@ -134,7 +134,7 @@ def test_prepare_split_skips_prompts_longer_than_max_prompt_length(processor):
     short_len = g.encode_prompts(processor, [(QUESTION, [shape_image(0)])])["input_ids"].shape[1]
     questions = [QUESTION, "many words " * 60, QUESTION, "many words " * 60]
     lines = []
-    args = g.Args(max_prompt_length=short_len + 5)
+    args = g.RunArgs(max_prompt_length=short_len + 5)
     _, keep, skipped = g.prepare_split(
         make_ds([shape_image(i) for i in range(4)], questions), args, processor, "train", log=lines.append
     )
@@ -145,21 +145,21 @@ def test_prepare_split_skips_prompts_longer_than_max_prompt_length(processor):
 def test_prepare_split_empty_split_or_no_usable_row_stops(processor):
     empty = make_ds([])
     with pytest.raises(ValueError, match="'test' split of .* is empty"):
-        g.prepare_split(empty, g.Args(), processor, "test", log=None)
+        g.prepare_split(empty, g.RunArgs(), processor, "test", log=None)
     with pytest.raises(ValueError, match="no usable row in the 'train' split .*'no_or_unreadable_image': 2"):
-        g.prepare_split(make_ds([None, None]), g.Args(), processor, "train", log=None)
+        g.prepare_split(make_ds([None, None]), g.RunArgs(), processor, "train", log=None)
 
 
 def test_missing_column_is_named_with_the_available_ones(processor):
     ds = datasets.Dataset.from_dict({"picture": [shape_image(0)], "problem": [QUESTION], "answer": ["one"]})
     with pytest.raises(ValueError) as err:
-        g.prepare_split(ds, g.Args(), processor, "train", log=None)
+        g.prepare_split(ds, g.RunArgs(), processor, "train", log=None)
     message = str(err.value)
     assert (
         "no column 'image' (--image_column) nor 'images'" in message and "['picture', 'problem', 'answer']" in message
     )
     # with the flags it names, the same data is accepted
-    args = g.Args(image_column="picture", question_column="problem")
+    args = g.RunArgs(image_column="picture", question_column="problem")
     assert g.prepare_split(ds, args, processor, "train", log=None)[1] == [0]
 
 
@@ -199,15 +199,15 @@ def test_load_split_reads_local_folders_and_files(tmp_path, processor):
     expected = {"flat": (3, 3), "dict": (3, 1), "data.parquet": (3, 3), "imgs": (2, 2), "multi.parquet": (2, 2)}
     for name, sizes in expected.items():
         columns = {"image_column": "images", "question_column": "problem"} if name == "multi.parquet" else {}
-        args = g.Args(dataset_name=str(tmp_path / name), **columns)
+        args = g.RunArgs(dataset_name=str(tmp_path / name), **columns)
         for split, n in zip(("train", "test"), sizes):
             loaded = g.load_split(args, split)
             assert len(loaded) == n, (name, split)
             _, keep, _ = g.prepare_split(loaded, args, processor, split, log=None)
             assert keep == list(range(n)), (name, split)
     two = g.prepare_split(
-        g.load_split(g.Args(dataset_name=str(tmp_path / "multi.parquet")), "train"),
-        g.Args(image_column="images", question_column="problem"),
+        g.load_split(g.RunArgs(dataset_name=str(tmp_path / "multi.parquet")), "train"),
+        g.RunArgs(image_column="images", question_column="problem"),
         processor,
         "train",
         log=None,
@@ -215,7 +215,7 @@ def test_load_split_reads_local_folders_and_files(tmp_path, processor):
     assert len(g.row_images(two[1], "images")) == 2
     for name in ("dict", "imgs"):  # a split that does not exist: the available ones and the flags to set
         with pytest.raises(ValueError, match=r"split 'validation'.*\['train', 'test'\].*--eval_split"):
-            g.load_split(g.Args(dataset_name=str(tmp_path / name)), "validation")
+            g.load_split(g.RunArgs(dataset_name=str(tmp_path / name)), "validation")
 
 
 # --- teacher/student vocabularies ---------------------------------------------------------------
@@ -265,7 +265,7 @@ def test_teacher_with_other_image_processing_stops(processor):
 
 def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_path):
     out = str(tmp_path / "run")
-    assert g.prepare_output_dir(g.Args(output_dir=out), True) is None  # a new folder: fresh start
+    assert g.prepare_output_dir(g.RunArgs(output_dir=out), True) is None  # a new folder: fresh start
     os.makedirs(os.path.join(out, "checkpoint-2"))
     with open(os.path.join(out, "checkpoint-2", "trainer_state.json"), "w") as f:
         f.write("{}")
@@ -274,12 +274,12 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
     with pytest.raises(
         ValueError, match="already holds a run: pass --resume_from_checkpoint latest .*--overwrite_output_dir"
     ):
-        g.prepare_output_dir(g.Args(output_dir=out), True)
-    resume = g.prepare_output_dir(g.Args(output_dir=out, resume_from_checkpoint="latest"), True)
+        g.prepare_output_dir(g.RunArgs(output_dir=out), True)
+    resume = g.prepare_output_dir(g.RunArgs(output_dir=out, resume_from_checkpoint="latest"), True)
     assert resume == os.path.join(out, "checkpoint-2")
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        g.prepare_output_dir(g.Args(output_dir=out, resume_from_checkpoint=os.path.join(out, "checkpoint-9")), True)
-    assert g.prepare_output_dir(g.Args(output_dir=out, overwrite_output_dir=True), True) is None
+        g.prepare_output_dir(g.RunArgs(output_dir=out, resume_from_checkpoint=os.path.join(out, "checkpoint-9")), True)
+    assert g.prepare_output_dir(g.RunArgs(output_dir=out, overwrite_output_dir=True), True) is None
     assert os.listdir(out) == []  # the old run's checkpoints and metrics are gone
 
 
@@ -294,12 +294,12 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
         (
             dict(prompts_per_step=5, micro_batch_size=4),
             2,
-            "--prompts_per_step 5 does not divide across 2 processes: use a multiple of 2",
+            "--prompts_per_step 5 does not divide across 2 processes",
         ),
         (
             dict(prompts_per_step=8, num_generations=3, micro_batch_size=16),
             1,
-            "holds 24 sequences .*--micro_batch_size 16",
+            "holds 24 sequences per step: not a multiple of --micro_batch_size 16",
         ),
         (dict(advantage_mode="batch"), 1, "--advantage_mode 'batch' is not one of"),
         (dict(loss_type="grpo"), 1, "--loss_type 'grpo' is not one of"),
@@ -316,15 +316,15 @@ def test_output_dir_with_another_run_stops_unless_resumed_or_overwritten(tmp_pat
 )
 def test_invalid_argument_combinations(kwargs, processes, message):
     with pytest.raises(g.UsageError, match=message):
-        g.check_args(g.Args(**kwargs), processes)
+        g.check_args(g.RunArgs(**kwargs), processes)
 
 
 def test_a_name_that_may_be_a_hub_id_is_left_to_the_hub():
     """owner/name and a bare name may be Hub ids: only a name that can be nothing but a local path is refused."""
     for name in ("hiyouga/geometry3k", "squad"):
-        assert not g.missing_path(name)
+        assert g.missing_paths({"dataset_name": name}) == []
     for name in ("data/train.parquet", "./data", "../data", "/data/x", "a/b/c", "~/nowhere"):
-        assert g.missing_path(name), name
+        assert len(g.missing_paths({"dataset_name": name})) == 1, name
 
 
 @pytest.mark.slow
@@ -350,11 +350,11 @@ def test_the_command_line_refuses_a_mistake_in_one_line_before_any_model_loads(f
 
 
 def test_valid_arguments_give_the_accumulation_steps():
-    assert g.check_args(g.Args(prompts_per_step=8, num_generations=4, micro_batch_size=8), 2) == 2
+    assert g.check_args(g.RunArgs(prompts_per_step=8, num_generations=4, micro_batch_size=8), 2) == 2
 
 
 def test_main_checks_arguments_before_loading_anything(tmp_path):
-    args = g.Args(
+    args = g.RunArgs(
         student_model=str(tmp_path / "absent"),
         advantage_mode="group",
         num_generations=1,

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
 from accelerate.utils import set_seed
 
 import gndpo_extras
@@ -28,7 +29,7 @@ def read_metrics(out: str) -> list[dict]:
 
 def default_world(out: str, **changes) -> g.Args:
     """The default run's arguments (the shipped tiny models and data), 3 steps, no evaluation."""
-    return g.Args(**{**dict(max_steps=3, num_eval_samples=0, save_steps=0, output_dir=out), **changes})
+    return g.RunArgs(**{**dict(max_steps=3, num_eval_samples=0, save_steps=0, output_dir=out), **changes})
 
 
 def step_on(args: g.Args, answers=None) -> tuple:
@@ -157,7 +158,7 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
     in): the scores are small noise around 0. GNDPO scales that noise up to unit spread; with --score_std_floor
     above the noise, the step only centers it, so the advantages keep the scores' own small spread, and the step
     says it was floored."""
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         prompts_per_step=4,
@@ -173,7 +174,7 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
         holder = {}
 
         def base_of_the_student(teacher, rollout, ignore_ids, holder=holder):  # the student without its adapter
-            policy = g.unwrap(holder["models"].student)
+            policy = unwrap(holder["models"].student)
             with g.evaluating(policy), policy.disable_adapter():
                 return g.response_logps(policy, rollout, ignore_ids)
 
@@ -209,7 +210,7 @@ def test_the_std_floor_keeps_self_distillation_noise_at_its_own_scale(untrained_
 def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
     """--optimizer sgd (no weight decay, no clip): the update's size is the learning rate times the gradient's
     norm, which update_norm measures on the parameters themselves."""
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         prompts_per_step=4,
@@ -241,7 +242,7 @@ def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
 def test_reward_weight_without_answers_stops_at_start_up(untrained_models, tmp_path):
     path = str(tmp_path / "no_answers.parquet")
     tiny_world.make_dataset(8, seed=1).remove_columns(["answer"]).to_parquet(path)
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         dataset_name=path,
         prompts_per_step=4,

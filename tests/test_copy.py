@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
 
 import gndpo_minimal as g
 
@@ -154,7 +155,7 @@ def test_the_documented_config_holds_exactly_the_fields_the_step_reads():
         f"read but not documented: {sorted(read - set(documented))}; "
         f"documented but not read: {sorted(set(documented) - read)}"
     )
-    defaults = g.Args()
+    defaults = g.RunArgs()
     assert {k: getattr(defaults, k) for k in documented} == documented
     lines = re.findall(r"^    (\w+)=.*?(#.*)?$", config_block(), flags=re.M)
     assert sorted(name for name, _ in lines) == sorted(documented)
@@ -207,7 +208,7 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
 
     ns: dict = {}
     exec(compile(pasted_source(), "pasted.py", "exec"), ns)
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         teacher_4bit=False,
@@ -224,7 +225,12 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
     ignore_ids = torch.tensor(config.suppress_tokens)
     prompts = [(r["question"], [r["image"]]) for r in tiny_world.make_rows(4, seed=5) for _ in range(2)]
     rollout = copier_rollout(
-        g.unwrap(student), processor, prompts, ignore_ids, config.eos_token_id, processor.tokenizer.pad_token_id
+        unwrap(student),
+        processor,
+        prompts,
+        ignore_ids,
+        config.eos_token_id,
+        processor.tokenizer.pad_token_id,
     )
     group_ids = [i // 2 for i in range(8)]
     results = {}

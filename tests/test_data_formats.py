@@ -130,7 +130,7 @@ def processor(untrained_models):
 
 def tiny_args(untrained_models, output_dir, **data) -> g.Args:
     """One step of 2 prompts x G = 2 with 4 new tokens, 2 evaluation rows."""
-    return g.Args(
+    return g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         output_dir=str(output_dir),
@@ -153,45 +153,45 @@ def tiny_args(untrained_models, output_dir, **data) -> g.Args:
 
 def test_a_folder_of_split_files_beside_its_images_loads_those_files(data):
     for split, n in (("train", 6), ("test", 3)):
-        ds = g.load_split(g.Args(dataset_name=data["jsonl"]), split)
+        ds = g.load_split(g.RunArgs(dataset_name=data["jsonl"]), split)
         assert ds.column_names == ["image", "question", "answer"] and len(ds) == n  # not an image folder of 12 PNGs
     with pytest.raises(ValueError, match=r"split 'validation'.*\['test', 'train'\].*--eval_split"):
-        g.load_split(g.Args(dataset_name=data["jsonl"]), "validation")
+        g.load_split(g.RunArgs(dataset_name=data["jsonl"]), "validation")
 
 
 def test_relative_image_paths_resolve_against_the_data_file_not_the_current_directory(data, processor, monkeypatch):
     monkeypatch.chdir(data["cwd"])
     for name in (data["jsonl"], os.path.join(data["jsonl"], "train.jsonl")):  # the folder, or its file
-        args = g.Args(dataset_name=name)
+        args = g.RunArgs(dataset_name=name)
         ds, keep, skipped = g.prepare_split(g.load_split(args, "train"), args, processor, "train", log=None)
         assert keep == [0, 3, 4, 5]
         assert skipped == {"no_or_unreadable_image": 1, "unusable_prompt": 1, "prompt_too_long": 0}
         assert ds[0]["image"] == [os.path.join(data["jsonl"], "imgs", "0.png")]
-    args = g.Args(dataset_name=data["elsewhere_data"], image_root=data["jsonl"])
+    args = g.RunArgs(dataset_name=data["elsewhere_data"], image_root=data["jsonl"])
     assert g.prepare_split(g.load_split(args, "train"), args, processor, "train", log=None)[1] == [0, 3, 4, 5]
 
 
 def test_images_not_found_name_the_path_the_folders_and_the_flag(data, processor, monkeypatch):
     monkeypatch.chdir(data["cwd"])
-    args = g.Args(dataset_name=data["elsewhere_data"])  # the images are not beside this data
+    args = g.RunArgs(dataset_name=data["elsewhere_data"])  # the images are not beside this data
     with pytest.raises(ValueError) as err:
         g.prepare_split(g.load_split(args, "train"), args, processor, "train", log=None)
     message = str(err.value)
     assert "images of the 'train' split were not found: row 0's image 'imgs/0.png'" in message
     assert f"{data['elsewhere_data']} (the data file folder)" in message and "(the current directory)" in message
     assert "Pass --image_root" in message
-    wrong = g.Args(dataset_name=data["jsonl"], image_root=data["cwd"])
+    wrong = g.RunArgs(dataset_name=data["jsonl"], image_root=data["cwd"])
     looked = f"row 0's image 'imgs/0.png' was looked for in {data['cwd']} (--image_root)"
     with pytest.raises(ValueError, match=re.escape(looked)):
         g.prepare_split(g.load_split(wrong, "train"), wrong, processor, "train", log=None)
     # the evaluation set's messages name its own flags
-    args = g.Args(dataset_name=data["jsonl"], eval_dataset_name=data["elsewhere_data"], num_eval_samples=2)
+    args = g.RunArgs(dataset_name=data["jsonl"], eval_dataset_name=data["elsewhere_data"], num_eval_samples=2)
     with pytest.raises(ValueError, match=r"'test' split were not found.*--eval_image_root"):
         g.load_eval_rows(args, processor, log=None)
 
 
 def test_trl_prompts_keep_their_system_turn_and_take_answers_from_completion(data, processor):
-    args = g.Args(dataset_name=data["trl.parquet"])
+    args = g.RunArgs(dataset_name=data["trl.parquet"])
     lines = []
     ds, keep, skipped = g.prepare_split(g.load_split(args, "train"), args, processor, "train", log=lines.append)
     assert keep == [0, 3, 4, 5]
@@ -213,7 +213,7 @@ def test_trl_prompts_keep_their_system_turn_and_take_answers_from_completion(dat
 
 
 def test_llava_conversations_are_cut_to_the_first_turn_with_its_answer(data, processor):
-    args = g.Args(dataset_name=os.path.join(data["llava"], "llava.json"), num_eval_samples=3)
+    args = g.RunArgs(dataset_name=os.path.join(data["llava"], "llava.json"), num_eval_samples=3)
     ds, keep, skipped = g.prepare_split(g.load_split(args, "train"), args, processor, "train", log=None)
     assert keep == [0, 1, 2, 5] and skipped == {"no_or_unreadable_image": 1, "unusable_prompt": 1, "prompt_too_long": 0}
     assert ds[0]["question"] == [{"role": "user", "content": f"<image>\n{QUESTION}"}] and ds[0]["answer"] == "one"
@@ -227,14 +227,14 @@ def test_the_plain_layout_needs_no_module_and_another_names_the_one_it_needs(dat
     """The script reads the plain layout (an image column, a question column of text) itself: without gndpo_data the
     default data still loads, while chat prompts stop before any row is checked, naming the module."""
     monkeypatch.setattr(g, "formats", None)
-    args = g.Args(max_train_samples=8)
+    args = g.RunArgs(max_train_samples=8)
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=8, log=None)
     row = ds[keep[0]]
     assert isinstance(row["question"], str) and len(g.row_images(row, "image")) == 1
     assert g.build_messages(row["question"], 1, "Box it.") == [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": row["question"] + "\nBox it."}]}
     ]
-    chat = g.Args(dataset_name=data["trl.parquet"])
+    chat = g.RunArgs(dataset_name=data["trl.parquet"])
     with pytest.raises(g.UsageError, match="gndpo_data.py"):
         g.prepare_split(g.load_split(chat, "train"), chat, processor, "train", log=None)
     with pytest.raises(g.UsageError, match="gndpo_data.py"):
@@ -243,7 +243,7 @@ def test_the_plain_layout_needs_no_module_and_another_names_the_one_it_needs(dat
 
 def test_evaluation_without_answers_is_skipped_or_stops_when_asked_for(data, processor):
     lines = []
-    args = g.Args(dataset_name=data["no_answers"])  # the default --num_eval_samples: evaluation not asked for
+    args = g.RunArgs(dataset_name=data["no_answers"])  # the default --num_eval_samples: evaluation not asked for
     assert g.load_eval_rows(args, processor, log=lines.append) == []
     assert lines == [
         f"evaluation skipped: the 'test' split of {data['no_answers']} has no reference answers "
@@ -260,7 +260,7 @@ def test_evaluation_without_answers_is_skipped_or_stops_when_asked_for(data, pro
     ds = datasets.Dataset.from_dict(
         {"image": [shape_image(0), shape_image(1)], "question": [QUESTION] * 2, "answer": ["one", None]}
     )
-    _, keep, skipped = g.prepare_split(ds, g.Args(), processor, "test", log=None, need_answer=True)
+    _, keep, skipped = g.prepare_split(ds, g.RunArgs(), processor, "test", log=None, need_answer=True)
     assert keep == [0] and skipped["no_answer"] == 1
 
 

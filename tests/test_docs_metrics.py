@@ -63,14 +63,15 @@ def key_pattern(key: str) -> str:
 
 
 def args_groups() -> list[list[str]]:
-    """The field names of `Args`, split where its source has a `# --- group ---` line."""
+    """The field names of `RunArgs`: Args' split where its source has a `# --- group ---` line, then each optional
+    module's dataclass as one group, in RunArgs' order."""
     groups = []
     for line in inspect.getsource(g.Args).splitlines():
         if re.match(r"\s+# --- .+ ---", line):
             groups.append([])
         elif match := re.match(r" {4}(\w+): ", line):
             groups[-1].append(match.group(1))
-    return groups
+    return groups + [[f.name for f in dataclasses.fields(m.ARGS)] for m in g.MODULES if hasattr(m, "ARGS")]
 
 
 def page_default(cell: str) -> list[str]:
@@ -155,7 +156,7 @@ def test_the_readers_find_the_rows_and_nothing_else():
 
 def test_args_groups_reads_every_field_in_order():
     groups = args_groups()
-    assert [name for group in groups for name in group] == [f.name for f in dataclasses.fields(g.Args)]
+    assert [name for group in groups for name in group] == [f.name for f in dataclasses.fields(g.RunArgs)]
     assert len(groups) >= 2 and all(groups)
 
 
@@ -168,7 +169,7 @@ def test_every_args_field_has_one_row_in_the_args_order_and_groups(page):
     groups = argument_groups(page)
     listed = [name for _, rows in groups for names, _ in rows for name in names]
     assert "advantage_mode" in listed  # the reader found the tables
-    fields = [f.name for f in dataclasses.fields(g.Args)]
+    fields = [f.name for f in dataclasses.fields(g.RunArgs)]
     missing, stale = sorted(set(fields) - set(listed)), sorted(set(listed) - set(fields))
     assert not missing, f"Args fields the page does not list: {missing}"
     assert not stale, f"the page lists flags Args lacks: {stale}"
@@ -178,7 +179,7 @@ def test_every_args_field_has_one_row_in_the_args_order_and_groups(page):
 
 
 def test_every_row_states_its_fields_default(page):
-    defaults = {f.name: f.default for f in dataclasses.fields(g.Args)}
+    defaults = {f.name: f.default for f in dataclasses.fields(g.RunArgs)}
     wrong = []
     for _, rows in argument_groups(page):
         for names, cell in rows:
@@ -197,7 +198,7 @@ def test_every_row_states_its_fields_default(page):
 def run_keys(untrained_models: str, out: str, args: g.Args | None = None, **changes) -> list[set[str]]:
     """The key set of each line of metrics.jsonl from main() on the tiny random models (4 prompts x G = 2), or with
     `args`, as the page names them (key_pattern)."""
-    args = args or g.Args(
+    args = args or g.RunArgs(
         **{
             **dict(
                 student_model=os.path.join(untrained_models, "student"),

@@ -210,7 +210,7 @@ def test_cli_base_weights_and_model_files_untouched(cli_run):
 
 @pytest.fixture
 def args(untrained_models):
-    return g.Args(
+    return g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         max_new_tokens=10,

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # trains the default world for a step
 
 def test_a_one_step_default_run_writes_20_rows_before_and_20_after(tmp_path):
     out = str(tmp_path / "run")
-    summary = g.main(g.Args(max_steps=1, num_eval_samples=20, save_steps=0, output_dir=out))
+    summary = g.main(g.RunArgs(max_steps=1, num_eval_samples=20, save_steps=0, output_dir=out))
     with open(os.path.join(out, "eval_rows.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert all(set(r) == {"step", "row", "model", "answer", "correct"} for r in rows)
@@ -33,7 +33,7 @@ def test_a_one_step_default_run_writes_20_rows_before_and_20_after(tmp_path):
         ((1, "student"), "student_accuracy_after"),
     ):
         assert sum(r["correct"] for r in by[key]) / 20 == summary[name]
-    references = [row[2] for row in g.load_eval_rows(g.Args(num_eval_samples=20), _processor(), log=lambda m: None)]
+    references = [row[2] for row in g.load_eval_rows(g.RunArgs(num_eval_samples=20), _processor(), log=lambda m: None)]
     for r in rows:
         assert r["correct"] == (
             r["answer"] is not None and gndpo_eval.grade_answer(f"\\boxed{{{r['answer']}}}", references[r["row"]])
@@ -44,4 +44,4 @@ def test_a_one_step_default_run_writes_20_rows_before_and_20_after(tmp_path):
 def _processor():
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(g.Args().student_model)
+    return AutoProcessor.from_pretrained(g.RunArgs().student_model)

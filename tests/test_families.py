@@ -50,7 +50,7 @@ def models(request, tmp_path_factory) -> str:
 
 
 def family_args(models: str, data: str, out: str, **changes) -> g.Args:
-    return g.Args(
+    return g.RunArgs(
         **{
             **dict(
                 student_model=os.path.join(models, "student"),
@@ -131,7 +131,7 @@ def family_rollout(
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=n_prompts, log=None)
     prompts = [(ds[i][args.question_column], g.row_images(ds[i], args.image_column)) for i in keep] * 2
     step = g.StepPrompts(0, 0, prompts, list(range(len(keep))) * 2, [None] * len(prompts))
-    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))  # it encodes distinct prompts
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=g)  # it encodes distinct prompts
     distinct = sharing.encode_distinct(processor, prompts, step.group_ids, args, torch.device("cpu"))
     torch.manual_seed(0)
     rollout = g.rollout(

@@ -21,7 +21,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def full_args(out: str, **changes) -> g.Args:
     """A short full fine-tuning run on the shipped tiny world: 3 steps of 8 prompts x G = 4, a checkpoint at step
     2, 40 held-out rows."""
-    return g.Args(
+    return g.RunArgs(
         **{
             **dict(
                 lora_r=0,

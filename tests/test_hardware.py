@@ -77,7 +77,7 @@ def test_chunked_head_follows_the_autocast_of_the_models_forward(trained_models)
     ran the head in float32 outside autocast."""
     from transformers import AutoProcessor
 
-    args = g.Args(student_model=os.path.join(trained_models, "student"), max_new_tokens=6, num_generations=2)
+    args = g.RunArgs(student_model=os.path.join(trained_models, "student"), max_new_tokens=6, num_generations=2)
     model = g.load_student(args, torch.float32).eval()
     processor = AutoProcessor.from_pretrained(args.student_model)
     ds, keep, _ = g.prepare_split(g.load_split(args, "train"), args, processor, "train", limit=4, log=None)
@@ -85,7 +85,7 @@ def test_chunked_head_follows_the_autocast_of_the_models_forward(trained_models)
     groups = [0, 0, 1, 1]
     ids = torch.randint(20, 200, (4, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(4, 6, dtype=torch.long)
-    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))  # every row's, distinct ones
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=g)  # every row's, distinct ones
     rollout = sharing.encode(processor, g.Rollout(ids, mask, torch.zeros(4, 6)), prompts, groups, args)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         plain = g.response_logps(model, rollout, None)
@@ -109,39 +109,27 @@ def test_tolerance_follows_the_compute_precision():
 # --- start-up ------------------------------------------------------------------------------------------
 
 
-def test_a_driver_that_torch_cannot_use_stops_the_run_with_both_versions(tmp_path, monkeypatch):
-    """A machine with an NVIDIA driver where torch cannot use CUDA: the run stops naming the driver's version and
-    torch's CUDA, instead of training on the CPU. No driver, a working CUDA, or a CPU run asked for (no visible
-    device) go on."""
-    driver = tmp_path / "version"
-    driver.write_text(
-        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
-        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+def test_the_start_up_line_names_device_dtypes_precision_threads_paths_models_and_the_batch_cut():
+    accelerator = types.SimpleNamespace(
+        device=torch.device("cpu"), mixed_precision="bf16", num_processes=2, gradient_accumulation_steps=3
     )
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(RuntimeError) as stopped:
-        g.check_cuda(str(driver), cuda_available=False)
-    message = str(stopped.value)
-    assert "535.104.05" in message and torch.__version__ in message
-    assert f"CUDA {torch.version.cuda or 'none: a CPU build'}" in message and "--cpu" in message
-    g.check_cuda(str(tmp_path / "absent"), cuda_available=False)
-    g.check_cuda(str(driver), cuda_available=True)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    g.check_cuda(str(driver), cuda_available=False)
-
-
-def test_the_start_up_line_names_device_dtypes_precision_and_threads():
-    accelerator = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16")
     student = torch.nn.Linear(2, 2).to(torch.bfloat16)
-    line = g.startup_line(g.Args(teacher_4bit=False, dtype="float32"), accelerator, student, {"static_cache": "why"})
-    assert (
-        line == f"device cpu, student bfloat16, teacher float32, mixed precision bf16, {torch.get_num_threads()} "
+    student.bias.requires_grad_(False)
+    args = g.RunArgs(teacher_4bit=False, dtype="float32", teacher_model="t", student_model="s", micro_batch_size=4)
+    paths = fast.startup_paths(args, {"static_cache": "why"})
+    assert g.startup_line(args, accelerator, student, paths) == (
+        f"device cpu, student bfloat16, teacher float32, mixed precision bf16, {torch.get_num_threads()} "
         f"threads; speed-ups of gndpo_fast: lean log-probs, each prompt read once, the sampler, sampling from merged "
-        f"adapters, one vision attention call per layer; decoding on a static cache off: why"
+        f"adapters, one vision attention call per layer; decoding on a static cache off: why; student s: 0.000M of "
+        f"0.00M trainable (LoRA); teacher t in float32; 2 process(es), 1 update(s) of 3 micro-batch(es) of 4 per step"
     )
-    plain = g.Args(**dict.fromkeys(g.SPEEDUPS, "false"))
-    assert g.startup_line(plain, accelerator, student).endswith("threads; plain paths")
-    assert "teacher 4-bit nf4" in g.startup_line(g.Args(), accelerator, student)
+    plain = g.RunArgs(**dict.fromkeys(fast.SPEEDUPS, "false"))
+    assert fast.startup_paths(plain, {}) == "plain paths"
+    assert "threads; plain paths (no gndpo_fast.py): full logits;" in g.startup_line(plain, accelerator, student)
+    assert "teacher 4-bit nf4" in g.startup_line(g.RunArgs(), accelerator, student)
+    for lora_r, words in ((16, "the student, its adapter disabled"), (0, "a frozen copy of the student")):
+        line = g.startup_line(g.RunArgs(teacher_model="self", lora_r=lora_r), accelerator, student)
+        assert "teacher self, mixed" in line and f"teacher self: {words};" in line
 
 
 def test_the_process_group_timeout_is_the_args_field(monkeypatch):
@@ -157,9 +145,9 @@ def test_the_process_group_timeout_is_the_args_field(monkeypatch):
         return real(*a, **{key: v for key, v in k.items() if key != "timeout"})
 
     monkeypatch.setattr(accelerate, "PartialState", recording)
-    g.make_accelerator(g.Args(process_timeout_minutes=45))
+    g.make_accelerator(g.RunArgs(process_timeout_minutes=45))
     assert seen["timeout"].total_seconds() == 45 * 60
-    assert g.Args().process_timeout_minutes >= 60
+    assert g.RunArgs().process_timeout_minutes >= 60
 
 
 # --- whole runs under bf16 mixed precision ---------------------------------------------------------------

@@ -27,7 +27,7 @@ def test_short_default_run_lowers_reverse_kl(trained_models, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(trained_models, "student"),
         teacher_model=os.path.join(trained_models, "teacher"),
         # 40 of the default 90 steps: the default run's KL falls from ~0.9 to ~0.1 by step 40, while

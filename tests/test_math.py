@@ -11,11 +11,11 @@ from gndpo_fast import head_logps, token_logps
 from gndpo_minimal import (
     ADVANTAGE_MODES,
     ADVANTAGES,
-    _global_sums,
-    _whiten,
     distill_scores,
+    global_sums,
     normalize_scores,
     policy_loss,
+    whiten,
 )
 
 
@@ -24,7 +24,7 @@ def advantages(scores, mask, mode, group_ids=None, **kw):
     ablation_advantages with the script's own statistics."""
     if mode in ADVANTAGE_MODES:
         return normalize_scores(scores, mask, mode, **kw)
-    return ablation_advantages(scores, mask, mode, _whiten, _global_sums, group_ids, **kw)
+    return ablation_advantages(scores, mask, mode, whiten, global_sums, group_ids, **kw)
 
 
 def random_mask(B, T, gen, min_len=1):
@@ -295,7 +295,7 @@ def test_the_script_knows_only_gndpo_and_opd_and_adds_the_ablations_to_advantage
             msg=mode,
         )
     with pytest.raises(ValueError, match="unknown advantage mode"):
-        ablation_advantages(scores, mask, "global", _whiten, _global_sums)
+        ablation_advantages(scores, mask, "global", whiten, global_sums)
 
 
 # --- policy_loss -------------------------------------------------------------------------------

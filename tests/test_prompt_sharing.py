@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import gndpo_minimal as g
 @pytest.fixture(scope="module")
 def pair(untrained_models):
     """Student (LoRA, training mode), fp32 teacher and one rollout of 4 prompts x G = 3 in one micro-batch."""
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         teacher_4bit=False,
@@ -44,7 +45,7 @@ def pair(untrained_models):
     torch.manual_seed(0)
     rollout = g.rollout(student, processor, step.prompts, g.Sampling(sample_config, fast.draw_tokens), args)
     # the distinct prompts, as the sampler of gndpo_fast attaches them
-    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=g)
     rollout.extra.update(sharing.encode_distinct(processor, step.prompts, step.group_ids, args, torch.device("cpu")))
     return {
         "args": args,
@@ -244,7 +245,7 @@ def test_main_gives_the_same_metrics_with_and_without_sharing(untrained_models, 
     for share in (True, False):
         out = str(tmp_path / str(share))
         summary = g.main(
-            g.Args(
+            g.RunArgs(
                 student_model=os.path.join(untrained_models, "student"),
                 teacher_model=os.path.join(untrained_models, "teacher"),
                 prompts_per_step=4,
@@ -322,7 +323,7 @@ def test_the_check_sees_two_prompts_whatever_the_micro_batch_size(pair):
     """check_rollout takes the rows of the first two distinct prompts, all G samples of each, even when the
     micro-batches hold one row each: rows of different prompts meet in the check's forwards."""
     args = dataclasses.replace(pair["args"], micro_batch_size=1)
-    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=vars(g))
+    sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=g)
     cut = lambda *a: sharing.cut(pair["processor"], *a, args)  # noqa: E731
     check = fast.check_rollout(cut, pair["step"], [pair["rollout"]], args.num_generations)
     assert check.extra["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1]
@@ -365,7 +366,7 @@ def test_rollouts_get_their_own_check_and_fall_back_to_generate(pair):
     hook = student.register_forward_hook(off_on_a_cache, with_kwargs=True)
     try:
         logs = []
-        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append, script=vars(g))
+        sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, log=logs.append, script=g)
         sharing.decided.update(teacher=True, student=True)  # only the rollout's check is pending
         rollouts = g.sample_rollouts(sampling_models(pair, sharing), prompts, pair["args"])
     finally:
@@ -444,11 +445,11 @@ def test_rollouts_sample_from_the_policy_without_dropout(pair):
     assert (trained[valid] - evaluated[valid]).abs().max() > 1e-3  # the update's forward has dropout on
 
 
-def test_a_lasting_logp_mismatch_is_reported_once():
+def test_a_lasting_logp_mismatch_is_reported_once_a_streak():
     logs = []
-    watch = g.MismatchWatch(1e-4, steps=3, log=logs.append)
-    for step, mismatch in enumerate([1e-3, 1e-3, 1e-7, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3], start=1):
-        watch.see(step, mismatch)
+    run = types.SimpleNamespace(mismatch_tolerance=1e-4, mismatch_streak=0, log=logs.append)
+    for step, mismatch in enumerate([1e-3, 1e-3, 1e-7, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-7, 1e-3], start=1):
+        g.watch_mismatch(run, step, mismatch)
     assert len(logs) == 1 and logs[0].startswith("step 6: logp_mismatch 1.00e-03") and "off-policy" in logs[0]
 
 
@@ -460,7 +461,7 @@ def test_main_under_gradient_checkpointing_reads_each_prompt_once_and_matches_pl
     for share in (True, False):
         out = str(tmp_path / str(share))
         summary = g.main(
-            g.Args(
+            g.RunArgs(
                 student_model=os.path.join(untrained_models, "student"),
                 teacher_model=os.path.join(untrained_models, "teacher"),
                 prompts_per_step=4,

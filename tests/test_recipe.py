@@ -160,9 +160,9 @@ def test_the_tiny_full_fine_tuning_recipe_is_the_default_world_with_lora_r_0():
     recipe = os.path.join(ROOT, "recipes", "tiny_full_finetune.yaml")
     with open(recipe) as f:
         raw = yaml.safe_load(f)
-    fields = {f.name for f in dataclasses.fields(g.Args)}
+    fields = {f.name for f in dataclasses.fields(g.RunArgs)}
     assert set(raw) <= fields, f"not Args fields: {set(raw) - fields}"
-    args, defaults = g.parse_args([recipe]), g.Args()
+    args, defaults = g.parse_args([recipe]), g.RunArgs()
     for name in raw:
         assert type(getattr(args, name)) is type(getattr(defaults, name)) or getattr(defaults, name) is None, name
     assert args.lora_r == 0 and args.advantage_mode == "global" and g.check_args(args, 1) >= 1
@@ -186,7 +186,7 @@ def test_flags_after_a_recipe_override_its_values_and_an_unknown_setting_is_name
     assert base.max_steps != 3 and base.learning_rate != 0.5
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_steps: 2\nlearnin_rate: 1.0e-3\n")
-    with pytest.raises(SystemExit, match="learnin_rate"):
+    with pytest.raises(g.UsageError, match="unknown flag --learnin_rate: did you mean --learning_rate"):
         g.parse_args([str(bad)])
 
 
@@ -194,10 +194,10 @@ def test_flags_after_a_recipe_override_its_values_and_an_unknown_setting_is_name
 def test_recipe_is_valid_args_with_the_papers_hyperparameters(recipe):
     with open(recipe) as f:
         raw = yaml.safe_load(f)
-    fields = {f.name: f for f in dataclasses.fields(g.Args)}
+    fields = {f.name: f for f in dataclasses.fields(g.RunArgs)}
     assert set(raw) <= set(fields), f"not Args fields: {set(raw) - set(fields)}"
     args = g.parse_args([recipe])
-    defaults = g.Args()
+    defaults = g.RunArgs()
     for name in raw:  # YAML reads 1e-5 as a string and 1 as an int: each value must have its field's type
         value, default = getattr(args, name), getattr(defaults, name)
         if default is not None:
@@ -342,7 +342,7 @@ def test_the_self_recipe_is_the_3b_recipe_with_the_student_as_its_teacher_readin
     assert (args.teacher_model, args.privileged_column, args.privileged_source) == (SELF, "answer", "own")
     assert args.privileged_column == base.answer_column and not args.teacher_4bit and args.lora_r
     assert args.privileged_template.count("{context}") == 1
-    changed = {f.name for f in dataclasses.fields(g.Args) if getattr(args, f.name) != getattr(base, f.name)}
+    changed = {f.name for f in dataclasses.fields(g.RunArgs) if getattr(args, f.name) != getattr(base, f.name)}
     assert changed <= SELF_CHANGES, changed - SELF_CHANGES
     assert 32 <= args.max_teacher_prompt_length - args.max_prompt_length <= 256
 
@@ -608,7 +608,7 @@ def sample_rollout(untrained_models, n=4, max_new_tokens=16, seed=0):
 
     from worlds import tiny_world
 
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         max_new_tokens=max_new_tokens,

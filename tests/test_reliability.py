@@ -291,7 +291,7 @@ def test_a_corrupted_image_in_the_middle_is_skipped_counted_and_the_run_finishes
 
 
 def small_args(models: str, data: str, out: str, **kwargs) -> g.Args:
-    return g.Args(
+    return g.RunArgs(
         student_model=os.path.join(models, "student"),
         teacher_model=os.path.join(models, "teacher"),
         dataset_name=data,

@@ -83,7 +83,7 @@ def test_a_decoding_step_launches_as_many_operations_as_plain_generate(deep_stud
     sampling through the unmerged adapters runs about twice as many."""
     from transformers import AutoModelForImageTextToText
 
-    args = g.Args(student_model=deep_student, share_prompt_prefix="false", max_train_samples=16, num_eval_samples=0)
+    args = g.RunArgs(student_model=deep_student, share_prompt_prefix="false", max_train_samples=16, num_eval_samples=0)
     processor, prompts = step_prompts(args)
     student = lora_student(args)
     config, _ = g.generation_configs(processor.tokenizer, student, args)
@@ -113,7 +113,7 @@ def test_a_decoding_step_launches_as_many_operations_as_plain_generate(deep_stud
 
 
 def test_the_static_cache_samples_the_tokens_and_log_probs_of_the_dynamic_cache(untrained_models):
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         share_prompt_prefix="false",
         max_new_tokens=10,
@@ -147,7 +147,7 @@ def test_merged_sampling_restores_the_base_weights_bit_for_bit_and_samples_the_t
     """Three steps through the step's functions with merged sampling: no adapter runs while sampling, the base weights
     are bit-identical after every step while the adapters move, and the recorded log-probs are the training forward's
     (logp_mismatch within float32's tolerance)."""
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         teacher_4bit=False,
@@ -225,7 +225,7 @@ def test_the_vision_windows_in_one_call_equal_the_window_loop(trained_models):
 def test_the_frozen_vision_tower_stays_out_of_the_backward(untrained_models):
     """Under gradient checkpointing (non-reentrant) nothing needs the inputs to require grad: the vision tower's output
     does not, so backward never runs through it, and the adapters' gradient is the one without checkpointing."""
-    args = g.Args(student_model=os.path.join(untrained_models, "student"), max_train_samples=16, num_eval_samples=0)
+    args = g.RunArgs(student_model=os.path.join(untrained_models, "student"), max_train_samples=16, num_eval_samples=0)
     processor, prompts = step_prompts(args)
     grads, seen = {}, []
     for checkpointing in (False, True):
@@ -248,7 +248,7 @@ def speedups_off(args, device: str, distributed: str = "NO", processes: int = 1)
 
 
 def test_which_rollout_speed_ups_a_launch_runs_and_why_not():
-    args = g.Args(prompts_per_step=32, num_generations=4, generation_batch_size=16)
+    args = g.RunArgs(prompts_per_step=32, num_generations=4, generation_batch_size=16)
     assert speedups_off(args, "cpu") == {
         "static_cache": fast.OFF_AUTO["static_cache"][1],
         "varlen_vision": fast.OFF_AUTO["varlen_vision"][1],

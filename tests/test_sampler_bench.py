@@ -38,7 +38,7 @@ def test_it_times_the_run_shapes(quick):
     out, _ = quick
     shapes = out["shapes"]
     assert set(shapes) == {"default_world", "paper_shape"}
-    a = g.Args()
+    a = g.RunArgs()
     student = transformers.AutoConfig.from_pretrained(os.path.join(ROOT, "assets", "tiny", "student"))
     assert shapes["default_world"]["n"] == a.prompts_per_step * a.num_generations == 128
     assert shapes["default_world"]["V"] == student.text_config.vocab_size

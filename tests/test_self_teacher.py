@@ -10,6 +10,7 @@ import os
 import datasets
 import pytest
 import torch
+from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
 from accelerate.utils import set_seed
 
 import gndpo_minimal as g
@@ -21,7 +22,7 @@ TEMPLATE = "\n\nReference solution: {context}"
 
 
 def self_args(untrained_models, tmp_path, **changes) -> g.Args:
-    return g.Args(
+    return g.RunArgs(
         **{
             **dict(
                 student_model=os.path.join(untrained_models, "student"),
@@ -111,7 +112,7 @@ def test_the_teacher_reads_its_own_longer_prompt_with_the_images_and_the_same_re
         assert text.count("Reference solution: " + str(prompts.answers[start])) == 1
         start += r.response_ids.shape[0]
         got = models.teacher_logps_of(r)
-        base = g.unwrap(student)
+        base = unwrap(student)
         with torch.no_grad(), base.disable_adapter():
             want = g.response_logps(base.eval(), dataclasses.replace(r, row_inputs=teacher), models.ignore_ids)
         valid = r.response_mask.bool()
@@ -130,18 +131,18 @@ def test_the_teacher_reads_its_own_longer_prompt_with_the_images_and_the_same_re
 def test_a_lora_self_teacher_holds_no_second_copy_and_the_plain_one_scores_zero(untrained_models, tmp_path):
     args = self_args(untrained_models, tmp_path, privileged_source="none", privileged_column=None)
     models, processor, student, prompts, rollouts = step(args)
-    assert isinstance(models.teacher, gt.StartingWeights) and models.teacher.model is g.unwrap(student)
+    assert isinstance(models.teacher, gt.StartingWeights) and models.teacher.model is unwrap(student)
     ptrs = lambda m: {p.untyped_storage().data_ptr() for p in m.parameters()}  # noqa: E731
-    assert ptrs(models.teacher.model) <= ptrs(g.unwrap(student))
+    assert ptrs(models.teacher.model) <= ptrs(unwrap(student))
     batch = g.score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args)
     valid = batch.response_mask.bool()
-    tolerance = g.logps_tolerance(g.unwrap(student))
+    tolerance = g.logps_tolerance(unwrap(student))
     assert valid.any() and batch.scores[valid].abs().max().item() <= tolerance  # LoRA starts as the identity
     # full fine-tuning: a frozen copy of the starting weights, not the trained parameters
     full = dataclasses.replace(args, lora_r=0)
     models, _, student, _, _ = step(full)
     teacher = models.teacher.model
-    assert not ptrs(teacher) & ptrs(g.unwrap(student)) and not any(p.requires_grad for p in teacher.parameters())
+    assert not ptrs(teacher) & ptrs(unwrap(student)) and not any(p.requires_grad for p in teacher.parameters())
 
 
 def test_bad_self_teacher_input_is_refused_before_any_model_loads(untrained_models, tmp_path):

@@ -29,7 +29,7 @@ SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 @pytest.fixture(scope="module")
 def setup(untrained_models):
     """Accelerator, models and one scored batch of 4 prompts x G = 2 (micro-batches of 2: 4 per step)."""
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         prompts_per_step=4,
@@ -225,7 +225,7 @@ def test_off_policy_updates_move_the_ratio_and_clip(setup):
 @pytest.fixture(scope="module")
 def setup32(untrained_models):
     """One scored batch of 8 prompts x G = 4 = 32 rows in one micro-batch, and what re-cuts it."""
-    args = g.Args(
+    args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
         prompts_per_step=8,
@@ -297,12 +297,12 @@ def test_the_gradient_does_not_depend_on_the_micro_batch_size(setup32, empty_row
 
 
 def test_steps_per_generation_must_divide_the_micro_batches():
-    args = g.Args(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=3)
+    args = g.RunArgs(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=3)
     with pytest.raises(ValueError, match="--steps_per_generation 3 does not divide"):
         g.check_args(args, 1)
     with pytest.raises(ValueError, match="--num_iterations must be at least 1"):
-        g.check_args(g.Args(num_iterations=0), 1)
-    args = g.Args(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=2)
+        g.check_args(g.RunArgs(num_iterations=0), 1)
+    args = g.RunArgs(prompts_per_step=4, num_generations=2, micro_batch_size=2, steps_per_generation=2)
     assert g.check_args(args, 1) == 2
 
 
@@ -322,7 +322,7 @@ def math_section() -> str:
 def test_math_section_runs_pasted_alone():
     """Pasted alone after `import torch`, the section's functions give the spec's numbers (the slow transcriptions
     in test_math.py), and their error paths raise ValueError, never NameError for a name it does not define. The
-    ablation modes (gndpo_extras) give theirs on the pasted section's _whiten and _global_sums."""
+    ablation modes (gndpo_extras) give theirs on the pasted section's whiten and global_sums."""
     from test_math import random_mask, spec_center, spec_global, spec_gspo, spec_scale
 
     from gndpo_extras import ablation_advantages
@@ -337,9 +337,9 @@ def test_math_section_runs_pasted_alone():
     torch.testing.assert_close(scores, ((teacher - student).clamp(-5, 5) * mask).float())
     for mode, oracle in {"none": lambda s, m: s * m, "global": spec_global}.items():
         torch.testing.assert_close(ns["normalize_scores"](scores, mask, mode), oracle(scores, mask), msg=mode)
-    # the ablations are gndpo_extras', on the pasted section's own statistics (_whiten, _global_sums)
+    # the ablations are gndpo_extras', on the pasted section's own statistics (whiten, global_sums)
     ablation = lambda mode, *rest: ablation_advantages(  # noqa: E731
-        scores, mask, mode, ns["_whiten"], ns["_global_sums"], *rest
+        scores, mask, mode, ns["whiten"], ns["global_sums"], *rest
     )
     for mode, oracle in {"center": spec_center, "scale": spec_scale}.items():
         torch.testing.assert_close(ablation(mode), oracle(scores, mask), msg=mode)

@@ -59,7 +59,7 @@ def test_per_teacher_equals_the_oracle_and_differs_from_global():
     scores = torch.randn(9, 7, generator=gen) * torch.tensor([0.2, 3.0, 1.0]).repeat(3)[:, None]  # 3 spreads
     mask = (torch.rand(9, 7, generator=gen) > 0.25).long()
     teacher_ids = torch.tensor([0, 1, 2] * 3)
-    adv = gt.per_teacher_advantages(scores, mask, teacher_ids, 4, g._whiten)  # teacher 3: none
+    adv = gt.per_teacher_advantages(scores, mask, teacher_ids, 4, g.whiten)  # teacher 3: none
     torch.testing.assert_close(adv, oracle_per_teacher(scores, mask, teacher_ids), rtol=1e-5, atol=1e-5)
     for k in range(3):  # every teacher's advantages at unit spread, whatever its scores' spread
         a = adv[teacher_ids == k][mask[teacher_ids == k].bool()]
@@ -68,11 +68,11 @@ def test_per_teacher_equals_the_oracle_and_differs_from_global():
     glob = g.normalize_scores(scores, mask, "global")
     assert glob[teacher_ids == 0].abs().max() < 0.5 * adv[teacher_ids == 0].abs().max()  # global shrinks the narrow one
     # with one teacher per_teacher is global
-    one = gt.per_teacher_advantages(scores, mask, torch.zeros(9, dtype=torch.long), 1, g._whiten)
+    one = gt.per_teacher_advantages(scores, mask, torch.zeros(9, dtype=torch.long), 1, g.whiten)
     torch.testing.assert_close(one, glob)
     # the script reaches it through ADVANTAGES, reading the batch's teacher ids and names (ScoredBatch.extra)
     extra = {"teacher_ids": teacher_ids, "teacher_names": ["a", "b", "c", "d"]}
-    torch.testing.assert_close(g.ADVANTAGES["per_teacher"](scores, mask, None, extra, g.Args()), adv, rtol=0, atol=0)
+    torch.testing.assert_close(g.ADVANTAGES["per_teacher"](scores, mask, None, extra, g.RunArgs()), adv, rtol=0, atol=0)
     with pytest.raises(ValueError, match="unknown advantage mode"):
         g.normalize_scores(scores, mask, "per_teacher")  # not the script's own mode
 
@@ -80,9 +80,9 @@ def test_per_teacher_equals_the_oracle_and_differs_from_global():
 def test_per_teacher_needs_two_tokens_of_every_teacher_that_has_any():
     scores, mask = torch.randn(2, 3), torch.tensor([[1, 0, 0], [1, 1, 1]])
     with pytest.raises(ValueError, match="every teacher"):
-        gt.per_teacher_advantages(scores, mask, torch.tensor([0, 1]), 2, g._whiten)
+        gt.per_teacher_advantages(scores, mask, torch.tensor([0, 1]), 2, g.whiten)
     with pytest.raises(ValueError, match="teacher_ids"):
-        g.ADVANTAGES["per_teacher"](scores, mask, None, {}, g.Args())  # one teacher: no teacher_ids in the batch
+        g.ADVANTAGES["per_teacher"](scores, mask, None, {}, g.RunArgs())  # one teacher: no teacher_ids in the batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,20 +91,20 @@ def test_per_teacher_needs_two_tokens_of_every_teacher_that_has_any():
 
 
 def test_teacher_model_pairs_and_a_recipe_mapping(tmp_path):
-    assert g.teacher_paths(g.Args(teacher_model="some/path")) == {"teacher": "some/path"}
-    assert g.teacher_paths(g.Args(teacher_model="color=a/b, shape=c/d")) == {"color": "a/b", "shape": "c/d"}
+    assert g.teacher_paths(g.RunArgs(teacher_model="some/path")) == {"teacher": "some/path"}
+    assert g.teacher_paths(g.RunArgs(teacher_model="color=a/b, shape=c/d")) == {"color": "a/b", "shape": "c/d"}
     for bad in ("a=x,a=y", "=x,b=y"):
         with pytest.raises(ValueError, match="distinct, non-empty names"):
-            g.teacher_paths(g.Args(teacher_model=bad))
+            g.teacher_paths(g.RunArgs(teacher_model=bad))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("teacher_model:\n  color: a/b\n  shape: c/d\nadvantage_mode: per_teacher\n")
     args = g.parse_args([str(recipe)])
     assert args.teacher_model == "color=a/b,shape=c/d" and g.teacher_paths(args) == {"color": "a/b", "shape": "c/d"}
     assert g.check_args(args, 1) >= 1
     with pytest.raises(ValueError, match="per_teacher .* needs several teachers"):
-        g.check_args(g.Args(advantage_mode="per_teacher"), 1)
+        g.check_args(g.RunArgs(advantage_mode="per_teacher"), 1)
     with pytest.raises(ValueError, match="cannot shard bitsandbytes"):
-        g.check_args(g.Args(shard_teacher=True), 1)
+        g.check_args(g.RunArgs(shard_teacher=True), 1)
     with pytest.raises(ValueError, match="single --teacher_model"):
         g.check_args(dataclasses.replace(args, shard_teacher=True, teacher_4bit=False), 1)
 

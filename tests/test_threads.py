@@ -39,5 +39,5 @@ def test_the_run_uses_the_cores_it_has(monkeypatch, restore_threads, launcher, o
         monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
     else:
         monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
-    g.make_accelerator(g.Args(cpu_threads=cpu_threads))
+    g.make_accelerator(g.RunArgs(cpu_threads=cpu_threads))
     assert torch.get_num_threads() == expected()

@@ -50,9 +50,9 @@ def recipe_args(name):
     path = os.path.join(ROOT, "recipes", name)
     with open(path) as f:
         raw = yaml.safe_load(f)
-    fields = {f.name for f in dataclasses.fields(g.Args)}
+    fields = {f.name for f in dataclasses.fields(g.RunArgs)}
     assert set(raw) <= fields, f"not Args fields: {set(raw) - fields}"
-    args, defaults = g.parse_args([path]), g.Args()
+    args, defaults = g.parse_args([path]), g.RunArgs()
     for key in raw:  # every value of its field's type (YAML reads 1e-3 as a string, 1 as an int)
         assert getattr(defaults, key) is None or type(getattr(args, key)) is type(getattr(defaults, key)), key
     return raw, args

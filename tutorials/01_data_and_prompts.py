@@ -34,9 +34,9 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 from transformers import AutoProcessor
 
-from gndpo_minimal import Args, build_messages, encode_prompts, load_split, prepare_split, row_images
+from gndpo_minimal import RunArgs, build_messages, encode_prompts, load_split, prepare_split, row_images
 
-args = Args()  # the script's defaults: the shapes task's dataset and the tiny models, all in assets/tiny
+args = RunArgs()  # the defaults (the script's Args and its modules' flags): the tiny world in assets/tiny
 processor = AutoProcessor.from_pretrained(args.student_model)
 print(
     "dataset:",

@@ -37,7 +37,7 @@ from transformers import AutoProcessor
 from gndpo_eval import grade_answer  # held-out grading, an optional module beside the script
 from gndpo_fast import SharedPrefix, distinct_prompts, draw_tokens  # the optional speed-ups, beside the script
 from gndpo_minimal import (
-    Args,
+    RunArgs,
     Sampling,
     encode_prompts,
     generation_configs,
@@ -51,7 +51,7 @@ from gndpo_minimal import (
 )
 from tutorials.plotting import token_grid  # display helpers
 
-args = Args()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
+args = RunArgs()  # defaults: G = args.num_generations samples per prompt, temperature 1.0, max_new_tokens 8
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
 tokenizer = processor.tokenizer

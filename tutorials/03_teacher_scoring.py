@@ -42,7 +42,7 @@ from transformers import AutoProcessor
 from gndpo_eval import grade_answer  # held-out grading, an optional module beside the script
 from gndpo_fast import draw_tokens  # the sampler of the optional speed-ups (notebook 2)
 from gndpo_minimal import (
-    Args,
+    RunArgs,
     Sampling,
     StepPrompts,
     distill_scores,
@@ -61,7 +61,7 @@ from gndpo_minimal import (
 )
 from tutorials.plotting import token_grid  # display helpers
 
-args = Args()
+args = RunArgs()
 device, dtype = torch.device("cpu"), torch.float32
 processor = AutoProcessor.from_pretrained(args.student_model)
 tokenizer = processor.tokenizer

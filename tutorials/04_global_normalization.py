@@ -46,7 +46,7 @@ from matplotlib.ticker import NullLocator
 
 from gndpo_minimal import (
     ADVANTAGES,
-    Args,
+    RunArgs,
     generate_and_score,
     make_models,
     pad_cat,
@@ -56,7 +56,7 @@ from gndpo_minimal import (
 )
 
 scratch = tempfile.TemporaryDirectory()  # setup() wants an output folder; nothing is written to it here
-args = Args(
+args = RunArgs(
     prompts_per_step=8,
     max_train_samples=64,  # B = 8 prompts (the default run: 32) from the first 64 rows
     learning_rate=0.0,  # AdamW at lr 0: the updates below measure the gradient, they do not train
@@ -291,7 +291,7 @@ assert not moved, moved
 # In self-distillation the student is its own teacher (or a teacher it has caught up with): `teacher_lp - student_lp`
 # carries no signal, the scores are noise around 0. Global whitening divides by the batch's spread whatever it is, so it
 # scales that noise up to unit spread, and the step's gradient is as large as on a real distillation batch (or larger),
-# driven by noise. `--score_std_floor f` (`Args(score_std_floor=f)`; its code is in gndpo_extras.py, beside the script)
+# driven by noise. `--score_std_floor f` (`RunArgs(score_std_floor=f)`; its code is in gndpo_extras.py, beside it)
 # guards against that: when the batch's score std (`score_std(scores, mask)`, what global whitening divides by) is below
 # f, `generate_and_score` only centers the scores (the `center` mode, no scaling) and sets
 # `ScoredBatch.extra["std_floored"]` (True; False above the floor; absent when no floor is set). `make_models` plugs
@@ -303,8 +303,10 @@ assert not moved, moved
 # (adapter off) instead of the teacher. The same `prompts` are then scored twice, without and with a floor of 0.1.
 
 # %%
+from accelerate.utils import extract_model_from_parallel
+
 from gndpo_extras import score_std  # the options beyond the paper, beside the script
-from gndpo_minimal import evaluating, response_logps, unwrap
+from gndpo_minimal import evaluating, response_logps
 
 step_away = torch.Generator().manual_seed(1)
 for name, p in sorted(student.named_parameters()):
@@ -316,7 +318,7 @@ for name, p in sorted(student.named_parameters()):
 
 def base_of_the_student(teacher, rollout, ignore_ids):
     """The self-distillation 'teacher': the student's own base model (its adapter disabled), in eval mode."""
-    policy = unwrap(models.student)  # the peft model inside Accelerate's wrapper, if any
+    policy = extract_model_from_parallel(models.student)  # the peft model inside Accelerate's wrapper, if any
     with evaluating(policy), policy.disable_adapter():
         return response_logps(policy, rollout, ignore_ids)
 

@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from gndpo_minimal import Args, main
+from gndpo_minimal import RunArgs, main
 
 settings = dict(
     max_steps=20,  # optimizer steps
@@ -54,7 +54,7 @@ settings = dict(
     eval_steps=5,  # ... measured every 5 steps
     save_steps=0,  # only the final checkpoint
 )
-defaults = Args()  # everything not in `settings` keeps the script's default
+defaults = RunArgs()  # everything not in `settings` keeps the script's default
 print(
     f"student {os.path.relpath(defaults.student_model, ROOT)}, "
     f"teacher {os.path.relpath(defaults.teacher_model, ROOT)} (4-bit: {defaults.teacher_4bit}), "
@@ -69,7 +69,7 @@ def train(mode):
     log, progress = io.StringIO(), io.StringIO()  # main()'s metrics lines (every logging_steps): kept out of the page
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
-            summary = main(Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings))
+            summary = main(RunArgs(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings))
     except Exception:
         print(log.getvalue()[-4000:], progress.getvalue()[-4000:], sep="\n")
         raise

@@ -53,7 +53,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 from transformers import AutoTokenizer
 
-from gndpo_minimal import Args, distill_scores, main, pad_cat, policy_loss, response_logps
+from gndpo_minimal import RunArgs, distill_scores, main, pad_cat, policy_loss, response_logps
 from tutorials.plotting import token_label  # display helpers
 
 TRACE = os.path.join(ROOT, "assets", "trace")
@@ -75,7 +75,7 @@ settings = dict(
 CAPTURED = (1, settings["max_steps"] // 2, settings["max_steps"])  # start, middle, end
 tokenizer = AutoTokenizer.from_pretrained(settings["student_model"])
 eos_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-defaults = Args()
+defaults = RunArgs()
 print(
     f"trace world: B = {settings['prompts_per_step']} prompts x G = {settings['num_generations']} samples per step, "
     f"{settings['max_steps']} steps, learning rate {defaults.learning_rate:g}, "
@@ -126,7 +126,7 @@ def train(mode):
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(progress):
             summary = main(
-                Args(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings),
+                RunArgs(advantage_mode=mode, output_dir=out, overwrite_output_dir=True, **settings),
                 on_step=on_step,
                 teacher_forward=recording_teacher_forward,
                 loss_fn=recording_loss,
