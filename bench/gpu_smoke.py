@@ -64,8 +64,8 @@ from benchutil import ROOT, table, tiny_dataset, tiny_models  # noqa: E402
 from memory import live_peak  # noqa: E402
 from reproduce import code_is_clean, git, machine  # noqa: E402
 from step_breakdown import setup_step  # noqa: E402
+from step_time import H200, step_time  # noqa: E402
 
-import estimate_memory  # noqa: E402
 import gndpo_fast as fast  # noqa: E402
 import gndpo_minimal as g  # noqa: E402
 from estimate_memory import CHECK_PROMPTS, CHECK_TOKENS, GPU_GIB, GiB, estimate  # noqa: E402
@@ -764,7 +764,8 @@ def free_models(setup: dict) -> None:
 def recipe_step(smoke: Smoke, args: g.Args) -> dict:
     """The recipe's step on one process, extrapolated from the measured phases: generate() calls of
     generation_batch_size rows (each the measured call, scaled to the recipe's response length where the run was
-    shortened), then scoring and update once per micro-batch; beside it step_time()'s estimate of the same step."""
+    shortened), then scoring and update once per micro-batch; beside it bench/step_time.py's estimate of the same
+    step on an H200, a model this record checks."""
     phases = smoke.result.get("phases", {})
     if any("seconds" not in phases.get(p, {}) for p in ("rollout", "scoring", "update")):
         return {"error": "not made: a phase did not run"}
@@ -787,9 +788,7 @@ def recipe_step(smoke: Smoke, args: g.Args) -> dict:
         "seconds": sum(seconds.values()),
     }
     try:
-        h200 = getattr(estimate_memory, "H200", None)
-        estimated = estimate_memory.step_time(dataclasses.replace(args, **{k: getattr(recipe, k) for k in SHAPE_FLAGS}),
-                                              gpu=h200)  # fmt: skip
+        estimated = step_time(dataclasses.replace(args, **{k: getattr(recipe, k) for k in SHAPE_FLAGS}), gpu=H200)
         out.update(
             estimated_seconds=estimated["step"],
             estimated_parts={k: estimated[k] for k in ("rollout_decode", "rollout_prefill", "scoring", "update")},

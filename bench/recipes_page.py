@@ -1,8 +1,8 @@
-"""docs/recipes.md's generated tables: the memory table (estimate_memory.estimate) and the time table
-(estimate_memory.step_time), one row per real-model recipe at its own launch, written between the page's markers.
+"""docs/recipes.md's generated table: the memory of each real-model recipe at its own launch (estimate_memory.estimate),
+written between the page's markers. The page quotes no estimated step time (bench/step_time.py is that model).
 
-    python bench/recipes_page.py                                   # rewrite both tables in docs/recipes.md
-    python bench/recipes_page.py --print [recipes/geometry3k_*.yaml]  # print them (default: every real recipe)
+    python bench/recipes_page.py                                   # rewrite the table in docs/recipes.md
+    python bench/recipes_page.py --print [recipes/geometry3k_*.yaml]  # print it (default: every real recipe)
 
 `python estimate_memory.py --write_docs` and `--markdown` run this file. tests/test_recipe.py keeps the page equal
 to what it writes.
@@ -19,26 +19,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import ROOT  # noqa: E402
 
 from estimate_memory import (  # noqa: E402  (the repository root is on the path benchutil set)
-    BANDWIDTH_FRACTION,
-    COMPUTE_FRACTION,
-    GPU,
-    GRAPH_SECONDS_PER_LAYER,
-    SAMPLER_SECONDS,
+    GPU_GIB,
+    GPU_GIB_80,
     ConfigNotFound,
     GiB,
-    duration,
     estimate,
-    flops,
-    gpu_for,
     recipe_launch,
-    step_time,
-    teacher_label,
-    time_assumptions,
+    self_teacher,
 )
 
 RECIPES_PAGE = os.path.join(ROOT, "docs", "recipes.md")
 TABLE_START, TABLE_END = "<!-- estimate_memory:table -->\n", "<!-- /estimate_memory:table -->"
-TIME_START, TIME_END = "<!-- estimate_memory:time -->\n", "<!-- /estimate_memory:time -->"
 
 
 def fits_text(e: dict) -> str:
@@ -47,20 +38,29 @@ def fits_text(e: dict) -> str:
     return "80 GB (H100/A100 80GB)" if e["fits_80gb"] else "no single GPU"
 
 
-def headroom(e: dict, gpu: GPU) -> tuple[float, float]:
-    """(GiB, fraction) of the GPU's memory above the peak bound; negative where the bound does not fit."""
-    room = gpu.memory_gib - e["peak"] / GiB
-    return room, room / gpu.memory_gib
+def headroom(e: dict, gpu_gib: float) -> tuple[float, float]:
+    """(GiB, fraction) of a GPU's memory (gpu_gib, as torch reports it) above the peak bound; negative where the
+    bound does not fit."""
+    room = gpu_gib - e["peak"] / GiB
+    return room, room / gpu_gib
 
 
-def headroom_text(e: dict, gpu: GPU) -> str:
-    room, share = headroom(e, gpu)
-    return f"{room:.2f} GiB ({share:.1%}) of {gpu.memory_gib} GiB ({gpu.name})"
+def headroom_text(e: dict, args) -> str:
+    """The headroom on the GPU the run is sized for: one of 24 GB for LoRA, the 80 GB class for full fine-tuning."""
+    gpu_gib, gpu = (GPU_GIB, "24 GB") if args.lora_r else (GPU_GIB_80, "80 GB")
+    room, share = headroom(e, gpu_gib)
+    return f"{room:.2f} GiB ({share:.1%}) of {gpu_gib} GiB ({gpu})"
+
+
+def teacher_label(args) -> str:
+    """The teacher in a few words: its name and precision, or what a self-teacher is."""
+    if self_teacher(args):
+        return "self: the student, its adapter disabled" if args.lora_r else "self: a frozen copy of the student"
+    return f"{os.path.basename(args.teacher_model)} ({'nf4' if args.teacher_4bit else 'bf16'})"
 
 
 def markdown_table(paths: list[str]) -> str:
     """The memory table of docs/recipes.md: one row per recipe at its own launch (processes, sharding)."""
-    from gndpo_fast import speedup_on
     from gndpo_minimal import parse_args
 
     lines = [
@@ -79,66 +79,13 @@ def markdown_table(paths: list[str]) -> str:
         )
         teacher = f"{teacher_label(args)}, {gib(e['teacher_weights'])}"
         where = f"{n}, FSDP2" if sharding == "fsdp" else str(n)
-        shares = speedup_on(args, "share_prompt_prefix")
         lines.append(
             f"| `recipes/{os.path.basename(path)}` | {where} | {student} | {teacher} | "
-            f"{'yes' if shares and e['student_reads_prompt_once'] else 'no'} | "
+            f"{'yes' if e['student_reads_prompt_once'] else 'no'} | "
             f"{gib(e['resident'])} | {e['peak_phase']}, {gib(e['peak'] - e['resident'])} | "
-            f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, gpu_for(args))} |"
+            f"{gib(e['peak'])} | {fits_text(e)} | {headroom_text(e, args)} |"
         )
     return "\n".join(lines)
-
-
-def time_table(paths: list[str]) -> str:
-    """docs/recipes.md's time table: one row per recipe at its own launch, each figure with its arithmetic."""
-    from gndpo_minimal import parse_args
-
-    lines = [
-        "| recipe | GPU | generate() calls per step, per process | one decode step | rollout | teacher scoring "
-        "| student update | step | evaluation before training | run |",
-        "|" + " --- |" * 10,
-    ]
-    for path in paths:
-        args = parse_args([path])
-        n, sharding = recipe_launch(path)
-        t = step_time(args, n, sharding)
-        gpu, bounds = t["gpu"], t["decode_bounds"]
-        rate = f"{gpu.bf16_flops * COMPUTE_FRACTION / 1e12:.0f} TFLOP/s"
-        floor = (
-            f"kernels {t['layers']} x {GRAPH_SECONDS_PER_LAYER * 1e3:g} ms = {duration(bounds['kernels'])}"
-            if "kernels" in bounds
-            else f"host {duration(bounds['host'])}"
-        )
-        step = (
-            f"{bounds['memory'] * gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.1f} GB / "
-            f"{gpu.bandwidth * BANDWIDTH_FRACTION / 1e9:.0f} GB/s = {duration(bounds['memory'])}; {floor}"
-            + (f"; all-gather {duration(bounds['all-gather'])}" if "all-gather" in bounds else "")
-            + f": **{duration(max(bounds.values()))}** ({t['decode_bound']})"
-            + (f" + sampler {duration(SAMPLER_SECONDS)}" if t["static_cache"] else "")
-        )
-        calls = (
-            f"{args.prompts_per_step} x {args.num_generations} / {n} / {t['generation_batch_size']} = "
-            f"{t['generate_calls']}"
-        )
-        rollout = (
-            f"{t['decode_steps']} x {duration(t['decode_latency'])} x {t['generate_calls']} = "
-            f"{duration(t['rollout_decode'])}, + prefill {duration(t['rollout_prefill'])}"
-        )
-        evaluation = (
-            f"{t['eval_calls']} x {t['decode_steps']} x ({duration(t['eval_teacher_step'])} teacher + "
-            f"{duration(t['eval_student_step'])} student), + prefill = {duration(t['evaluation'])}"
-        )
-        mb = t["micro_batches"]
-        lines.append(
-            f"| `recipes/{os.path.basename(path)}` | {gpu.name} | {calls} | {step} | {rollout} | "
-            f"{flops(t['scoring_flops'])} FLOP / {rate} with the host's launches: {mb} micro-batches x "
-            f"{duration(t['scoring_micro_batch_seconds'])} = {duration(t['scoring'])} | "
-            f"{flops(t['update_flops'])} FLOP / {rate} with the adapters' traffic and the host's launches: {mb} x "
-            f"{duration(t['update_micro_batch_seconds'])} = {duration(t['update'])} | "
-            f"**{duration(t['step'])}** | {evaluation} | {args.max_steps} steps + evaluations = "
-            f"{duration(t['run'])} |"
-        )
-    return time_assumptions() + "\n\n" + "\n".join(lines)
 
 
 def real_recipes() -> list[str]:
@@ -152,17 +99,12 @@ def between(text: str, start_marker: str, end_marker: str) -> str:
 
 
 def write_docs(page: str = RECIPES_PAGE) -> str:
-    """Rewrites the memory table and the time table between docs/recipes.md's markers; returns the page."""
+    """Rewrites the memory table between docs/recipes.md's markers; returns the page."""
     with open(page) as f:
         text = f.read()
-    recipes = real_recipes()
-    for (start_marker, end_marker), table in (
-        ((TABLE_START, TABLE_END), markdown_table(recipes)),
-        ((TIME_START, TIME_END), time_table(recipes)),
-    ):
-        start = text.index(start_marker) + len(start_marker)
-        end = text.index(end_marker, start)
-        text = text[:start] + table + "\n" + text[end:]
+    start = text.index(TABLE_START) + len(TABLE_START)
+    end = text.index(TABLE_END, start)
+    text = text[:start] + markdown_table(real_recipes()) + "\n" + text[end:]
     with open(page, "w") as f:
         f.write(text)
     return text
@@ -170,12 +112,12 @@ def write_docs(page: str = RECIPES_PAGE) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        description="Rewrite docs/recipes.md's memory and time tables from every real recipe, or print them."
+        description="Rewrite docs/recipes.md's memory table from every real recipe, or print it."
     )
     p.add_argument(
         "--print",
         action="store_true",
-        help="Print the tables (of the recipes given, else of every real recipe) instead of rewriting the page.",
+        help="Print the table (of the recipes given, else of every real recipe) instead of rewriting the page.",
     )
     p.add_argument("recipes", nargs="*", help="Recipe files, with --print.")
     own = p.parse_args(argv)
@@ -184,10 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if own.print:
             recipes = own.recipes or real_recipes()
-            print(markdown_table(recipes) + "\n\n" + time_table(recipes))
+            print(markdown_table(recipes))
             return
         write_docs()
-        print(f"rewrote the memory and time tables in {os.path.relpath(RECIPES_PAGE)}")
+        print(f"rewrote the memory table in {os.path.relpath(RECIPES_PAGE)}")
     except ConfigNotFound as e:
         sys.exit(f"recipes_page.py: {e}")
 

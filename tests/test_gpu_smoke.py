@@ -160,7 +160,7 @@ def test_every_key_of_the_record_is_documented(record):
 @pytest.mark.slow
 def test_tiny_run_profiles_each_phase_and_extrapolates_the_recipes_step(record):
     """Each phase's profile (top operations, host and device totals), the update's FLOPs and rate, the rollout's
-    warm-up (where generate() compiles), and the recipe's step from the phases beside step_time()'s estimate."""
+    warm-up (where generate() compiles), and the recipe's step from the phases beside bench/step_time.py's estimate."""
     result = record["result"]
     assert set(result["profiles"]) == {"rollout", "scoring", "update"}
     for phase, profile in result["profiles"].items():
