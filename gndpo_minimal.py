@@ -1571,9 +1571,13 @@ class UpdateStats:
         self.size_squares += 0.0 if size is None else size**2
 
     def result(self, seconds: float) -> dict:
-        """The sums, and the means over updates of the loss (this process's share) and of the gradient norm."""
-        updates = len(self.grad_norms)
-        return self.sums | {
+        """The sums (step_metrics reduces them), this process's token means, and the means over updates of the loss
+        (this process's share) and of the gradient norm."""
+        updates, s = len(self.grad_norms), self.sums
+        return s | {
+            "clip_frac": s["clipped_tokens"] / max(s["update_tokens"], 1.0),
+            "ratio_mean": s["ratio_sum"] / max(s["update_tokens"], 1.0),
+            "logp_mismatch": s["mismatch_sum"] / max(s["mismatch_tokens"], 1.0),
             "loss": self.loss_sum / updates,
             "grad_norm": sum(self.grad_norms) / updates,
             "grad_norm_max": max(self.grad_norms),

@@ -99,18 +99,18 @@ def test_the_task_reward_is_added_after_the_distillation_advantages_are_normaliz
     assert any(reward_advantages)  # some prompt's samples differ in reward: the task term is exercised
     no_update = {
         "loss": 0.0,
-        "tokens": 1.0,
-        "clip_frac": 0.0,
-        "ratio_mean": 1.0,
+        "update_tokens": 1.0,
+        "clipped_tokens": 0.0,
+        "ratio_sum": 1.0,
         "mismatch_tokens": 1.0,
-        "logp_mismatch": 0.0,
+        "mismatch_sum": 0.0,
         "grad_norm": 0.0,
         "grad_norm_max": 0.0,
         "lr": 0.0,
         "update_norm": 0.0,
         "time_update": 0.0,
     }
-    metrics = g.step_metrics(accelerator, batch, no_update, 1, 1.0, args.score_clip, models.plugins)
+    metrics = g.step_metrics(accelerator, batch, no_update, 1, 1.0, args.score_clip, models)
     assert metrics["reward_no_answer"] == 4
     assert metrics["reward_mean"] == pytest.approx(rewards[4:].mean().item())
     G = args.num_generations  # a prompt's G samples are consecutive rows
@@ -239,21 +239,24 @@ def test_sgd_steps_by_the_gradient_itself(untrained_models, tmp_path):
     assert update["update_norm"] == pytest.approx(0.5 * update["grad_norm"], rel=1e-4)
 
 
-def test_reward_weight_without_answers_stops_at_start_up(untrained_models, tmp_path):
+def test_reward_weight_without_answers_stops_before_the_first_step(untrained_models, tmp_path):
+    """The plug-in behind --reward_weight checks, before the first step, that the training rows have answers."""
     path = str(tmp_path / "no_answers.parquet")
     tiny_world.make_dataset(8, seed=1).remove_columns(["answer"]).to_parquet(path)
     args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
+        teacher_model=os.path.join(untrained_models, "teacher"),
         dataset_name=path,
         prompts_per_step=4,
+        micro_batch_size=16,
         reward_weight=0.5,
         num_eval_samples=0,
+        output_dir=str(tmp_path / "run"),
     )
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(args.student_model)
+    steps = []
     with pytest.raises(ValueError, match="--reward_weight 0.5 grades answers, but the training rows have none"):
-        g.load_data(args, processor, True, log=lambda msg: None)
+        g.main(args, on_step=steps.append)
+    assert steps == []  # stopped before the first step
 
 
 def test_reward_with_k_two_resumes_to_the_metrics_of_an_uninterrupted_run(tmp_path):
