@@ -503,6 +503,12 @@ def check_args(script, args, num_processes: int) -> list[str]:
         problems.append(f"--self_teacher_ema_decay must be in [0, 1], got {args.self_teacher_ema_decay}")
     elif args.self_teacher_weights != "ema" and args.self_teacher_ema_decay != TeacherArgs.self_teacher_ema_decay:
         problems.append("--self_teacher_ema_decay is the moving average's: it needs --self_teacher_weights ema")
+    ema0 = args.self_teacher_weights == "ema" and args.self_teacher_ema_decay == 0
+    if args.privileged_source == "none" and (args.self_teacher_weights == "current" or ema0):
+        problems.append(
+            "--privileged_source none with the current weights: the teacher is the student reading its own prompt, "
+            "so every score is rounding noise (which global whitening scales up): use start or ema, or a context"
+        )
     return problems
 
 

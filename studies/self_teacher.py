@@ -41,8 +41,10 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_opd_gndpo import ROOT, made_by_lines  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from fidelity_tables import machine_text  # noqa: E402
 from stats import sign_flip_test  # noqa: E402
 from study_runs import load_run, provenance, run  # noqa: E402
 
@@ -73,6 +75,21 @@ SECONDARY = [(("OP2SD", "global"), ("plain", "global")), (("OPSD", "global"), ("
 
 def folder(runs_dir: str, source: str, mode: str, seed: int) -> str:
     return os.path.join(runs_dir, f"{source}_{mode}_seed{seed}")
+
+
+def made_by_lines(outs: list[str]) -> list[str]:
+    """The page's first lines: the runs of each (commit, command, machine), counted, with the days they ran."""
+    groups: dict[tuple, list[str]] = {}
+    for out in outs:
+        study = load_run(out)["study"]
+        key = (study["commit"][:7], study["dirty"], study["command"], machine_text(study["machine"]))
+        groups.setdefault(key, []).append(study["date"][:10])
+    return [
+        f"{len(days)} run(s) made with gndpo_minimal.py at commit {commit} "
+        f"({'with uncommitted changes' if dirty else 'a `git archive` copy of it'}), {min(days)}"
+        f"{'' if min(days) == max(days) else ' to ' + max(days)}, on {machine}: `{command}`"
+        for (commit, dirty, command, machine), days in groups.items()
+    ]
 
 
 def mean_of(steps: list[dict], key: str, first: bool) -> float:
@@ -288,14 +305,14 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "self_teacher"))
     p.add_argument("--tag", default="self_teacher", help="the page's file name in docs/studies/ (no extension)")
     p.add_argument("--no_run", action="store_true", help="only write the page from existing runs")
-    p.add_argument("--skip_existing", action="store_true", help="run only the jobs without a summary.json")
+    p.add_argument("--skip_existing", action="store_true", help="run only the jobs that have not finished")
     args = p.parse_args(argv)
     grid = [(src, mode, s) for s in args.seeds for src in SOURCES for mode in MODES]  # seed-major: a stop leaves pairs
     outs = {key: folder(args.runs_dir, *key) for key in grid}
     if not args.no_run:
         made_by = provenance(args.runs_dir)
         for (src, mode, seed), out in outs.items():
-            if not (args.skip_existing and os.path.exists(os.path.join(out, "summary.json"))):
+            if not (args.skip_existing and "student_accuracy_after" in load_run(out)["summary"]):  # finished
                 flags = [*RUN_FLAGS, "--advantage_mode", mode, "--seed", str(seed), *SOURCES[src]]
                 run(args.runs_dir, ["gndpo_minimal.py", *flags], out, made_by)
     records = {key: run_record(out) for key, out in outs.items()}

@@ -352,15 +352,16 @@ def test_a_lora_self_teacher_holds_no_second_copy_and_reads_the_weights_it_is_to
     tolerance = g.logps_tolerance(unwrap(student))
     assert valid.any() and batch.scores[valid].abs().max().item() <= tolerance  # LoRA starts as the identity
     base = AutoModelForImageTextToText.from_pretrained(args.student_model).eval()
-    for weights in ("start", "current"):
-        models, _, student, _, rollouts = step(dataclasses.replace(args, self_teacher_weights=weights))
+    for weights in ("start", "current"):  # reading the answer: current with no context would be the student itself
+        own = self_args(untrained_models, tmp_path, self_teacher_weights=weights)
+        models, _, student, _, rollouts = step(own)
         move_adapter_off_zero(student)
         for r in rollouts:
-            valid = r.response_mask.bool()
+            valid, teacher_prompt = r.response_mask.bool(), dataclasses.replace(r, row_inputs=r.extra["teacher_inputs"])
             with torch.no_grad():
                 got = models.teacher_logps_of(r)[valid]
-                starting = g.response_logps(base, r, models.ignore_ids)[valid]
-                adapted = g.response_logps(unwrap(student).eval(), r, models.ignore_ids)[valid]
+                starting = g.response_logps(base, teacher_prompt, models.ignore_ids)[valid]
+                adapted = g.response_logps(unwrap(student).eval(), teacher_prompt, models.ignore_ids)[valid]
             assert (starting - adapted).abs().max() > 100 * tolerance  # the adapter now changes the log-probs
             torch.testing.assert_close(got, starting if weights == "start" else adapted, rtol=0, atol=tolerance)
     # full fine-tuning: start is a frozen copy of the starting weights, not the trained parameters; current the student
@@ -368,7 +369,7 @@ def test_a_lora_self_teacher_holds_no_second_copy_and_reads_the_weights_it_is_to
     models, _, student, _, _ = step(full)
     teacher = models.teacher.model
     assert not ptrs(teacher) & ptrs(unwrap(student)) and not any(p.requires_grad for p in teacher.parameters())
-    models, _, student, _, _ = step(dataclasses.replace(full, self_teacher_weights="current"))
+    models, _, student, _, _ = step(self_args(untrained_models, tmp_path, lora_r=0, self_teacher_weights="current"))
     assert models.teacher.model is unwrap(student)
 
 
@@ -622,6 +623,11 @@ def test_bad_self_teacher_input_is_refused_before_any_model_loads(untrained_mode
         (dict(self_teacher_weights="ema", self_teacher_ema_decay=1.5), "must be in \\[0, 1\\], got 1.5"),
         (dict(self_teacher_weights="ema", self_teacher_ema_decay=-0.1), "--self_teacher_ema_decay must be >= 0"),
         (dict(self_teacher_ema_decay=0.9), "it needs --self_teacher_weights ema"),
+        (dict(privileged_source="none", self_teacher_weights="current"), "every score is rounding noise"),
+        (
+            dict(privileged_source="none", self_teacher_weights="ema", self_teacher_ema_decay=0.0),
+            "--privileged_source none with the current weights",
+        ),
     ]
     for change, message in cases:
         with pytest.raises(g.UsageError, match=message.replace("{", r"\{").replace("}", r"\}")):
