@@ -19,10 +19,11 @@ a time, per process, counting what today's code allocates:
               Accelerate's mixed precision), the optimizer state (AdamW's two float32 moments of what trains; a
               LoRA adapter's own float32 weights), the teacher (bf16 or nf4, one replica per process; with
               --shard_teacher 1 / N of its blocks plus its whole embeddings and head; --teacher_model self: none for
-              a LoRA student, whose weights serve with the adapter disabled, else a frozen copy of the student in
-              its dtype), the CUDA context; under --sharding fsdp the student's share is 1 / N plus the units FSDP2
-              gathers: two blocks and, whole, everything outside the blocks (the embeddings; the LM head, whose unit
-              stays gathered from a forward to its backward)
+              a LoRA student, whose weights serve, else, but for --self_teacher_weights current, a frozen copy of
+              the student in its own dtype: float32 master weights on a GPU), the CUDA context; under --sharding
+              fsdp the student's share is 1 / N plus the units FSDP2 gathers: two blocks and, whole, everything
+              outside the blocks (the embeddings; the LM head, whose unit stays gathered from a forward to its
+              backward)
   rollout     one generate() call over a generation batch, at its highest of: the vision tower over the prompts'
               images (float32 rotary copies in Qwen-VL's attention); the prompts' forward beside the KV cache it
               fills (a static cache, --static_cache, whole: every row at max_prompt_length + max_new_tokens
@@ -475,9 +476,9 @@ class RunSizes:
 
 
 def self_teacher(args) -> bool:
-    """--teacher_model self (gndpo_teachers.SelfTeacher): the teacher is the student's starting weights, in the
-    student's dtype (--teacher_4bit does not apply): for a LoRA student the student itself with its adapter disabled
-    (no weights of its own), under full fine-tuning a frozen copy loaded from --student_model."""
+    """--teacher_model self (gndpo_teachers.SelfTeacher): the teacher is the student's weights (starting, current or
+    their moving average), in the student's dtype (--teacher_4bit does not apply): for a LoRA student the student
+    itself (no weights of its own), under full fine-tuning, but for current weights, a frozen copy of the student."""
     return args.teacher_model == SELF
 
 
@@ -500,15 +501,16 @@ def teacher_prompt_length(args, prompt: int) -> int:
     return args.max_teacher_prompt_length if teacher_reads_context(args) else prompt
 
 
-def teacher_bytes(args, teachers: list, teacher, teacher_params: int, b: int, N: int) -> tuple[dict, int]:
+def teacher_bytes(args, teachers: list, teacher, teacher_params: int, b: int, N: int, param_b: int) -> tuple[dict, int]:
     """(the weight bytes of every teacher a process holds, the bytes a sharded teacher's forward gathers). Several
     teachers (name=path pairs): every process holds all of them. --shard_teacher (16-bit only): shard_frozen
     divides the teacher's blocks over the N processes and keeps its embeddings and LM head whole; a forward
     gathers one block at a time (and prefetches the next). A self-teacher (`teacher` is then the student's meta
-    model): none for a LoRA student, whose own weights serve; a whole copy of the student in its dtype, on every
-    process, under full fine-tuning."""
+    model): none for a LoRA student, whose own weights serve, nor for --self_teacher_weights current; else, under
+    full fine-tuning, a whole copy of the student in its own dtype (param_b bytes a weight), on every process."""
     if self_teacher(args):
-        return {"bytes": 0 if args.lora_r else teacher_params * b}, 0
+        copy = not args.lora_r and args.self_teacher_weights != "current"
+        return {"bytes": teacher_params * param_b if copy else 0}, 0
     numel = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     teacher_w = nf4_weights(teacher, other_bytes=b) if args.teacher_4bit else {"bytes": teacher_params * b}
     for other in teachers:
@@ -564,7 +566,7 @@ def run_sizes(
     root_params, unit_params = fsdp_units(student)
     trainable = trainable_params(student, args)
     teacher_params = numel(teacher)
-    teacher_w, teacher_gathered = teacher_bytes(args, teachers, teacher, teacher_params, b, N)
+    teacher_w, teacher_gathered = teacher_bytes(args, teachers, teacher, teacher_params, b, N, 4 if mixed else b)
     rows = args.prompts_per_step * G // N
     paths = launch_paths(args, device, shard > 1, rows)
     share = paths["share_prompt_prefix"]
@@ -1133,7 +1135,7 @@ def teacher_text(args) -> str:
     """The teacher's line of print_estimate: its path, or what a self-teacher holds and reads."""
     if not self_teacher(args):
         return args.teacher_model
-    held = "the student's weights, its adapter disabled" if args.lora_r else "a frozen copy of the student"
+    held = "the student's weights" if args.lora_r or args.self_teacher_weights == "current" else "a copy of the student"
     reads = (
         f"its prompts with {args.privileged_column!r} up to {args.max_teacher_prompt_length} tokens"
         if teacher_reads_context(args)

@@ -61,7 +61,8 @@ def answer_text(cell) -> str | None:
 
 def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]:
     """The chat to render from a prompt (text or messages), images at its <image> markers or first; ValueError for a
-    bad one. The instruction joins the user turn's last text."""
+    bad one. The instruction joins the user turn's last text. A text item's `literal_from` (a character index) keeps
+    its text from there on whole, markers included (gndpo_teachers places privileged context so)."""
     prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not is_chat(prompt) or not isinstance(prompt, list):
         raise ValueError(f"the prompt is {prompt!r}, not text or chat messages")
@@ -75,13 +76,16 @@ def build_messages(prompt, num_images: int, instruction: str = "") -> list[dict]
         if m["role"] == "user" and instruction:  # joined to the turn's last text, else a text of its own
             last = items[-1] if items and items[-1].get("type") == "text" else None
             text = instruction if last is None else (last.get("text") or "") + "\n" + instruction
-            items = [*items[: len(items) - (last is not None)], {"type": "text", "text": text}]
+            items = [*items[: len(items) - (last is not None)], {**(last or {}), "type": "text", "text": text}]
         content: list[dict] = []
         for item in items:
             if item.get("type") not in ("text", "image"):
                 raise ValueError(f"a message content item of type {item.get('type')!r}, not 'text' or 'image'")
             text = (item.get("text") or "") if item["type"] == "text" else "<image>"
-            pieces = text.split("<image>") if "<image>" in text else [text]
+            # a text's part from literal_from on (the self-teacher's privileged context) is text, never a marker
+            literal = item.get("literal_from", len(text)) if item["type"] == "text" else len(text)
+            pieces = text[:literal].split("<image>")
+            pieces[-1] += text[literal:]
             markers += len(pieces) - 1  # an image item counts as one marker; text without markers is kept as it is
             for k, piece in enumerate(pieces):
                 content += [{"type": "image"}] if k else []

@@ -1770,7 +1770,7 @@ def finish_run(run: Run) -> None:
 MODULE_FLAGS = {
     "gndpo_fast": "lean_logps share_prompt_prefix fast_sampler merged_sampling static_cache varlen_vision",
     "gndpo_teachers": "teacher_column privileged_column privileged_template privileged_source "
-    "max_teacher_prompt_length",
+    "max_teacher_prompt_length self_teacher_weights self_teacher_ema_decay",
     "gndpo_extras": "power_alpha score_std_floor reward_weight constant_advantage",
     "gndpo_eval": "eval_split num_eval_samples eval_steps require_think eval_dataset_name eval_dataset_config "
     "eval_image_column eval_question_column eval_answer_column eval_image_root",

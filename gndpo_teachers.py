@@ -1,10 +1,14 @@
-"""Several teachers and the sharded teacher for gndpo_minimal.py: an optional module, loaded when the flags ask.
+"""Several teachers, the sharded teacher and the self-teacher for gndpo_minimal.py: an optional module, loaded when
+the flags ask.
 
 Several teachers: --teacher_model name=path,name=path (a mapping in a recipe), and a data column (--teacher_column)
 naming each row's teacher. Every teacher scores only its own rows, on the ids and images the student's processor
 made. Normalization whitens all tokens together (global) or each teacher's on their own (--advantage_mode
 per_teacher, registered in the script's ADVANTAGES), and the metrics line adds each teacher's statistics.
 The sharded teacher: --shard_teacher shards one frozen 16-bit teacher's layers over the processes (FSDP2).
+The self-teacher: --teacher_model self, the student's own weights (--self_teacher_weights: the starting ones, the
+current ones or their moving average) reading privileged context in its prompt (OPSD), another prompt's context
+(OP2SD's control) or none.
 
 gndpo_minimal.py imports this module plainly and plugs SeveralTeachers into the step when --teacher_model names
 several; this module imports nothing from the script: register and plug_in read what they need (the prompt encoder,
@@ -15,7 +19,9 @@ several teachers and the self-teacher go beyond the paper.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,10 +47,14 @@ class TeacherArgs:
     max_teacher_prompt_length: int = _flag(
         1024, "Skip (and count) rows whose teacher prompt, context included, is longer."
     )
+    self_teacher_weights: str = _flag(
+        "start", "Self-teacher: start (the starting weights) | current (the student's) | ema (their moving average)."
+    )
+    self_teacher_ema_decay: float = _flag(0.999, "ema: the share of the average kept at each step (0: current).")
 
 
 ARGS = TeacherArgs  # the script parses these with its own Args
-RANGES = {"max_teacher_prompt_length": 1}  # the lowest value, checked by the script
+RANGES = {"max_teacher_prompt_length": 1, "self_teacher_ema_decay": 0}  # the lowest values, checked by the script
 
 
 def teacher_paths(value: str) -> dict[str, str]:
@@ -290,11 +300,12 @@ def shard_frozen(model, device_type: str, num_processes: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The self-teacher (--teacher_model self): the student's own starting weights, reading privileged context
+# The self-teacher (--teacher_model self): the student's own weights, reading privileged context
 # ---------------------------------------------------------------------------------------------
 
 SELF = "self"  # --teacher_model's value for the self-teacher
 SOURCES = ("own", "other", "none")  # --privileged_source: the row's own context (OPSD), another prompt's (OP2SD), none
+WEIGHTS = ("start", "current", "ema")  # --self_teacher_weights: the starting weights, the student's, their average
 
 
 def context_text(context) -> str | None:
@@ -316,21 +327,22 @@ def context_text(context) -> str | None:
 
 def privileged_prompt(prompt, context: str, template: str):
     """The teacher's prompt: `prompt` (text or chat messages) with template.format(context=context) appended to its
-    user turn's text, so the context sits inside the user turn, before the assistant marker."""
+    user turn's text, so the context sits inside the user turn, before the assistant marker. What is appended stays
+    text where it holds "<image>": a chat whose text item marks it literal (literal_from, which gndpo_data's
+    build_messages never splits at markers); a text prompt stays text where nothing appended holds one."""
     extra = template.format(context=context)
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and "<image>" not in extra:
         return prompt + extra
-    messages = [dict(m) for m in prompt]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     last = messages[-1]
-    if isinstance(last.get("content"), str):
-        last["content"] = last["content"] + extra
+    content = last.get("content")
+    items = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    if items and isinstance(items[-1], dict) and items[-1].get("type") == "text":
+        text = items[-1].get("text") or ""
+        items[-1] = {**items[-1], "text": text + extra, "literal_from": len(text)}
     else:
-        items = list(last.get("content") or [])
-        if items and isinstance(items[-1], dict) and items[-1].get("type") == "text":
-            items[-1] = {**items[-1], "text": (items[-1].get("text") or "") + extra}
-        else:
-            items.append({"type": "text", "text": extra.lstrip("\n")})
-        last["content"] = items
+        items.append({"type": "text", "text": extra.lstrip("\n"), "literal_from": 0})
+    last["content"] = items
     return messages
 
 
@@ -341,21 +353,45 @@ def place_contexts(prompts: list, contexts: list, template: str) -> list:
     return [(q if c is None else privileged_prompt(q, c, template), imgs) for (q, imgs), c in zip(prompts, texts)]
 
 
-def row_contexts(contexts: list, group_ids: list[int], source: str) -> list:
-    """Each row's context under --privileged_source: own (the row's), other (the next distinct prompt's of the
-    batch, cyclically: the G rows of one prompt share one context, never their own), none (None)."""
-    if source == "none":
-        return [None] * len(contexts)
-    if source == "own":
-        return list(contexts)
-    first = {}
-    for context, group in zip(contexts, group_ids):
-        first.setdefault(group, context)
+def row_contexts(contexts: list, group_ids: list[int], source: str, fits: Callable | None = None) -> tuple[list, dict]:
+    """Each row's context under --privileged_source, and what OP2SD could not place. own: the row's; none: None;
+    other (OP2SD, context without privilege): the context of the next prompt of the batch, cyclically, whose context
+    text differs from the prompt's own and whose teacher prompt, that context placed, fits (fits([(row, context)]) ->
+    [bool], row: the prompt's first row; None: every one fits); the G rows of a prompt share it. A prompt no other
+    prompt's context serves gets None: its rows are dropped from the step. Returns ((n,) each row's context, counts:
+    other's {"missing": prompts left without one, "too_long": contexts passed over for their length})."""
+    if source != "other":
+        return (list(contexts) if source == "own" else [None] * len(contexts)), {}
+    texts = [(context_text(c) or "").strip() for c in contexts]
+    first = {}  # each prompt's first row
+    for row, group in enumerate(group_ids):
+        first.setdefault(group, row)
     groups = list(first)
     if len(groups) < 2:
         raise ValueError("--privileged_source other needs at least 2 distinct prompts on each process")
-    shifted = {g: first[groups[(k + 1) % len(groups)]] for k, g in enumerate(groups)}
-    return [shifted[g] for g in group_ids]
+    n = len(groups)
+    along = {g: iter([first[groups[(k + d) % n]] for d in range(1, n)]) for k, g in enumerate(groups)}  # the cycle
+    refused = {g: {texts[first[g]]} for g in groups}  # the texts a prompt cannot take: its own, those too long
+    chosen, counts, pending = {}, {"missing": 0, "too_long": 0}, groups
+    while pending:
+        asks = []  # (prompt, the row whose context it would take)
+        for g in pending:
+            row = next((row for row in along[g] if texts[row] not in refused[g]), None)
+            if row is None:  # back at itself
+                chosen[g] = None
+                counts["missing"] += 1
+            else:
+                asks.append((g, row))
+        fit = fits([(first[g], contexts[row]) for g, row in asks]) if fits and asks else [True] * len(asks)
+        pending = []
+        for (g, row), ok in zip(asks, fit):
+            if ok:
+                chosen[g] = contexts[row]
+            else:  # passed over, and every later context of the same text with it
+                counts["too_long"] += 1
+                refused[g].add(texts[row])
+                pending.append(g)
+    return [chosen[g] for g in group_ids], counts
 
 
 # why the script's prepare_split skips a row for the self-teacher, and the flag that fixes it
@@ -392,12 +428,39 @@ def check_row(row: dict, args) -> None:
 
 def teacher_prompts_fit(rows: list, data: list, args, lengths: Callable) -> torch.Tensor:
     """(n,) bool: the self-teacher's prompt of each row, its own context placed, fits --max_teacher_prompt_length
-    (never cut to the student's bound). rows: [(prompt, images)]; data: (n,) the rows' columns; lengths(rows) -> (n,)
-    token counts."""
+    (never cut to the student's bound): OPSD's training prompts and every evaluation's (OP2SD's borrowed contexts are
+    checked where SelfTeacher.route places them). rows: [(prompt, images)]; data: (n,) the rows' columns;
+    lengths(rows) -> (n,) token counts."""
     if args.privileged_source == "none":
         return torch.ones(len(rows), dtype=torch.bool)
     contexts = [row.get(args.privileged_column) for row in data]
     return lengths(place_contexts(rows, contexts, args.privileged_template)) <= args.max_teacher_prompt_length
+
+
+# the self-teacher's flags, each refused without --teacher_model self when it is not at its default
+SELF_FLAGS = (
+    "privileged_column",
+    "privileged_template",
+    "privileged_source",
+    "max_teacher_prompt_length",
+    "self_teacher_weights",
+    "self_teacher_ema_decay",
+)
+
+
+def template_problem(template: str) -> str | None:
+    """Why --privileged_template cannot place a context, or None: it holds one {context} field and no other ({{ and
+    }} are literal braces)."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        return f"--privileged_template {template!r} is not a format string ({e}): write a literal brace as {{{{ or }}}}"
+    if names != ["context"]:
+        fields = ", ".join("{" + name + "}" for name in names) or "none ({{context}} is the text {context}, not one)"
+        return (
+            f"--privileged_template {template!r} must hold one {{context}} placeholder and no other; it holds {fields}"
+        )
+    return None
 
 
 def check_args(script, args, num_processes: int) -> list[str]:
@@ -417,87 +480,194 @@ def check_args(script, args, num_processes: int) -> list[str]:
         )
     if "=" in args.teacher_model and SELF in teacher_paths(args.teacher_model).values():
         problems.append("--teacher_model self is one teacher, the student itself: it does not mix with several")
-    if args.privileged_column and args.teacher_model != SELF:
-        problems.append("--privileged_column feeds the self-teacher's prompt: it needs --teacher_model self")
-    if "{context}" not in args.privileged_template:
-        problems.append(f"--privileged_template {args.privileged_template!r} holds no {{context}} placeholder")
+    if args.teacher_model != SELF:  # set, they would be ignored
+        given = [f"--{flag}" for flag in SELF_FLAGS if getattr(args, flag) != getattr(TeacherArgs, flag)]
+        if given:
+            are, need = ("are", "they need") if len(given) > 1 else ("is", "it needs")
+            problems.append(f"{', '.join(given)} {are} the self-teacher's: {need} --teacher_model self")
+        return problems
+    problems += filter(None, [template_problem(args.privileged_template)])
     if args.privileged_source not in SOURCES:
         problems.append(f"--privileged_source {args.privileged_source!r} is not one of {SOURCES}")
-    if args.teacher_model == SELF and args.privileged_source != "none" and not args.privileged_column:
+    if args.privileged_source != "none" and not args.privileged_column:
         problems.append("--teacher_model self reads privileged context: name its column with --privileged_column")
-    other = args.privileged_source == "other" and args.teacher_model == SELF
-    if other and args.prompts_per_step // max(num_processes, 1) < 2:
+    if args.privileged_source == "other" and args.prompts_per_step // max(num_processes, 1) < 2:
         problems.append(
             "--privileged_source other takes another prompt's context: --prompts_per_step needs 2 per process"
         )
-    if args.teacher_model == SELF and args.shard_teacher:
+    if args.shard_teacher:
         problems.append("--shard_teacher shards a teacher of its own; the self-teacher is the student")
+    if args.self_teacher_weights not in WEIGHTS:
+        problems.append(f"--self_teacher_weights {args.self_teacher_weights!r} is not one of {WEIGHTS}")
+    if args.self_teacher_ema_decay > 1:
+        problems.append(f"--self_teacher_ema_decay must be in [0, 1], got {args.self_teacher_ema_decay}")
+    elif args.self_teacher_weights != "ema" and args.self_teacher_ema_decay != TeacherArgs.self_teacher_ema_decay:
+        problems.append("--self_teacher_ema_decay is the moving average's: it needs --self_teacher_weights ema")
+    ema0 = args.self_teacher_weights == "ema" and args.self_teacher_ema_decay == 0
+    if args.privileged_source == "none" and (args.self_teacher_weights == "current" or ema0):
+        problems.append(
+            "--privileged_source none with the current weights: the teacher is the student reading its own prompt, "
+            "so every score is rounding noise (which global whitening scales up): use start or ema, or a context"
+        )
     return problems
 
 
 def own_teachers(args, teachers: dict, student, load_copy: Callable, accelerator, log=print) -> None:
-    """In place, after the script's load_models loaded the named teachers: the self-teacher ({"self": the student, or
-    with --lora_r 0 a frozen copy, load_copy()}), the sharded teacher sharded."""
-    if args.teacher_model == SELF:  # LoRA: the student itself, its adapter disabled; full fine-tuning: a frozen copy
+    """In place, after the script's load_models loaded the named teachers: the self-teacher ({"self": the model its
+    weights are read from, SelfWeights}), the sharded teacher sharded. The self-teacher's model is the student itself,
+    but for full fine-tuning (--lora_r 0) under start and ema: a frozen copy of the student as loaded, in its own
+    dtype (float32 master weights under mixed precision), run under its autocast, so that it computes as the student
+    does (load_copy, the script's loader of a copy in the compute dtype, is not used: bf16 weights would not)."""
+    if args.teacher_model == SELF:
+        full_copy = not args.lora_r and args.self_teacher_weights in ("start", "ema")
         teachers["self"] = (
-            load_copy().eval().requires_grad_(False).to(accelerator.device) if not args.lora_r else student
+            copy.deepcopy(student).eval().requires_grad_(False).to(accelerator.device) if full_copy else student
         )
     if args.shard_teacher and accelerator.num_processes > 1:
         sharded = shard_frozen(next(iter(teachers.values())), accelerator.device.type, accelerator.num_processes)
         log(f"teacher: {sharded} layers sharded over {accelerator.num_processes} processes (FSDP2)")
 
 
-class StartingWeights:
-    """The self-teacher as the step sees it (the script's Models.teacher): `model`, the student's starting weights.
-    lora: the student itself, read with its adapter disabled (no second copy); else a frozen copy."""
+class MovingAverage:
+    """--self_teacher_weights ema: average <- decay * average + (1 - decay) * theta for each trained tensor theta of
+    the student, after every step (update); it starts at the starting weights. averages {name: tensor}: LoRA, float32
+    copies of the adapter's tensors; full fine-tuning, the frozen copy's own. trained {name: the student's trained
+    parameter}. Accelerate saves it in every checkpoint and restores it on resume (register_for_checkpointing)."""
 
-    def __init__(self, model, lora: bool):
-        self.model, self.lora = model, lora
+    def __init__(self, averages: dict, trained: dict, decay: float):
+        self.averages, self.trained, self.decay = averages, trained, decay
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, average in self.averages.items():  # lerp with weight 1 (decay 0) returns theta exactly
+            average.lerp_(self.trained[name].detach().to(average.dtype), 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Within it the trained tensors hold the average (in their own dtype); after it, their own values, bit for
+        bit."""
+        saved = {name: p.detach().clone() for name, p in self.trained.items()}
+        try:
+            with torch.no_grad():
+                for name, p in self.trained.items():
+                    p.copy_(self.averages[name])
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in self.trained.items():
+                    p.copy_(saved[name])
+
+    def state_dict(self) -> dict:
+        return dict(self.averages)
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.keys() != self.averages.keys():
+            raise ValueError(
+                "the checkpoint's moving average (--self_teacher_weights ema) holds other tensors than this run "
+                "trains: resume with the flags the checkpoint was saved with"
+            )
+        with torch.no_grad():
+            for name, average in self.averages.items():
+                average.copy_(state[name])
+
+
+class SelfWeights:
+    """The self-teacher as the step sees it (the script's Models.teacher): `model` read as --self_teacher_weights
+    says. start: LoRA, the student itself with its adapter disabled (no second copy); full fine-tuning, a frozen copy
+    of the starting weights. current: the student as it is. ema: LoRA, the student with its adapter's tensors swapped
+    for their moving average while it reads; full fine-tuning, a frozen copy whose trained tensors are the average
+    (average: the MovingAverage). precision: () -> the student's autocast under mixed precision, so that the teacher
+    computes as the student does."""
+
+    def __init__(
+        self,
+        model,
+        lora: bool,
+        weights: str = "start",
+        precision: Callable = contextlib.nullcontext,
+        average: MovingAverage | None = None,
+    ):
+        self.model, self.lora, self.weights, self.precision, self.average = model, lora, weights, precision, average
 
     @contextlib.contextmanager
     def reading(self):
-        """Within it self.model computes as the starting weights, in eval mode (no dropout); restored after."""
+        """Within it self.model computes as the teacher's weights, in eval mode (no dropout) and the student's
+        precision; restored after."""
         was_training = self.model.training
-        adapter_off = self.model.disable_adapter() if self.lora else contextlib.nullcontext()
+        adapter_off = (
+            self.model.disable_adapter() if self.lora and self.weights == "start" else contextlib.nullcontext()
+        )
+        averaged = self.average.swapped_in() if self.lora and self.average else contextlib.nullcontext()
         try:
-            with adapter_off:
+            with adapter_off, averaged, self.precision():
                 yield self.model.eval()
         finally:
             self.model.train(was_training)
 
+    def words(self) -> str:
+        """What the teacher reads, for the log."""
+        where = {
+            "start": ("starting", "its adapter disabled" if self.lora else "a frozen copy"),
+            "current": ("current", "its adapter enabled" if self.lora else "the student itself"),
+            "ema": (
+                "moving-average",
+                "its adapter's average swapped in" if self.lora else "a copy holding the average",
+            ),
+        }[self.weights]
+        decay = f", decay {self.average.decay:g}" if self.average else ""
+        return f"the student's {where[0]} weights ({where[1]}{decay})"
+
 
 class SelfTeacher:
-    """The plug-in behind --teacher_model self (the script's Models.plugins): the teacher is the student's frozen
-    starting weights (StartingWeights) reading the student's prompt with the privileged context appended to its user
-    turn (privileged_prompt); the response ids are the rollout's own, after that prompt. encode(prompts, device) ->
-    a processor batch (the script's encode_prompts, pixels on the host); template and source: --privileged_template
-    and --privileged_source."""
+    """The plug-in behind --teacher_model self (the script's Models.plugins): the teacher is the student's weights as
+    --self_teacher_weights says (SelfWeights) reading the student's prompt with the privileged context appended to its
+    user turn (privileged_prompt); the response ids are the rollout's own, after that prompt. encode(prompts, device)
+    -> a processor batch (the script's encode_prompts, pixels on the host); lengths(prompts) -> (n,) their token
+    counts; args: --privileged_template, --privileged_source and --max_teacher_prompt_length."""
 
-    def __init__(self, teacher: StartingWeights, encode: Callable, args):
-        self.teacher, self.encode, self.column = teacher, encode, args.privileged_column
-        self.template, self.source = args.privileged_template, args.privileged_source
+    def __init__(self, teacher: SelfWeights, encode: Callable, lengths: Callable, args):
+        self.teacher, self.encode, self.lengths, self.column = teacher, encode, lengths, args.privileged_column
+        self.template, self.source, self.bound = (
+            args.privileged_template,
+            args.privileged_source,
+            args.max_teacher_prompt_length,
+        )
+        self.counts = {}  # this step's, from row_contexts (OP2SD's missing and too long), for the metrics line
 
     def prompts(self, prompts: list, contexts: list) -> list:
         return place_contexts(prompts, contexts, self.template)
 
+    def fits(self, prompts: list, asks: list) -> list[bool]:
+        """Whether each (row, context) of asks, that context placed in that row's prompt, fits the teacher's bound."""
+        placed = self.prompts([prompts[row] for row, _ in asks], [context for _, context in asks])
+        return (self.lengths(placed) <= self.bound).tolist()
+
     def route(self, prompts, rollouts: list) -> list:
-        """After sampling: each micro-batch's teacher prompts, encoded (rollout.extra["teacher_inputs"])."""
+        """After sampling: each micro-batch's teacher prompts, encoded (rollout.extra["teacher_inputs"]); rows OP2SD
+        found no context for are dropped (their response mask zeroed: no token of theirs is scored or trained)."""
         if self.source == "none":  # the plain self-teacher reads the student's own prompt
             return rollouts
         contexts = [row.get(self.column) for row in prompts.rows]
-        contexts, start = row_contexts(contexts, prompts.group_ids, self.source), 0
+        contexts, self.counts = row_contexts(
+            contexts, prompts.group_ids, self.source, lambda asks: self.fits(prompts.prompts, asks)
+        )
+        start = 0
         for r in rollouts:
             n = r.response_ids.shape[0]
-            rows = self.prompts(prompts.prompts[start : start + n], contexts[start : start + n])
-            r.extra["teacher_inputs"] = self.encode(rows, r.response_ids.device)
+            mine = contexts[start : start + n]
+            dropped = torch.tensor([c is None for c in mine], device=r.response_mask.device)
+            r.response_mask[dropped] = 0
+            r.extra["teacher_inputs"] = self.encode(
+                self.prompts(prompts.prompts[start : start + n], mine), r.response_ids.device
+            )
             start += n
         return rollouts
 
     def forward(self, forward: Callable) -> Callable:
         """The teacher's scoring forward: forward(model, rollout, ignore_ids) on the teacher's prompts, in the
-        starting weights."""
+        teacher's weights."""
 
-        def self_teacher(teacher: StartingWeights, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
+        def self_teacher(teacher: SelfWeights, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
             if "teacher_inputs" in rollout.extra:  # the distinct prompts are the student's: the teacher reads its own
                 extra = {k: v for k, v in rollout.extra.items() if k not in ("prompt_inputs", "prompt_index")}
                 rollout = dataclasses.replace(rollout, row_inputs=rollout.extra["teacher_inputs"], extra=extra)
@@ -505,6 +675,24 @@ class SelfTeacher:
                 return forward(model, rollout, ignore_ids)
 
         return self_teacher
+
+    def metric_sums(self, batch) -> dict:
+        return {f"other_context_{k}": float(v) for k, v in self.counts.items()}
+
+    def metrics(self, r: dict, batch) -> dict:
+        """OP2SD's keys: other_context_missing (prompts left without another context: rows dropped) and
+        other_context_too_long (contexts passed over for their length), over all processes."""
+        return {f"other_context_{k}": int(r[f"other_context_{k}"]) for k in self.counts}
+
+    def after_step(self, run, metrics: dict) -> None:
+        """After the step's update: the moving average moves (ema); OP2SD's steps that left a prompt without another
+        context, counted (other_context_missing_steps, in the metrics line and summary.json)."""
+        if self.teacher.average is not None:
+            self.teacher.average.update()
+        if self.source == "other":
+            key = "other_context_missing_steps"
+            run.counters[key] = run.counters.get(key, 0) + int(metrics["other_context_missing"] > 0)
+            metrics[key] = run.counters[key]
 
     def evaluate(self, one: Callable, model, rows: list[tuple]) -> dict:
         """one(model, rows) on the eval rows; the teacher reads each row's own context (row[3]) in its weights."""
@@ -517,18 +705,44 @@ class SelfTeacher:
             return one(inner, rows)
 
 
+def self_teacher(script, models, args, accelerator, log=print) -> SelfTeacher:
+    """The self-teacher into the script's Models (plug_in): the weights the step reads (SelfWeights; ema: the moving
+    average, registered for Accelerate's checkpoints), the plug-in that places the contexts."""
+    processor, instruction = models.processor, args.instruction
+    student, model = accelerator.unwrap_model(models.student), accelerator.unwrap_model(models.teacher)
+    average = None
+    if args.self_teacher_weights == "ema":
+        if script.weights_are_sharded(accelerator):
+            raise script.UsageError(
+                "--self_teacher_weights ema keeps the average of whole tensors, which FSDP shards: use start or "
+                "current, or launch without FSDP"
+            )
+        trained = {name: p for name, p in student.named_parameters() if p.requires_grad}
+        copies = dict(model.named_parameters()) if model is not student else {}
+        averages = {name: copies.get(name, p.detach().float().clone()) for name, p in trained.items()}
+        average = MovingAverage(averages, trained, args.self_teacher_ema_decay)
+        accelerator.register_for_checkpointing(average)
+    models.teacher = SelfWeights(model, args.lora_r > 0, args.self_teacher_weights, models.sampling.precision, average)
+    autocast = str(script.compute_dtype(accelerator) or "none").removeprefix("torch.")
+    log(f"self-teacher: {models.teacher.words()}, in the student's compute precision (autocast {autocast})")
+
+    def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
+        return script.pixels_on_host(script.encode_prompts(processor, rows, instruction), device)
+
+    def lengths(rows: list) -> torch.Tensor:  # (n,) each teacher prompt's tokens, images included
+        return script.encode_prompts(processor, rows, instruction)["attention_mask"].sum(1)
+
+    return SelfTeacher(models.teacher, encode, lengths, args)
+
+
 def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> None:
     """The self-teacher or several teachers into the script's Models, in place, when the flags ask: the teacher the
-    step sees (StartingWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
-    model} (the script's load_models); script: the script's module object (encode_prompts, pixels_on_host, spread)."""
+    step sees (SelfWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
+    model} (the script's load_models); script: the script's module object (encode_prompts, pixels_on_host, spread,
+    compute_dtype, weights_are_sharded, UsageError)."""
     processor, instruction = models.processor, args.instruction
-    if args.teacher_model == SELF:  # the starting weights, reading the context
-
-        def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
-            return script.pixels_on_host(script.encode_prompts(processor, rows, instruction), device)
-
-        models.teacher = StartingWeights(accelerator.unwrap_model(models.teacher), lora=args.lora_r > 0)
-        plugin = SelfTeacher(models.teacher, encode, args)
+    if args.teacher_model == SELF:  # the student's weights, reading the context
+        plugin = self_teacher(script, models, args, accelerator, log)
     elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
 
         def encode(part, rows, group_ids, *flags):  # (row_prompts, distinct): its prompts encoded again

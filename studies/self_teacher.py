@@ -19,8 +19,15 @@ plain-global, and OPSD-global minus OPSD-none.
     python studies/self_teacher.py              # 36 runs one at a time, then the page and its JSON
     python studies/self_teacher.py --no_run     # only the page and the JSON, from existing runs
 
-It writes docs/studies/self_teacher.md and docs/studies/self_teacher.json; the page's first lines name the commit,
-the command and the machine each run was made with.
+Every run starts from a `git archive` copy of one commit (<runs_dir>/code, studies/study_runs.py), one torch
+thread. It writes docs/studies/self_teacher.md and docs/studies/self_teacher.json; the page's first lines name the
+commit, the command and the machine each run was made with.
+
+OP2SD's control (issue 55): each prompt reads the answer of the next prompt of its batch whose answer differs from
+its own; a prompt no other answer serves is dropped and counted (metrics.jsonl's other_context_missing). The page
+also replays the rule the runs before the fix used (the next prompt's answer, whatever it was) on the same schedule
+(the seeds' prompt order, gndpo_minimal.step_prompt_indices, the rows' answers) and says how many prompt-steps it
+would have handed their own answer.
 """
 
 from __future__ import annotations
@@ -34,14 +41,17 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_opd_gndpo import ROOT, load, made_by_lines, run_all  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from fidelity_tables import machine_text  # noqa: E402
 from stats import sign_flip_test  # noqa: E402
+from study_runs import load_run, provenance, run  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "docs", "studies")
 SEEDS = [0, 1, 2, 3, 4, 5]
-RUN_FLAGS = [
-    "--student_model", os.path.join(ROOT, "assets", "hint", "student"),
+RUN_FLAGS = [  # paths from the copy's root, where every run starts (study_runs adds one torch thread)
+    "--student_model", os.path.join("assets", "hint", "student"),
     "--teacher_model", "self",
     "--max_steps", "30",
     "--learning_rate", "2e-3",
@@ -51,7 +61,6 @@ RUN_FLAGS = [
     "--num_eval_samples", "100",
     "--max_train_samples", "512",
     "--logging_steps", "1000",
-    "--cpu_threads", "1",  # the machine's 2 cores are shared: one thread, no oversubscription
 ]  # fmt: skip
 SOURCES = {  # arm name: the flags that make it
     "OPSD": ["--privileged_column", "answer", "--privileged_source", "own"],
@@ -59,12 +68,28 @@ SOURCES = {  # arm name: the flags that make it
     "plain": ["--privileged_source", "none"],
 }
 MODES = ["global", "none"]
+MISSED = ("other_context_missing", "other_context_too_long")  # OP2SD's counts, summed over a run's steps
 PRIMARY = (("OPSD", "global"), ("plain", "global"))
 SECONDARY = [(("OP2SD", "global"), ("plain", "global")), (("OPSD", "global"), ("OPSD", "none"))]
 
 
 def folder(runs_dir: str, source: str, mode: str, seed: int) -> str:
     return os.path.join(runs_dir, f"{source}_{mode}_seed{seed}")
+
+
+def made_by_lines(outs: list[str]) -> list[str]:
+    """The page's first lines: the runs of each (commit, command, machine), counted, with the days they ran."""
+    groups: dict[tuple, list[str]] = {}
+    for out in outs:
+        study = load_run(out)["study"]
+        key = (study["commit"][:7], study["dirty"], study["command"], machine_text(study["machine"]))
+        groups.setdefault(key, []).append(study["date"][:10])
+    return [
+        f"{len(days)} run(s) made with gndpo_minimal.py at commit {commit} "
+        f"({'with uncommitted changes' if dirty else 'a `git archive` copy of it'}), {min(days)}"
+        f"{'' if min(days) == max(days) else ' to ' + max(days)}, on {machine}: `{command}`"
+        for (commit, dirty, command, machine), days in groups.items()
+    ]
 
 
 def mean_of(steps: list[dict], key: str, first: bool) -> float:
@@ -74,10 +99,13 @@ def mean_of(steps: list[dict], key: str, first: bool) -> float:
 
 def run_record(out: str) -> dict:
     """One run's numbers: accuracy before and after, the self-teacher's accuracy before training, reverse KL and
-    advantage std over the first and last 5 steps."""
-    steps, summary = load(out)
+    advantage std over the first and last 5 steps, and OP2SD's prompts left without another answer and contexts
+    passed over as too long, summed over the steps (absent from the other arms' metrics: 0)."""
+    files = load_run(out)
+    steps, summary = files["steps"], files["summary"]
     nan = float("nan")
     return {
+        **{key: sum(s.get(key, 0) for s in steps) for key in MISSED},
         "before": summary.get("student_accuracy_before", nan),
         "after": summary.get("student_accuracy_after", nan),
         "teacher": summary.get("teacher_accuracy", nan),
@@ -86,6 +114,8 @@ def run_record(out: str) -> dict:
         "adv_std_last": mean_of(steps, "adv_std", False),
         "steps": len(steps),
         "wall": summary.get("wall_seconds", nan),
+        "train_rows": summary.get("train_rows"),
+        "skipped_train_rows": summary.get("skipped_train_rows", {}),
     }
 
 
@@ -129,7 +159,35 @@ def contrast_line(name: str, c: dict) -> str:
     )
 
 
-def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[int]) -> list[str]:
+def old_rule_replay(records: dict, seeds: list[int]) -> dict:
+    """OP2SD's schedule replayed from the data and the seeds' prompt order (gndpo_minimal.step_prompt_indices over
+    the runs' usable rows, which must be the first max_train_samples rows, none skipped): per seed, the prompt-steps,
+    those the rule before issue 55 (the next prompt's answer, whatever it was) would have handed their own answer,
+    and those no prompt of their step with another answer could serve (today's rule drops them)."""
+    import datasets  # noqa: PLC0415
+
+    sys.path.insert(0, ROOT)
+    import gndpo_minimal as g  # noqa: PLC0415
+
+    flag = lambda name: RUN_FLAGS[RUN_FLAGS.index(name) + 1]  # noqa: E731
+    rows, per_step, steps = int(flag("--max_train_samples")), int(flag("--prompts_per_step")), int(flag("--max_steps"))
+    for key, r in records.items():
+        if key[0] == "OP2SD" and (r["train_rows"] != rows or any(r["skipped_train_rows"].values())):
+            raise ValueError(f"{key}: the run skipped training rows, so the replay's rows are not its rows")
+    data = os.path.join(ROOT, "assets", "tiny", "data", "train.parquet")  # the runs' --dataset_name default
+    answers = datasets.load_dataset("parquet", data_files=data, split="train")["answer"][:rows]
+    out = {}
+    for seed in seeds:
+        own = missing = 0
+        for step in range(steps):
+            batch = [answers[i] for i in g.step_prompt_indices(step, rows, per_step, seed)]
+            own += sum(a == batch[(k + 1) % per_step] for k, a in enumerate(batch))
+            missing += per_step * (len(set(batch)) == 1)
+        out[str(seed)] = {"prompt_steps": steps * per_step, "own_answer_old_rule": own, "no_other_answer": missing}
+    return out
+
+
+def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[int], replay: dict) -> list[str]:
     """The page's reading of its numbers: each sentence computed from the records."""
     avg = statistics.mean
     acc = {(src, mode): avg(records[src, mode, s]["after"] for s in seeds) for src in SOURCES for mode in MODES}
@@ -143,6 +201,8 @@ def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[in
         )
 
     op2sd, within = secondary
+    prompt_steps, own, no_other = (sum(r[k] for r in replay.values()) for k in next(iter(replay.values())))
+    missing, too_long = (sum(r[k] for key, r in records.items() if key[0] == "OP2SD") for k in MISSED)
     return [
         f"- **Before training** the student scores {before:.3f} (every run: the same rows and starting weights); "
         f"the self-teacher reading the row's own answer scores {teacher['OPSD']:.3f} (the start-up evaluation of "
@@ -154,6 +214,12 @@ def findings(records: dict, primary: dict, secondary: list[dict], seeds: list[in
         f"- Mean final accuracy: OPSD {acc['OPSD', 'global']:.3f} (global) and {acc['OPSD', 'none']:.3f} (none), "
         f"OP2SD {acc['OP2SD', 'global']:.3f} and {acc['OP2SD', 'none']:.3f}, plain {acc['plain', 'global']:.3f} "
         f"and {acc['plain', 'none']:.3f}, after {RUN_FLAGS[RUN_FLAGS.index('--max_steps') + 1]} steps.",
+        f"- **OP2SD's context**: each prompt read the answer of the next prompt of its batch whose answer differs from "
+        f"its own. On this schedule (the seeds' prompt order replayed from the data) the rule used before issue 55, "
+        f"the next prompt's answer whatever it was, would have handed {own} of the {prompt_steps} prompt-steps of a "
+        f"mode ({own / prompt_steps:.1%}) their own answer; the replay finds {no_other} prompt-steps with no other "
+        f"answer in their batch, and the OP2SD runs record {missing} prompts left without another answer "
+        f"(other_context_missing, summed over both modes' runs) and {too_long} contexts passed over as too long.",
         f"- The plain self-teacher leaves the student where it started ({before:.3f} -> "
         f"{acc['plain', 'global']:.3f} under global): with no context its teacher is the student's starting point, "
         "and the reverse KL to it stays near 0.",
@@ -199,7 +265,9 @@ def study_record(outs: list[str], result: dict, primary: dict) -> dict:
     }
 
 
-def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict], seeds: list[int]) -> str:
+def page(
+    made_by: list[str], records: dict, primary: dict, secondary: list[dict], seeds: list[int], replay: dict
+) -> str:
     lines = [
         "# Self-distillation with privileged context: OPSD, OP2SD and the plain self-teacher",
         "",
@@ -208,8 +276,9 @@ def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict]
         "",
         *("- " + line for line in made_by if line),
         "",
-        "Run flags: `" + " ".join(os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for f in RUN_FLAGS) + "`, "
-        f"seeds {', '.join(map(str, seeds))}, one run at a time.",
+        "Run flags: `" + " ".join(RUN_FLAGS) + "`, "
+        f"seeds {', '.join(map(str, seeds))}, one run at a time, one torch thread, each from a `git archive` copy of "
+        "its commit.",
         "",
         *arm_table(records, seeds),
         "",
@@ -224,7 +293,7 @@ def page(made_by: list[str], records: dict, primary: dict, secondary: list[dict]
         contrast_line("**primary**", primary),
         *(contrast_line("secondary", c) for c in secondary),
         "",
-        *findings(records, primary, secondary, seeds),
+        *findings(records, primary, secondary, seeds, replay),
         "",
     ]
     return "\n".join(lines)
@@ -236,28 +305,29 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", "self_teacher"))
     p.add_argument("--tag", default="self_teacher", help="the page's file name in docs/studies/ (no extension)")
     p.add_argument("--no_run", action="store_true", help="only write the page from existing runs")
-    p.add_argument("--skip_existing", action="store_true", help="run only the jobs without a summary.json")
+    p.add_argument("--skip_existing", action="store_true", help="run only the jobs that have not finished")
     args = p.parse_args(argv)
     grid = [(src, mode, s) for s in args.seeds for src in SOURCES for mode in MODES]  # seed-major: a stop leaves pairs
     outs = {key: folder(args.runs_dir, *key) for key in grid}
     if not args.no_run:
-        todo = [
-            (mode, None, seed, outs[src, mode, seed], SOURCES[src])
-            for src, mode, seed in grid
-            if not (args.skip_existing and os.path.exists(os.path.join(outs[src, mode, seed], "summary.json")))
-        ]
-        run_all(todo, RUN_FLAGS, 1)
+        made_by = provenance(args.runs_dir)
+        for (src, mode, seed), out in outs.items():
+            if not (args.skip_existing and "student_accuracy_after" in load_run(out)["summary"]):  # finished
+                flags = [*RUN_FLAGS, "--advantage_mode", mode, "--seed", str(seed), *SOURCES[src]]
+                run(args.runs_dir, ["gndpo_minimal.py", *flags], out, made_by)
     records = {key: run_record(out) for key, out in outs.items()}
     primary = contrast(records, *PRIMARY, args.seeds)
     secondary = [contrast(records, a, b, args.seeds) for a, b in SECONDARY]
     made_by = made_by_lines(list(outs.values()))
-    text = page(made_by, records, primary, secondary, args.seeds)
+    replay = old_rule_replay(records, args.seeds)
+    text = page(made_by, records, primary, secondary, args.seeds, replay)
     result = {
         "made_by": [line for line in made_by if line],
-        "run_flags": [os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for f in RUN_FLAGS],
+        "run_flags": RUN_FLAGS,
         "seeds": args.seeds,
         "primary_endpoint": primary,
         "secondary": secondary,
+        "op2sd_schedule": replay,
         "runs": {"_".join(map(str, key)): r for key, r in records.items()},
     }
     record = study_record(list(outs.values()), result, primary)

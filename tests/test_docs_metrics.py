@@ -252,6 +252,17 @@ def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_writte
         ),
     )
     assert {"teacher/<name>/reverse_kl", "teacher/<name>/eval_accuracy"} <= teachers[0] - plain[0]
-    written = set().union(*plain, *beyond, *teachers)
+    # the self-teacher under OP2SD: what it could not serve, counted
+    op2sd = run_keys(
+        untrained_models,
+        str(tmp_path / "op2sd"),
+        max_steps=1,
+        num_eval_samples=0,
+        teacher_model="self",
+        privileged_column="answer",
+        privileged_source="other",
+    )
+    assert {"other_context_missing", "other_context_too_long", "other_context_missing_steps"} <= op2sd[0]
+    written = set().union(*plain, *beyond, *teachers, *op2sd)
     assert not sorted(written - documented), f"keys a run writes that the page lacks: {sorted(written - documented)}"
     assert not sorted(documented - written), f"keys the page names that no run wrote: {sorted(documented - written)}"

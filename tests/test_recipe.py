@@ -373,19 +373,22 @@ def test_the_self_recipe_fits_24gb_and_holds_no_teacher_weights():
 
 
 def test_a_full_fine_tuning_self_teacher_counts_a_frozen_copy_of_the_student():
-    """lora_r 0: the self-teacher is a frozen copy loaded from --student_model in the student's dtype (bf16 on the
-    GPU, where the student's own are float32 master weights; float32 on a CPU, as the student's), whole on every
-    process (FSDP2 shards the student, not the copy); a LoRA self-teacher of the same run holds none."""
+    """lora_r 0: the self-teacher is a frozen copy of the student in the student's own dtype (float32 master weights
+    on the GPU, where the student computes in bf16 through autocast, as the copy then does; float32 on a CPU), whole
+    on every process (FSDP2 shards the student, not the copy); with --self_teacher_weights current it is the student
+    itself, and a LoRA self-teacher of the same run holds none."""
     recipe = g.parse_args([FULL_RECIPE])
     flags = dict(teacher_model=SELF, teacher_4bit=False, privileged_column="answer")
     assert g.check_args(dataclasses.replace(recipe, **flags), num_processes=8)
     args = dataclasses.replace(with_fixture_configs(recipe), **flags)
     gpu, cpu = estimate(args, 8, "fsdp"), estimate(args, 1, "none", device="cpu")
     params = gpu["student_params"]
-    assert gpu["teacher_params"] == params and gpu["teacher_weights"] == params * 2 and gpu["teacher_gathered"] == 0
+    assert gpu["teacher_params"] == params and gpu["teacher_weights"] == params * 4 and gpu["teacher_gathered"] == 0
     assert cpu["teacher_weights"] == cpu["student_weights"] == params * 4
     with_teacher = estimate(with_fixture_configs(recipe), 8, "fsdp")
-    assert gpu["resident"] == with_teacher["resident"] - with_teacher["teacher_weights"] + params * 2
+    assert gpu["resident"] == with_teacher["resident"] - with_teacher["teacher_weights"] + params * 4
+    assert estimate(dataclasses.replace(args, self_teacher_weights="ema"), 1, "none")["teacher_weights"] == params * 4
+    assert estimate(dataclasses.replace(args, self_teacher_weights="current"), 8, "fsdp")["teacher_weights"] == 0
     lora = estimate(dataclasses.replace(args, lora_r=16), 1, "none", device="cpu")
     assert lora["teacher_weights"] == 0 and lora["student_weights"] == params * 4
 

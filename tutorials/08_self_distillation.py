@@ -17,7 +17,7 @@
 # # 8. Self-distillation: the student as its own teacher, reading the answer
 #
 # With `--teacher_model self` the teacher is the student's starting weights: for a LoRA student, the same model
-# with its adapter disabled (gndpo_teachers.py's `StartingWeights`, no second copy in memory). With
+# with its adapter disabled (gndpo_teachers.py's `SelfWeights`, no second copy in memory). With
 # `--privileged_column answer` the teacher's prompt is the student's prompt with the row's answer appended to the
 # user turn (`--privileged_template`, default `"\n\nReference solution: {context}"`), before the assistant marker;
 # the student reads the prompt alone. The score of a sampled token is, as always,
