@@ -1355,7 +1355,7 @@ def load_models(args: Args, accelerator, log=print) -> tuple:
     student = load_student(args, torch.float32 if accelerator.mixed_precision == "bf16" and args.lora_r == 0 else dtype)
     teachers = {name: load_teacher(args, dtype, accelerator.device, path) for name, path in paths.items()}
     if several:  # the self-teacher (the student's starting weights), the sharded teacher
-        several.own_teachers(args, teachers, student, lambda: load_student(args, dtype), accelerator, log)
+        several.own_teachers(args, teachers, student, accelerator, log)
     return processor, student, teachers
 
 
@@ -1383,20 +1383,22 @@ def make_optimizer(args: Args, accelerator, student, accum: int) -> tuple:
     return student, optimizer, scheduler
 
 
-def startup_line(args: Args, accelerator, student, paths: str = "plain paths (no gndpo_fast.py): full logits") -> str:
-    """The run in one line: where and in what precision it computes, the paths (gndpo_fast's words), the models."""
+def startup_line(
+    args: Args, accelerator, student, words: list = ("plain paths (no gndpo_fast.py): full logits",)
+) -> str:
+    """The run in one line: where and in what precision it computes, the plug-ins' words (the paths), the models."""
     params = list(student.parameters())
     dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params if p.is_floating_point()}))
     trainable, total = sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
     device = accelerator.device
     precision = "4-bit nf4" if args.teacher_4bit else str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     teacher = f"{args.teacher_model} in {precision}"
-    if args.teacher_model == "self":  # the student's starting weights, in its precision (--teacher_4bit n/a)
-        teacher = f"self: {'the student, its adapter disabled' if args.lora_r else 'a frozen copy of the student'}"
+    if args.teacher_model == "self":  # the student's weights, in its precision (--teacher_4bit does not apply)
+        teacher = "self (gndpo_teachers: the student's weights, reading privileged context)"
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     return (
         f"device {device.type}{name}, student {dtypes}, teacher {precision if teacher.endswith(precision) else 'self'}"
-        f", mixed precision {accelerator.mixed_precision}, {torch.get_num_threads()} threads; {paths}; "
+        f", mixed precision {accelerator.mixed_precision}, {torch.get_num_threads()} threads; {'; '.join(words)}; "
         f"student {args.student_model}: {trainable / 1e6:.3f}M of {total / 1e6:.2f}M trainable "
         f"({'LoRA' if args.lora_r else 'full: language model, projector, LM head'}); teacher {teacher}; "
         f"{accelerator.num_processes} process(es), {args.steps_per_generation * args.num_iterations} update(s) of "
@@ -1450,7 +1452,8 @@ def make_models(args: Args, accelerator, processor, student, teachers: dict, log
     teacher = next(iter(teachers.values()))
     models = Models(student, teacher, processor, ignore_ids, teacher_forward, response_logps, sampling)
     words = [plug_in(SCRIPT, models, args, teachers, accelerator, log) for plug_in in module_functions("plug_in")]
-    log(startup_line(args, accelerator, student, *filter(None, words)))
+    words = ([] if fast else ["plain paths (no gndpo_fast.py): full logits"]) + [w for w in words if w]
+    log(startup_line(args, accelerator, student, words))
     return models
 
 

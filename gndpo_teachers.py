@@ -512,12 +512,12 @@ def check_args(script, args, num_processes: int) -> list[str]:
     return problems
 
 
-def own_teachers(args, teachers: dict, student, load_copy: Callable, accelerator, log=print) -> None:
+def own_teachers(args, teachers: dict, student, accelerator, log=print) -> None:
     """In place, after the script's load_models loaded the named teachers: the self-teacher ({"self": the model its
     weights are read from, SelfWeights}), the sharded teacher sharded. The self-teacher's model is the student itself,
     but for full fine-tuning (--lora_r 0) under start and ema: a frozen copy of the student as loaded, in its own
     dtype (float32 master weights under mixed precision), run under its autocast, so that it computes as the student
-    does (load_copy, the script's loader of a copy in the compute dtype, is not used: bf16 weights would not)."""
+    does (a copy loaded in the compute dtype would not: bf16 weights)."""
     if args.teacher_model == SELF:
         full_copy = not args.lora_r and args.self_teacher_weights in ("start", "ema")
         teachers["self"] = (
@@ -705,9 +705,10 @@ class SelfTeacher:
             return one(inner, rows)
 
 
-def self_teacher(script, models, args, accelerator, log=print) -> SelfTeacher:
+def self_teacher(script, models, args, accelerator) -> tuple[SelfTeacher, str]:
     """The self-teacher into the script's Models (plug_in): the weights the step reads (SelfWeights; ema: the moving
-    average, registered for Accelerate's checkpoints), the plug-in that places the contexts."""
+    average, registered for Accelerate's checkpoints), the plug-in that places the contexts, and the words for the
+    start-up line."""
     processor, instruction = models.processor, args.instruction
     student, model = accelerator.unwrap_model(models.student), accelerator.unwrap_model(models.teacher)
     average = None
@@ -724,7 +725,7 @@ def self_teacher(script, models, args, accelerator, log=print) -> SelfTeacher:
         accelerator.register_for_checkpointing(average)
     models.teacher = SelfWeights(model, args.lora_r > 0, args.self_teacher_weights, models.sampling.precision, average)
     autocast = str(script.compute_dtype(accelerator) or "none").removeprefix("torch.")
-    log(f"self-teacher: {models.teacher.words()}, in the student's compute precision (autocast {autocast})")
+    words = f"self-teacher: {models.teacher.words()}, in the student's compute precision (autocast {autocast})"
 
     def encode(rows: list, device) -> dict:  # the teacher's prompts, pixels on the host
         return script.pixels_on_host(script.encode_prompts(processor, rows, instruction), device)
@@ -732,17 +733,18 @@ def self_teacher(script, models, args, accelerator, log=print) -> SelfTeacher:
     def lengths(rows: list) -> torch.Tensor:  # (n,) each teacher prompt's tokens, images included
         return script.encode_prompts(processor, rows, instruction)["attention_mask"].sum(1)
 
-    return SelfTeacher(models.teacher, encode, lengths, args)
+    return SelfTeacher(models.teacher, encode, lengths, args), words
 
 
-def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> None:
+def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> str | None:
     """The self-teacher or several teachers into the script's Models, in place, when the flags ask: the teacher the
     step sees (SelfWeights, or {name: model}), its scoring forward wrapped, the plug-in appended. teachers: {name:
     model} (the script's load_models); script: the script's module object (encode_prompts, pixels_on_host, spread,
-    compute_dtype, weights_are_sharded, UsageError)."""
+    compute_dtype, weights_are_sharded, UsageError). Returns the self-teacher's words for the start-up line."""
     processor, instruction = models.processor, args.instruction
+    words = None
     if args.teacher_model == SELF:  # the student's weights, reading the context
-        plugin = self_teacher(script, models, args, accelerator, log)
+        plugin, words = self_teacher(script, models, args, accelerator)
     elif len(teachers) > 1:  # each row routed to its own teacher, scored by it alone
 
         def encode(part, rows, group_ids, *flags):  # (row_prompts, distinct): its prompts encoded again
@@ -758,3 +760,4 @@ def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> Non
         return
     models.teacher_forward = plugin.forward(models.teacher_forward or script.response_logps)
     models.plugins.append(plugin)
+    return words

@@ -117,7 +117,7 @@ def test_the_start_up_line_names_device_dtypes_precision_threads_paths_models_an
     student.bias.requires_grad_(False)
     args = g.RunArgs(teacher_4bit=False, dtype="float32", teacher_model="t", student_model="s", micro_batch_size=4)
     paths = fast.startup_paths(args, {"static_cache": "why"})
-    assert g.startup_line(args, accelerator, student, paths) == (
+    assert g.startup_line(args, accelerator, student, [paths]) == (
         f"device cpu, student bfloat16, teacher float32, mixed precision bf16, {torch.get_num_threads()} "
         f"threads; speed-ups of gndpo_fast: lean log-probs, each prompt read once, the sampler, sampling from merged "
         f"adapters, one vision attention call per layer; decoding on a static cache off: why; student s: 0.000M of "
@@ -127,9 +127,9 @@ def test_the_start_up_line_names_device_dtypes_precision_threads_paths_models_an
     assert fast.startup_paths(plain, {}) == "plain paths"
     assert "threads; plain paths (no gndpo_fast.py): full logits;" in g.startup_line(plain, accelerator, student)
     assert "teacher 4-bit nf4" in g.startup_line(g.RunArgs(), accelerator, student)
-    for lora_r, words in ((16, "the student, its adapter disabled"), (0, "a frozen copy of the student")):
-        line = g.startup_line(g.RunArgs(teacher_model="self", lora_r=lora_r), accelerator, student)
-        assert "teacher self, mixed" in line and f"teacher self: {words};" in line
+    line = g.startup_line(g.RunArgs(teacher_model="self"), accelerator, student, ["self-teacher: its words"])
+    assert "teacher self, mixed" in line and "threads; self-teacher: its words; student" in line
+    assert "teacher self (gndpo_teachers: the student's weights, reading privileged context);" in line
 
 
 def test_the_process_group_timeout_is_the_args_field(monkeypatch):

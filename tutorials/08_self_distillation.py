@@ -87,9 +87,10 @@ print(type(run.models.teacher).__name__, "| plug-ins:", [type(p).__name__ for p 
 
 # %%
 prompts = step_prompts(run.train_ds, run.train_keep, args, step=0)
+context = prompts.rows[0][args.privileged_column]  # each row's data: its columns, the privileged one too
 (student_prompt, _), (teacher_prompt, _) = (
     prompts.prompts[0],
-    place_contexts(prompts.prompts[:1], prompts.contexts[:1], args.privileged_template)[0],
+    place_contexts(prompts.prompts[:1], [context], args.privileged_template)[0],
 )
 print("student reads:", repr(student_prompt))
 print("teacher reads:", repr(teacher_prompt))
