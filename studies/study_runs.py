@@ -37,8 +37,32 @@ def snapshot(runs_dir: str) -> str:
     return code
 
 
-def provenance(runs_dir: str) -> dict:
-    """What made the runs: the copy's commit (clean: it is an archive), this command, the machine."""
+def tree_status() -> str:
+    """`git status --porcelain` of the tree this driver runs from (ROOT): "" when clean. The runs go from an archive
+    copy, clean by construction; the driver itself, and the analysis it writes, run from this tree."""
+    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def check_tree(allow_dirty: bool) -> str:
+    """tree_status(); stops when it is not clean, unless allow_dirty (the driver's --allow_dirty)."""
+    status = tree_status()
+    if status and not allow_dirty:
+        raise SystemExit(
+            f"{ROOT} has uncommitted changes; commit them, or pass --allow_dirty to record them:\n{status}"
+        )
+    return status
+
+
+def add_allow_dirty(parser) -> None:
+    parser.add_argument(
+        "--allow_dirty", action="store_true", help="start from a tree with uncommitted changes (recorded, not refused)"
+    )
+
+
+def provenance(runs_dir: str, allow_dirty: bool = False) -> dict:
+    """What made the runs: the copy's commit (clean: it is an archive), the status of the tree the driver runs from
+    (driver_status; a dirty tree stops here unless allow_dirty), this command, the machine."""
+    driver_status = check_tree(allow_dirty)
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from reproduce import machine  # noqa: PLC0415 (imports torch)
 
@@ -47,6 +71,7 @@ def provenance(runs_dir: str) -> dict:
     return {
         "commit": commit,
         "dirty": False,
+        "driver_status": driver_status,
         "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
         "machine": machine({"OMP_NUM_THREADS": "1"}),
     }
