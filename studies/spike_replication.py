@@ -157,6 +157,19 @@ def contrast_row(c: dict, holm_p: bool) -> str:
     )
 
 
+def what_equivalent_means(result: dict) -> list[str]:
+    """Why this margin cannot speak to the paper's claim: it is wider than OPD's own share of spike steps."""
+    opd, gndpo = result["modes"]["none"]["spike_share"], result["modes"]["global"]["spike_share"]
+    return [
+        f"What this reading can say: the margin (+-{MARGIN:g}) is wider than OPD's own mean share of spike steps "
+        f"({opd:.4f}). GNDPO's share cannot go below 0, so GNDPO - OPD cannot go much below -{opd:.4f} on average "
+        'and no difference in GNDPO\'s favour could read "differs": a GNDPO with no spikes at all would read '
+        '"equivalent" or "inconclusive". So "equivalent" here says that both modes spike rarely (OPD '
+        f"{opd:.4f}, GNDPO {gndpo:.4f} of their steps), not that GNDPO leaves OPD's spikes as they are: it carries "
+        "no information about the paper's claim that GNDPO removes them.",
+    ]
+
+
 def page(rec: dict) -> str:
     from fidelity_tables import machine_text  # noqa: PLC0415
 
@@ -194,6 +207,8 @@ def page(rec: dict) -> str:
         contrast_row(p, False),
         "",
         f"Verdict (primary): **{p['reading']}**.",
+        "",
+        *what_equivalent_means(result),
         "",
         "Secondary (Holm over the family of 3; no claim rests on them):",
         "",
