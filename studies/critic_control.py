@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import load_run, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, load_run, provenance, run, write  # noqa: E402
 
 NAME = "critic_control"
 ARMS = ["none", "global", "constant", "shuffle", "seqmean", "matched"]
@@ -301,9 +301,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", NAME))
     parser.add_argument("--no_run", action="store_true", help="only tabulate the runs already there")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if not args.no_run:
-        made_by = provenance(args.runs_dir)
+        made_by = provenance(args.runs_dir, args.allow_dirty)
         for seed in SEEDS:  # seed by seed: every arm of a seed before the next seed
             for arm in ARMS:
                 if not os.path.exists(os.path.join(args.runs_dir, f"{arm}_seed{seed}", "study.json")):

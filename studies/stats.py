@@ -131,9 +131,10 @@ def equivalence_p(values: Sequence[float], margin: float) -> float:
     v = [float(x) for x in values]
     if margin < 0 or not v:
         raise ValueError(f"equivalence_p needs values and margin >= 0, got {len(v)} value(s), margin={margin}")
-    if len(v) < 2 or float(np.std(v, ddof=1)) == 0.0:
+    mean = sum(v) / len(v)
+    if len(v) < 2 or float(np.std(v, ddof=1)) <= REL_TOL * max(abs(mean), 1.0):  # identical up to rounding
         return 1.0
-    mean, se = sum(v) / len(v), float(np.std(v, ddof=1)) / math.sqrt(len(v))
+    se = float(np.std(v, ddof=1)) / math.sqrt(len(v))
     below = float(scipy_stats.t.sf((mean + margin) / se, len(v) - 1))  # against mean <= -margin
     above = float(scipy_stats.t.cdf((mean - margin) / se, len(v) - 1))  # against mean >= +margin
     return max(below, above)

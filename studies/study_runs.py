@@ -37,18 +37,18 @@ def snapshot(runs_dir: str) -> str:
     return code
 
 
-def tree_status() -> str:
+def tree_status(root: str = ROOT) -> str:
     """`git status --porcelain` of the tree this driver runs from (ROOT): "" when clean. The runs go from an archive
     copy, clean by construction; the driver itself, and the analysis it writes, run from this tree."""
-    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True).stdout
 
 
-def check_tree(allow_dirty: bool) -> str:
-    """tree_status(); stops when it is not clean, unless allow_dirty (the driver's --allow_dirty)."""
-    status = tree_status()
+def check_tree(allow_dirty: bool, root: str = ROOT) -> str:
+    """tree_status(root); stops when it is not clean, unless allow_dirty (the driver's --allow_dirty)."""
+    status = tree_status(root)
     if status and not allow_dirty:
         raise SystemExit(
-            f"{ROOT} has uncommitted changes; commit them, or pass --allow_dirty to record them:\n{status}"
+            f"{root} has uncommitted changes; commit them, or pass --allow_dirty to record them:\n{status}"
         )
     return status
 
