@@ -177,6 +177,8 @@ GONE = [  # sentences that their records contradicted (issue 44), in any wording
     "per-token signal is what these runs learn from",
     "dominate the update",
     "No M30 - M0 accuracy difference excludes 0",
+    "predicts that scores shuffled over the batch",  # issue 52: the shuffled arm cannot test the per-token thesis
+    "stays in the same band",  # issue 52: tutorial 05's plot shows no such thing
 ]
 
 
