@@ -361,8 +361,9 @@ def page(rec: dict) -> str:
         f"{machine_text(rec['machine'])}, one run at a time. The tree the driver ran from: "
         f"{'; '.join(status_text(s) for s in statuses)}. The design, the endpoint, the margin, the rate rule and the "
         "seeds are fixed in studies/outlier_interaction.py's docstring and constants, committed before these runs "
-        "(the commit above contains them). This page and its record were computed at commit "
-        f"{rec['analysed']['commit'][:7]} from a tree that was {status_text(rec['analysed']['driver_status'])}.",
+        "(the commit above contains them). This page and its record were computed from the run folders at commit "
+        f"{rec['analysed']['commit'][:7]}, from a tree that was {status_text(rec['analysed']['driver_status'])}, by "
+        f"`{rec['analysed']['command']}`.",
         "",
         f"Setting: the default world, `{' '.join(BASE)}` (full fine-tuning, no clamp, no clip), seeds "
         f"{seeds[0]}-{seeds[-1]} ({len(seeds)}, fresh), paired; in steps {d['window'][0]}-{d['window'][1]} the "
@@ -453,7 +454,8 @@ def write(runs_dir: str, rows: dict, status: str) -> dict:
     result = analyse(rows)
     rec = record(NAME, runs_dir, {r["name"]: r for r in rows.values() if r["seed"] in result["seeds"]}, result)
     rec["design"] = design()
-    rec["analysed"] = {"commit": head(), "driver_status": status}
+    command = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]])
+    rec["analysed"] = {"commit": head(), "driver_status": status, "command": command}
     return publish(rec, page(rec))
 
 
