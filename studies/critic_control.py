@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import add_allow_dirty, load_run, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, load_run, p_floor, provenance, run, write  # noqa: E402
 
 NAME = "critic_control"
 ARMS = ["none", "global", "constant", "shuffle", "seqmean", "matched"]
@@ -260,6 +260,8 @@ def page(rec: dict) -> str:
         contrast_row(p, False),
         "",
         f"Verdict (primary): **{p['reading']}** (the thesis, as worded above, predicts equivalent).",
+        "",
+        p_floor(len(seeds), len(result["secondary"])),
         "",
         "Secondary (Holm over the family of 4; no claim rests on them):",
         "",

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import add_allow_dirty, load_run, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, load_run, p_floor, provenance, run, write  # noqa: E402
 
 NAME = "late_outliers"
 MODES = ["none", "global"]
@@ -209,6 +209,8 @@ def page(rec: dict) -> str:
         f"Verdict (primary): **{p['reading']}**. The interaction of M with the mode, (GNDPO M30 - M0) - (OPD M30 - "
         "M0), was not registered here; studies/outlier_interaction.py registers it and runs it on fresh seeds "
         "([outlier_interaction.md](outlier_interaction.md)).",
+        "",
+        p_floor(len(seeds), len(result["secondary"])),
         "",
         f"Secondary (Holm over the family of {len(result['secondary'])}; no claim rests on them):",
         "",

@@ -53,7 +53,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, os.path.join(ROOT, "bench")]
 from fidelity_tables import machine_text  # noqa: E402
 from stats import holm, reading, sign_flip_test, t_interval, verdict  # noqa: E402
-from study_runs import add_allow_dirty, load_run, provenance, publish, record, run  # noqa: E402
+from study_runs import add_allow_dirty, load_run, p_floor, provenance, publish, record, run  # noqa: E402
 
 NAME = "sgd_frontier"
 MODES = ["none", "center", "scale", "global"]
@@ -427,6 +427,8 @@ def page(rec: dict, sweep_rows: dict) -> str:
         f"Verdict (primary): **{p['reading']}**: OPD diverged in {diverged_runs(result, 'none')} "
         f"of {2 * len(result['seeds'])} confirmatory runs, GNDPO in "
         f"{diverged_runs(result, 'global')}; p = {p['p']:.4f}.",
+        "",
+        p_floor(len(result["seeds"]), len(result["secondary"])),
         "",
         "Secondary (Holm over the family of 8; no claim rests on them):",
         "",

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import add_allow_dirty, load_run, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, load_run, p_floor, provenance, run, write  # noqa: E402
 
 NAME = "spike_replication"
 MODES = ["none", "center", "scale", "global"]
@@ -207,6 +207,8 @@ def page(rec: dict) -> str:
         contrast_row(p, False),
         "",
         f"Verdict (primary): **{p['reading']}**.",
+        "",
+        p_floor(len(seeds), len(result["secondary"])),
         "",
         *what_equivalent_means(result),
         "",

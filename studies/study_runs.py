@@ -147,6 +147,18 @@ def publish(rec: dict, text: str) -> dict:
     return rec
 
 
+def p_floor(seeds: int, family: int) -> str:
+    """The sentence each pre-registered page gives: the smallest p its seeds allow, alone and after Holm over its
+    family of secondary rows (n seeds, none zero: 2 / 2^n)."""
+    from stats import smallest_p  # noqa: PLC0415
+
+    low = smallest_p(seeds)
+    return (
+        f"With {seeds} seeds the smallest p the sign-flip test can give is {low:.3g}; after Holm over the "
+        f"{family} secondary rows, the smallest a secondary row can reach is {min(1.0, family * low):.3g}."
+    )
+
+
 def write(name: str, runs_dir: str, rows: dict, analyse, page) -> dict:
     """analyse(rows)'s result, recorded with the runs of the seeds it used and published as page(record)."""
     result = analyse(rows)

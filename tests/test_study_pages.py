@@ -282,3 +282,13 @@ def test_every_page_writer_reads_with_stats_reading(path):
     page = read(path.removesuffix(".json") + ".md")
     for word in ("differs", "equivalent"):
         assert page.count(f"| {word} |") == sum(r["reading"] == word for r in found), word
+
+
+@pytest.mark.parametrize("name", ["sgd_frontier", "critic_control", "late_outliers", "spike_replication"])
+def test_each_registered_page_states_the_smallest_p_its_seeds_allow(name):
+    import study_runs
+
+    with open(os.path.join(STUDIES, f"{name}.json")) as f:
+        result = json.load(f)["result"]
+    floor = study_runs.p_floor(len(result["seeds"]), len(result["secondary"]))
+    assert floor in read(os.path.join(STUDIES, f"{name}.md"))
