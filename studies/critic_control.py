@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import load_run, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, load_run, p_floor, provenance, run, write  # noqa: E402
 
 NAME = "critic_control"
 ARMS = ["none", "global", "constant", "shuffle", "seqmean", "matched"]
@@ -198,6 +198,23 @@ def contrast_row(c: dict, holm_p: bool) -> str:
     )
 
 
+def what_the_arms_rule_out(result: dict) -> list[str]:
+    """What the primary's shuffled arm can rule out, and the per-response arm's reading, from the record."""
+    seq = next(c for c in result["secondary"] if c["a"] == "seqmean")
+    ci = seq["diff"]
+    return [
+        "What the arms can rule out: shuffling permutes the scores over the whole batch, so a token's score comes "
+        "from another response as well as from another position; it removes the scores' alignment with their "
+        "responses as well as with their tokens. Its reading rules out only that these runs learn as well with "
+        "no alignment at all between a score and what it scores; it cannot separate a per-token signal from a "
+        "per-response one. The arm that can is the per-response mean score (each response's own mean on every one "
+        f"of its tokens: the per-response signal kept, the per-token one removed): {LABELS['seqmean']} - OPD is "
+        f"{ci['mean']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}], Holm p = {seq['p_holm']:.3f}, "
+        f"**{seq['reading']}** against +-{MARGIN:g}. Whether the per-token signal adds to the per-response one "
+        "here is what this arm would say, and it says neither that it does nor that it does not.",
+    ]
+
+
 def page(rec: dict) -> str:
     from fidelity_tables import machine_text  # noqa: PLC0415
 
@@ -242,13 +259,17 @@ def page(rec: dict) -> str:
         "|---|---|---|---|---|---|",
         contrast_row(p, False),
         "",
-        f"Verdict (primary): **{p['reading']}** (the thesis predicts equivalent).",
+        f"Verdict (primary): **{p['reading']}** (the thesis, as worded above, predicts equivalent).",
+        "",
+        p_floor(len(seeds), len(result["secondary"])),
         "",
         "Secondary (Holm over the family of 4; no claim rests on them):",
         "",
         head + " p (Holm) | reading |",
         "|---|---|---|---|---|---|---|",
         *[contrast_row(c, True) for c in result["secondary"]],
+        "",
+        *what_the_arms_rule_out(result),
         "",
         "Every run:",
         "",
@@ -282,9 +303,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", NAME))
     parser.add_argument("--no_run", action="store_true", help="only tabulate the runs already there")
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if not args.no_run:
-        made_by = provenance(args.runs_dir)
+        made_by = provenance(args.runs_dir, args.allow_dirty)
         for seed in SEEDS:  # seed by seed: every arm of a seed before the next seed
             for arm in ARMS:
                 if not os.path.exists(os.path.join(args.runs_dir, f"{arm}_seed{seed}", "study.json")):

@@ -14,6 +14,7 @@ import os
 import statistics
 
 from fidelity_tables import (
+    ALPHA,
     BENCH_RESULTS,
     MARGINS,
     MEASURES,
@@ -51,10 +52,12 @@ READING = (
     "One primary endpoint is tested alone; the other rows are secondary, their p Holm-adjusted over the page's "
     "secondary rows. The margins were fixed before the runs: "
     + ", ".join(f"{k} +-{v:.3g}" for k, v in MARGINS.items())
-    + '. A reading is "differs" only when the whole interval lies outside the margin, "equivalent" only when it '
-    'lies inside, "inconclusive" otherwise, and whenever the interval has zero width (identical differences in '
-    "every seed: the t interval then says nothing). The t interval rests on the seeds' differences being normal; "
-    "with 3 seeds it has 2 degrees of freedom."
+    + f'. A reading (stats.reading, the rule of every study page) is "differs" only when the whole interval lies '
+    f"outside the margin and the row's p (Holm-adjusted for a secondary row) is at most {ALPHA:g}, "
+    '"equivalent" only when the interval lies inside the margin (no multiplicity adjustment for equivalence), '
+    '"inconclusive" otherwise, and whenever the interval has zero width (identical differences in every seed: the '
+    "t interval then says nothing). The t interval rests on the seeds' differences being normal; with 3 seeds it "
+    "has 2 degrees of freedom."
 )
 
 # each study's one primary endpoint, named after its runs (see the module's docstring): b - a of `key` over the
@@ -113,8 +116,8 @@ def primary_lines(p: dict, tables: dict) -> list[str]:
         *PAIRED_HEAD,
         paired_line(p["label"], p["key"], p),
         "",
-        f"Reading: {p['label']}, {MEASURES[p['key']]}: {p['verdict']} (95% t interval over seeds against the "
-        f"margin +-{p['margin']:.3g}; sign-flip p = {p['p_sign_flip']:.3f}).",
+        f"Reading: {p['label']}, {MEASURES[p['key']]}: {p['reading']} (95% t interval over seeds against the "
+        f"margin +-{p['margin']:.3g}, and sign-flip p = {p['p_sign_flip']:.3f} against {ALPHA:g}).",
         "",
     ]
 
@@ -186,11 +189,15 @@ def largest_update_lines(runs: dict) -> list[str]:
 
 def secondary_section(blocks: list[tuple], p: dict) -> tuple[list[str], dict]:
     table, paired = paired_table(blocks, skip=(p["label"], p["key"]))
+    n = max(row["n"] for row in paired.values())
+    floor = min(1.0, len(paired) * 2 / 2**n)
     return [
         "## Secondary comparisons",
         "",
         f"Every other paired comparison: {len(paired)} rows, their sign-flip p Holm-adjusted together. None was "
-        "fixed before the runs; a row is read as its verdict word says and no further.",
+        "fixed before the runs; a row is read as its reading says and no further. With at most "
+        f"{n} seeds a row's p cannot go below {2 / 2**n:.3g}, so its Holm p cannot go below {floor:.3g}"
+        + (': no secondary row on this page can read "differs".' if floor > ALPHA else "."),
         "",
         *table,
         "",

@@ -10,8 +10,10 @@ over seeds (n - 1 degrees of freedom) and the exact two-sided sign-flip permutat
 and its p-value is Holm-adjusted over the study's secondary rows. There is no interval over (seed, row) pairs: the
 rows of one seed share its trained weights, and clustered by seed (every seed is scored on the same rows) such an
 interval is the by-seed accuracy interval (stats.cluster_interval). A difference is read against a margin stated
-before the numbers (MARGINS) with stats.verdict: "differs" only when the whole interval lies outside +-margin,
-"equivalent" only when it lies inside, "inconclusive" otherwise and whenever the interval has zero width.
+before the numbers (MARGINS) with stats.verdict, and each row's reading is stats.reading, the rule every study page
+follows: "differs" only when the whole interval lies outside +-margin and the row's p (Holm-adjusted for a secondary
+row) is at most ALPHA, "equivalent" only when the interval lies inside, "inconclusive" otherwise and whenever the
+interval has zero width.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import re
 import statistics
 import subprocess
 
-from stats import holm, sign_flip_test, t_interval
+from stats import holm, reading, sign_flip_test, t_interval
 from stats import verdict as margin_verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +43,7 @@ MARGINS = {
     "spikes": 1.0,
 }
 SPIKE = 5.0  # a step whose norm is above SPIKE x the run's median is a spike
+ALPHA = 0.05
 NAMES = {"none": "OPD (none)", "global": "GNDPO (global)", "constant": "constant (-1)"}
 
 
@@ -158,17 +161,20 @@ def paired(a: dict, b: dict, key: str) -> dict:
 
 
 def paired_over(pairs: list[tuple[dict, dict]], key: str) -> dict:
-    """paired() over the seeds of several (a, b) cells pooled (a primary endpoint over two worlds)."""
+    """paired() over the seeds of several (a, b) cells pooled (a primary endpoint over two worlds); its reading is
+    stats.reading of the margin verdict and the raw p (a secondary row's is read again with its Holm p)."""
     diffs, lower = differences(pairs, key)
     ci = ci95(diffs)
     margin = MARGINS.get(key, 0.0)
+    p = sign_flip_test(diffs)
     return {
         **ci,
         "diffs": diffs,
         "b_lower": lower,
-        "p_sign_flip": sign_flip_test(diffs),
+        "p_sign_flip": p,
         "margin": margin,
         "verdict": verdict(ci, margin),
+        "reading": reading(verdict(ci, margin), p, ALPHA),
     }
 
 
@@ -294,10 +300,10 @@ def p_text(p: float | None) -> str:
 
 def paired_line(label: str, key: str, p: dict) -> str:
     """One row of a paired table: a's and b's means over the seeds, b - a with its interval, the seeds where b is
-    lower, the raw and Holm-adjusted sign-flip p (Holm's "-" for the primary endpoint), the margin and the verdict."""
+    lower, the raw and Holm-adjusted sign-flip p (Holm's "-" for the primary endpoint), the margin and the reading."""
     return (
         f"| {label} | {MEASURES[key]} | {p['a_mean']:.3f} | {p['b_mean']:.3f} | {interval(p)} | {p['b_lower']} of "
-        f"{p['n']} | {p_text(p['p_sign_flip'])} | {p_text(p.get('p_holm'))} | +-{p['margin']:.3g} | {p['verdict']} |"
+        f"{p['n']} | {p_text(p['p_sign_flip'])} | {p_text(p.get('p_holm'))} | +-{p['margin']:.3g} | {p['reading']} |"
     )
 
 
@@ -324,6 +330,7 @@ def paired_table(blocks: list[tuple], skip: tuple | None = None) -> tuple[list[s
                 out[f"{label}: {key}"] = with_means(paired(a, b, key), [(a, b)], key)
     for p, adjusted in zip(out.values(), holm([p["p_sign_flip"] for p in out.values()])):
         p["p_holm"] = adjusted
+        p["reading"] = reading(p["verdict"], adjusted, ALPHA)
     lines = list(PAIRED_HEAD)
     for label, _, _ in blocks:
         lines += [paired_line(label, key, out[f"{label}: {key}"]) for _, key in PAIRED_KEYS if (label, key) != skip]

@@ -4,7 +4,7 @@ Holm's step-down correction, an interval clustered by seed, and verdict words th
 Every paired comparison in a study is over seeds: seed s of arm a and seed s of arm b share their initial weights,
 their prompts and their evaluation rows, so the unit of replication is the seed, not the (seed, row) pair.
 
-    from stats import sign_flip_test, holm, cluster_interval, verdict    # with studies/ on sys.path
+    from stats import sign_flip_test, holm, cluster_interval, verdict, reading    # with studies/ on sys.path
 """
 
 from __future__ import annotations
@@ -123,6 +123,23 @@ def cluster_interval(values: Sequence[float], clusters: Sequence[Hashable], leve
     return out
 
 
+def equivalence_p(values: Sequence[float], margin: float) -> float:
+    """The p of two one-sided t tests (TOST) that the mean of `values` lies inside (-margin, +margin): the larger of
+    the p against mean <= -margin and the p against mean >= +margin, n - 1 degrees of freedom. It is at most alpha
+    exactly when the (1 - 2 alpha) t interval lies inside the margin, so a Holm adjustment can take an equivalence
+    row into a family beside the sign-flip rows. 1.0 for one value or identical values (no evidence)."""
+    v = [float(x) for x in values]
+    if margin < 0 or not v:
+        raise ValueError(f"equivalence_p needs values and margin >= 0, got {len(v)} value(s), margin={margin}")
+    mean = sum(v) / len(v)
+    if len(v) < 2 or float(np.std(v, ddof=1)) <= REL_TOL * max(abs(mean), 1.0):  # identical up to rounding
+        return 1.0
+    se = float(np.std(v, ddof=1)) / math.sqrt(len(v))
+    below = float(scipy_stats.t.sf((mean + margin) / se, len(v) - 1))  # against mean <= -margin
+    above = float(scipy_stats.t.cdf((mean - margin) / se, len(v) - 1))  # against mean >= +margin
+    return max(below, above)
+
+
 def verdict(low: float, high: float, margin: float) -> str:
     """Verdict words that keep the margin (a difference smaller than the margin does not matter; it was stated
     before the numbers): "differs" only when the whole interval lies outside [-margin, +margin], "equivalent" only
@@ -139,8 +156,17 @@ def verdict(low: float, high: float, margin: float) -> str:
     return "inconclusive"
 
 
-def reading(margin_verdict: str, p: float, alpha: float = 0.05) -> str:
-    """A study's reading of a contrast: verdict()'s words, "differs" only when the sign-flip p is at most alpha too."""
+def reading(margin_verdict: str, p: float, alpha: float = 0.05, p_equivalence: float | None = None) -> str:
+    """A study's reading of a contrast: verdict()'s words, "differs" only when the sign-flip p is at most alpha too;
+    with p_equivalence (equivalence_p, Holm-adjusted where the row is one of a family), "equivalent" only when it is
+    at most alpha too. The one rule every page's "differs" and "equivalent" follow."""
     if margin_verdict == "differs" and p <= alpha:
         return "differs"
-    return "equivalent" if margin_verdict == "equivalent" else "inconclusive"
+    if margin_verdict == "equivalent" and (p_equivalence is None or p_equivalence <= alpha):
+        return "equivalent"
+    return "inconclusive"
+
+
+def smallest_p(n: int) -> float:
+    """The smallest two-sided p the exact sign-flip test can give with n paired differences, none zero: 2 / 2^n."""
+    return 2.0 / 2**n

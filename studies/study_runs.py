@@ -37,8 +37,32 @@ def snapshot(runs_dir: str) -> str:
     return code
 
 
-def provenance(runs_dir: str) -> dict:
-    """What made the runs: the copy's commit (clean: it is an archive), this command, the machine."""
+def tree_status(root: str = ROOT) -> str:
+    """`git status --porcelain` of the tree this driver runs from (ROOT): "" when clean. The runs go from an archive
+    copy, clean by construction; the driver itself, and the analysis it writes, run from this tree."""
+    return subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, check=True).stdout
+
+
+def check_tree(allow_dirty: bool, root: str = ROOT) -> str:
+    """tree_status(root); stops when it is not clean, unless allow_dirty (the driver's --allow_dirty)."""
+    status = tree_status(root)
+    if status and not allow_dirty:
+        raise SystemExit(
+            f"{root} has uncommitted changes; commit them, or pass --allow_dirty to record them:\n{status}"
+        )
+    return status
+
+
+def add_allow_dirty(parser) -> None:
+    parser.add_argument(
+        "--allow_dirty", action="store_true", help="start from a tree with uncommitted changes (recorded, not refused)"
+    )
+
+
+def provenance(runs_dir: str, allow_dirty: bool = False) -> dict:
+    """What made the runs: the copy's commit (clean: it is an archive), the status of the tree the driver runs from
+    (driver_status; a dirty tree stops here unless allow_dirty), this command, the machine."""
+    driver_status = check_tree(allow_dirty)
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from reproduce import machine  # noqa: PLC0415 (imports torch)
 
@@ -47,6 +71,7 @@ def provenance(runs_dir: str) -> dict:
     return {
         "commit": commit,
         "dirty": False,
+        "driver_status": driver_status,
         "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]]),
         "machine": machine({"OMP_NUM_THREADS": "1"}),
     }
@@ -120,6 +145,18 @@ def publish(rec: dict, text: str) -> dict:
         json.dump(rec, f, indent=1)
     print(text)
     return rec
+
+
+def p_floor(seeds: int, family: int) -> str:
+    """The sentence each pre-registered page gives: the smallest p its seeds allow, alone and after Holm over its
+    family of secondary rows (n seeds, none zero: 2 / 2^n)."""
+    from stats import smallest_p  # noqa: PLC0415
+
+    low = smallest_p(seeds)
+    return (
+        f"With {seeds} seeds the smallest p the sign-flip test can give is {low:.3g}; after Holm over the "
+        f"{family} secondary rows, the smallest a secondary row can reach is {min(1.0, family * low):.3g}."
+    )
 
 
 def write(name: str, runs_dir: str, rows: dict, analyse, page) -> dict:

@@ -159,3 +159,51 @@ def test_a_run_folder_written_by_two_processes_is_refused(tmp_path):
     (tmp_path / "probes.json").write_text('{"1": {}}')
     files = study_runs.load_run(str(tmp_path), "probes.json")
     assert [s["step"] for s in files["steps"]] == [1, 2] and files["probes"] == {"1": {}} and files["summary"] == {}
+
+
+def test_reading_says_equivalent_only_with_the_equivalence_test_where_it_has_one():
+    assert stats.reading("equivalent", 0.9, 0.05, p_equivalence=0.01) == "equivalent"
+    assert stats.reading("equivalent", 0.9, 0.05, p_equivalence=0.2) == "inconclusive"  # inside, not shown after Holm
+    assert stats.reading("differs", 0.01, 0.05, p_equivalence=0.01) == "differs"
+
+
+def test_equivalence_p_is_the_larger_one_sided_t_p_against_each_edge():
+    """Hand-computed TOST: values with mean 0.1 and sd 0.1 over 4, margin 0.3; and its tie to the interval: at most
+    alpha exactly when the (1 - 2 alpha) t interval lies inside the margin."""
+    from scipy import stats as scipy_stats
+
+    values = [0.0, 0.1, 0.1, 0.2]
+    sd = scipy_stats.tstd(values)
+    se = sd / 2
+    expected = max(scipy_stats.t.sf((0.1 + 0.3) / se, 3), scipy_stats.t.cdf((0.1 - 0.3) / se, 3))
+    assert stats.equivalence_p(values, 0.3) == pytest.approx(expected)
+    for margin in (0.15, 0.2, 0.25, 0.35):
+        ci = stats.t_interval(values, level=0.90)
+        inside = -margin < ci["low"] and ci["high"] < margin
+        assert (stats.equivalence_p(values, margin) <= 0.05) == inside, margin
+    assert stats.equivalence_p([0.1, 0.1, 0.1], 1.0) == 1.0  # no spread: no evidence
+    assert stats.equivalence_p([0.1], 1.0) == 1.0
+
+
+def test_smallest_p_is_the_all_same_sign_pattern():
+    for n in (3, 6, 13):
+        assert stats.smallest_p(n) == pytest.approx(stats.sign_flip_test([1.0] * n))
+
+
+def test_a_driver_refuses_a_dirty_tree_unless_asked(tmp_path):
+    """study_runs.check_tree: "" for a clean tree; a tree with a change stops the driver, or, asked, is returned
+    to be recorded as the runs' driver_status."""
+    import subprocess
+
+    import study_runs
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    assert study_runs.check_tree(False, str(tmp_path)) == ""
+    (tmp_path / "a.py").write_text("x = 2\n")
+    with pytest.raises(SystemExit, match="--allow_dirty"):
+        study_runs.check_tree(False, str(tmp_path))
+    assert study_runs.check_tree(True, str(tmp_path)) == " M a.py\n"

@@ -110,17 +110,20 @@ def test_the_primary_endpoint_is_its_seeds_arithmetic(study):
     assert p["p_sign_flip"] == pytest.approx(stats.sign_flip_test(diffs))
     assert p["margin"] == fidelity_tables.MARGINS[spec["key"]]
     assert p["verdict"] == stats.verdict(ci["low"], ci["high"], p["margin"])
+    assert p["reading"] == stats.reading(p["verdict"], p["p_sign_flip"])
     page = read(os.path.join(STUDIES, f"{FIDELITY[study]}.md"))
     assert "## The primary endpoint (named after the runs)" in page
     assert "These runs were made before any endpoint was fixed." in page
-    assert f"Reading: {p['label']}, {fidelity_tables.MEASURES[p['key']]}: {p['verdict']} " in page
+    assert f"Reading: {p['label']}, {fidelity_tables.MEASURES[p['key']]}: {p['reading']} " in page
+    assert f"its p cannot go below {stats.smallest_p(p['n']):.3g}" in page
 
 
 @pytest.mark.parametrize("study", sorted(FIDELITY))
 def test_every_secondary_row_keeps_its_margin_and_is_holm_adjusted(study):
     """Each secondary row: mean and t interval of its own per-seed differences, the exact sign-flip p of those,
-    the verdict that stats.verdict gives its interval and margin, and Holm's adjustment over all of them; the page
-    prints each row as the record holds it."""
+    the verdict that stats.verdict gives its interval and margin, Holm's adjustment over all of them, and the
+    reading stats.reading gives the verdict and the Holm p; the page prints each row as the record holds it, and
+    the smallest Holm p its seeds allow."""
     rec = record_of(study)
     paired = rec["result"]["paired"]
     page = read(os.path.join(STUDIES, f"{FIDELITY[study]}.md")).splitlines()
@@ -132,9 +135,13 @@ def test_every_secondary_row_keeps_its_margin_and_is_holm_adjusted(study):
         assert p["verdict"] == stats.verdict(p["low"], p["high"], fidelity_tables.MARGINS[key])
         if p["verdict"] == "differs":
             assert p["low"] > p["margin"] or p["high"] < -p["margin"]
+        assert p["reading"] == stats.reading(p["verdict"], p["p_holm"])
         assert fidelity_tables.paired_line(label, key, p) in page
     holm = stats.holm([p["p_sign_flip"] for p in paired.values()])
     assert [p["p_holm"] for p in paired.values()] == pytest.approx(holm)
+    n = max(p["n"] for p in paired.values())
+    floor = min(1.0, len(paired) * stats.smallest_p(n))
+    assert f"so its Holm p cannot go below {floor:.3g}" in " ".join(page)
     assert not any("correct, by (seed, row)" in line for line in page), "a by-row interval is back"
 
 
@@ -150,7 +157,7 @@ def test_the_prose_gives_each_primary_endpoint_as_its_record_does(study):
     """README's OPD vs GNDPO section and docs/studies/README.md each give the study's primary endpoint in one list
     item: its interval, its sign-flip p and its verdict word, as the record has them."""
     p = record_of(study)["result"]["primary"]
-    said = [fidelity_tables.interval(p), f"p = {p['p_sign_flip']:.3f}", f"**{p['verdict']}**"]
+    said = [fidelity_tables.interval(p), f"p = {p['p_sign_flip']:.3f}", f"**{p['reading']}**"]
     link = f"{FIDELITY[study]}.md"
     readme = bullets(os.path.join(ROOT, "README.md"), "## OPD vs GNDPO", "\n## ")
     assert any(link in b and all(x in b for x in said) for b in readme), f"README.md: {said}"
@@ -170,6 +177,8 @@ GONE = [  # sentences that their records contradicted (issue 44), in any wording
     "per-token signal is what these runs learn from",
     "dominate the update",
     "No M30 - M0 accuracy difference excludes 0",
+    "predicts that scores shuffled over the batch",  # issue 52: the shuffled arm cannot test the per-token thesis
+    "stays in the same band",  # issue 52: tutorial 05's plot shows no such thing
 ]
 
 
@@ -238,3 +247,48 @@ def test_the_self_teacher_page_holds_its_record():
     assert self_teacher.contrast_line("**primary**", primary) in read(os.path.join(STUDIES, "self_teacher.md"))
     opsd = [record["runs"][f"OPSD_global_{s}"] for s in range(6)]
     assert all(r["teacher"] > r["before"] for r in opsd)
+
+
+RECORDS = sorted(glob.glob(os.path.join(STUDIES, "*.json")))
+
+
+def readings(node):
+    """Every dict in a record's result that carries a reading, at any depth."""
+    if isinstance(node, dict):
+        if "reading" in node:
+            yield node
+        for value in node.values():
+            yield from readings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from readings(value)
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=[os.path.basename(p) for p in RECORDS])
+def test_every_page_writer_reads_with_stats_reading(path):
+    """One rule for "differs" and "equivalent" on every page (issue 52): each reading in a record is what
+    stats.reading gives its margin verdict and its p (the Holm p for a row of a family, and the Holm equivalence p
+    where the row has one), each margin verdict is stats.verdict of its interval, and the page prints as many
+    "differs" and "equivalent" cells as the record holds readings."""
+    with open(path) as f:
+        found = list(readings(json.load(f).get("result", {})))
+    for r in found:
+        margin_verdict = r.get("margin_verdict", r.get("verdict"))
+        p = r["p_holm"] if r.get("p_holm") is not None else r.get("p", r.get("p_sign_flip"))
+        assert r["reading"] == stats.reading(margin_verdict, p, 0.05, r.get("p_equivalence_holm")), r
+        ci = r.get("diff") or r.get("share_diff") or r
+        if "margin" in r:
+            assert margin_verdict == stats.verdict(ci["low"], ci["high"], r["margin"]), r
+    page = read(path.removesuffix(".json") + ".md")
+    for word in ("differs", "equivalent"):
+        assert page.count(f"| {word} |") == sum(r["reading"] == word for r in found), word
+
+
+@pytest.mark.parametrize("name", ["sgd_frontier", "critic_control", "late_outliers", "spike_replication"])
+def test_each_registered_page_states_the_smallest_p_its_seeds_allow(name):
+    import study_runs
+
+    with open(os.path.join(STUDIES, f"{name}.json")) as f:
+        result = json.load(f)["result"]
+    floor = study_runs.p_floor(len(result["seeds"]), len(result["secondary"]))
+    assert floor in read(os.path.join(STUDIES, f"{name}.md"))

@@ -182,12 +182,16 @@ pd.DataFrame(
 # On this task the two modes behave alike. Responses are 6 tokens and the clamp at +-5 bounds every score, so the raw
 # scores already have a standard deviation of about 1 to 1.5 (`score_std` above) and whitening changes their scale by
 # less than 2x; the grad norms differ in level (GNDPO's advantages have unit variance in every batch), and neither
-# run needed clipping here. GNDPO's point is that the size of an update no longer follows the raw scores: when a
-# batch holds many clamped outlier tokens, OPD's gradient grows with them and `max_grad_norm` has to cut it back,
-# while GNDPO's stays in the same band. [The OPD vs GNDPO study](../docs/studies/README.md) measures that with a
-# student that is confidently wrong (over three seeds, OPD's median grad norm is about twice GNDPO's and its largest
-# one 1.6-2.2 against GNDPO's 0.9-1.3: `docs/studies/opd_vs_gndpo_confident.md`), and compares the two modes over
-# three seeds with the default settings (`python studies/compare_opd_gndpo.py` reruns it).
+# run needed clipping here. GNDPO's point is that the size of an update should not follow the raw scores: OPD's
+# advantages are the scores themselves, so a batch with many outlier tokens makes its gradient larger, while
+# whitening divides every batch's scores by their own standard deviation. These two runs hold no such batch: in the
+# plot the two grad norms rise and fall together, step for step, GNDPO's mostly the lower and both below the clip,
+# so they cannot show GNDPO holding where OPD grows. [The OPD vs GNDPO study](../docs/studies/README.md) compares
+# the two with a student that is confidently wrong (over three seeds, OPD's median grad norm is about twice GNDPO's
+# and its largest one 1.6-2.2 against GNDPO's 0.9-1.3: `docs/studies/opd_vs_gndpo_confident.md`) and over three
+# seeds with the default settings (`python studies/compare_opd_gndpo.py` reruns it);
+# `docs/studies/outlier_interaction.md` tests, registered before its runs, whether outliers enlarge OPD's update
+# more than GNDPO's.
 #
 # From here: `python gndpo_minimal.py --help` lists every setting; `--steps_per_generation` and `--num_iterations`
 # make several updates per rollout batch, where the ratio moves away from 1 and `clip_frac` shows the clip acting;
