@@ -1161,7 +1161,7 @@ def prepare_output_dir(args: Args, is_main: bool, log=print) -> str | None:
     if resume and found:
         return found[-1][1]
     if resume:  # with metrics.jsonl: a run that crashed before its first save, whose metrics would repeat steps
-        why = "its metrics.jsonl is from a run that saved none; starting over" if holds_run else "starting from"
+        why = "its metrics.jsonl is from a run that saved none; starting over at" if holds_run else "starting at"
         log(f"no checkpoint in {args.output_dir} yet: {why} step 0")
     elif holds_run and not args.overwrite_output_dir:
         raise UsageError(

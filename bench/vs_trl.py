@@ -106,7 +106,7 @@ def gndpo_args(cfg: dict):
 
     import gndpo_minimal as g
 
-    fields = {f.name for f in dataclasses.fields(g.Args)}
+    fields = {f.name for f in dataclasses.fields(getattr(g, "RunArgs", g.Args))}  # RunArgs: Args and the modules' flags
     if cfg.get("min_new_tokens") and "min_new_tokens" not in fields:
         raise ValueError(
             f"min_new_tokens {cfg['min_new_tokens']}: {g.__file__} has no --min_new_tokens, so its "

@@ -202,7 +202,8 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
         train_ds, keep, _, _ = g.load_data(args, processor, True, log=QUIET)
         models = g.make_models(args, accelerator, processor, student, teachers, log=QUIET)
         prompts = g.step_prompts(train_ds, keep, args, step=0)
-        assert len(set(prompts.teachers)) == 2
+        names = [row[args.teacher_column] for row in prompts.rows]  # (n,) each row's teacher
+        assert len(set(names)) == 2
         rollouts = g.sample_rollouts(models, prompts, args)
         mixed = [r for r in rollouts if len(set(r.extra["teachers"])) == 2]
         assert mixed
@@ -220,7 +221,7 @@ def test_a_mixed_micro_batch_gets_each_teachers_log_probs(two_teacher_args, two_
                     torch.testing.assert_close(got[rows][valid], want[rows][valid], rtol=1e-4, atol=1e-4)
         batch = g.score_rollouts(models, rollouts, torch.tensor(prompts.group_ids), args)
         assert batch.extra["teacher_names"] == ["a", "b"]
-        assert batch.extra["teacher_ids"].tolist() == [["a", "b"].index(t) for t in prompts.teachers]
+        assert batch.extra["teacher_ids"].tolist() == [["a", "b"].index(t) for t in names]
 
 
 # ---------------------------------------------------------------------------------------------
