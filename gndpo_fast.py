@@ -437,12 +437,16 @@ def head_path(model) -> str:
 
 
 @contextlib.contextmanager
-def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float, drop_last: bool):
+def chunked_head(
+    model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float, drop_last: bool, start: int = 0
+):
     """Within it the LM head's forward returns head_logps of `token_ids` (n, T) instead of (n, keep, V) logits, so
     model(...).logits is (n, T) float32 log-probs; yields whether it did (head_path). The head's own forward is
     replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
     precision (head_logps then computes in that dtype, as the sampler's nn.Linear does), and under FSDP2 inside
-    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient."""
+    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient. A head the
+    dense term taps (gndpo_extras) also reports the response positions start .. start + T - 1 to it (tap_report): a
+    student's then returns dense_head's (n, T, 2), so that the divergence is the head's output too."""
     from torch.distributed.fsdp import FSDPModule
 
     head = _unwrap(model).get_output_embeddings()
@@ -452,10 +456,13 @@ def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None
     # a model FSDP2 shards: our kernel, as TRL's on a gathered weight is not checked under FSDP2 yet
     fsdp = any(isinstance(m, FSDPModule) for m in _unwrap(model).modules())
     fn = chunked_head_logps if fsdp else head_logps
+    tap = dense_tap(model)
 
     def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
         hidden = hidden[:, :-1] if drop_last else hidden
-        return fn(hidden, head.weight, token_ids, ignore_ids, temperature, dtype=autocast_dtype(hidden.device.type))
+        dtype = autocast_dtype(hidden.device.type)
+        logps = functools.partial(fn, hidden, head.weight, token_ids, ignore_ids, temperature, dtype=dtype)
+        return logps() if tap is None else tap_report(tap, start, hidden, head, token_ids, ignore_ids, dtype, logps)
 
     head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
     try:
@@ -473,28 +480,36 @@ def logps_from(
     keep: int,
     drop_last: bool,
     lean: bool = True,
+    start: int = 0,
 ) -> torch.Tensor:
     """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
     log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where chunked_head allows, else
-    through the logits and token_logps; not lean: one log_softmax over the logits."""
+    through the logits and token_logps; not lean: one log_softmax over the logits. A head the dense term taps gets
+    the positions start .. start + T - 1 of the response reported (tap_report)."""
+    tap = dense_tap(model)
     with (
-        chunked_head(model, token_ids, ignore_ids, temperature, drop_last)
+        chunked_head(model, token_ids, ignore_ids, temperature, drop_last, start)
         if lean
         else contextlib.nullcontext(False) as chunked
     ):
         out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
     if chunked:
-        return out
+        return out[..., 0] if tap is not None and tap.teacher is not None else out
     out = out[:, :-1] if drop_last else out
+    if tap is not None:  # through the logits: the (n, T, V) path
+        logps = functools.partial(token_logps if lean else _gather_logps, out, token_ids, ignore_ids, temperature)
+        logps = tap_report(tap, start, out, None, token_ids, ignore_ids, None, logps)
+        return logps[..., 0] if tap.teacher is not None else logps
     if not lean:
         return _gather_logps(out, token_ids, ignore_ids, temperature)
     return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
 
 
-def lean_forward(inputs_of: Callable) -> Callable:
+def lean_forward(inputs_of: Callable, lean: bool = True) -> Callable:
     """The script's plain response forward, (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32
-    log-probs of the response tokens, through logps_from: the same values, with no (n, R, V) float32 logits.
-    inputs_of(rollout) gives the forward's inputs, prompt + response (the script's sequence_inputs)."""
+    log-probs of the response tokens, through logps_from: the same values, with no (n, R, V) float32 logits (lean;
+    not lean: through them, as the script's, for the dense term's taps). inputs_of(rollout) gives the forward's
+    inputs, prompt + response (the script's sequence_inputs)."""
 
     def lean_response_logps(model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
         R = rollout.response_ids.shape[1]
@@ -506,9 +521,216 @@ def lean_forward(inputs_of: Callable) -> Callable:
             temperature,
             R + 1,
             True,
+            lean,
         )
 
     return lean_response_logps
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 1 for the dense term (gndpo_extras' --dense_weight): its divergence over the whole vocabulary or the
+# teacher's top k, from the student's hidden states and LM head chunk by chunk, with a backward of its own, beside
+# the sampled tokens' log-probs in the same pass; the teacher's side read once at scoring (its top k, or its hidden
+# states and head). Replaces gndpo_extras' plain path over (n, R, V) log-probs; checked against its reference,
+# dense_divergence, in value and gradient (tests/test_dense.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def dense_tap(model):
+    """The DenseTap gndpo_extras set on the model's LM head while the dense term reads it, or None."""
+    return getattr(_unwrap(model).get_output_embeddings(), "dense_tap", None)
+
+
+@contextlib.contextmanager
+def _untapped(model):
+    """Within it the model's LM head holds no dense tap (a check's forwards are not the step's)."""
+    head = _unwrap(model).get_output_embeddings()
+    tap = head.__dict__.pop("dense_tap", None)
+    try:
+        yield
+    finally:
+        if tap is not None:
+            head.dense_tap = tap
+
+
+def tap_report(
+    tap, start: int, x, head, token_ids, ignore_ids, dtype, teacher_logps: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """The response positions start .. start + T - 1 reported to a dense tap: x (n, T, H) hidden states with the
+    head (an nn.Linear) or (n, T, V) logits with head None. A teacher's tap takes x and the head, and the caller's own
+    log-probs come back (teacher_logps()); a student's takes dense_head's (n, T, 2) output, which comes back:
+    [..., 0] the sampled tokens' log-probs, [..., 1] the divergence, both with the gradient."""
+    if tap.teacher is None:
+        tap.report(start, x, head)
+        return teacher_logps()
+    weight = None if head is None else head.weight
+    teacher = tap.teacher.positions(start, x.shape[1])
+    out, overlap = dense_head(x, weight, token_ids, teacher, tap.spec, ignore_ids, dtype)
+    tap.report(start, out, overlap)
+    return out
+
+
+def _plogr(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """p (a - b) where p > 0, else 0 (a point without mass adds nothing, whatever a - b is there)."""
+    return torch.where(p > 0, p * (a - b), torch.zeros_like(p))
+
+
+def _jsd_and_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generalized JSD of two (c, P) log-prob tensors (TRL's convention: beta 0 KL(T || S), 1 KL(S || T)) and its
+    gradient with respect to s taken as P free values: ((c,), (c, P))."""
+    ps, pt = s.exp(), t.exp()
+    if beta == 0:
+        return _plogr(pt, t, s).sum(-1), -pt
+    if beta == 1:
+        terms = _plogr(ps, s, t)
+        return terms.sum(-1), terms + ps
+    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+    student = _plogr(ps, s, m)
+    return beta * _plogr(pt, t, m).sum(-1) + (1 - beta) * student.sum(-1), (1 - beta) * student
+
+
+def _dense_segments(teacher, n: int, T: int, device) -> list[tuple]:
+    """Which flat positions (n * T) read which teacher: [(positions (L,), teacher x (L, D) or None, head or None)];
+    one segment for the top k (the teacher's side is in its topk tensors), one per teacher for the whole vocabulary."""
+    if not teacher.groups:
+        return [(torch.arange(n * T, device=device), None, None)]
+    out = []
+    for rows, x, head in teacher.groups:
+        rows = torch.arange(n, device=device) if rows is None else rows.to(device)
+        positions = (rows[:, None] * T + torch.arange(T, device=device)).reshape(-1)
+        out.append((positions, x.reshape(len(positions), -1), head))
+    return out
+
+
+class _DenseHead(torch.autograd.Function):
+    """dense_head under autograd: per chunk of positions the student's logits are made from its hidden states (or
+    taken as given), their log-softmax read for the sampled token and for the divergence against the teacher's
+    (its logits made from its hidden states and head, or its top k with the tail), then dropped; backward makes
+    them again and returns d = g_logp (onehot(y) - p) + g_div dD/dz, over tau, to the hidden states (d @ W) and to
+    a trainable head (d^T @ hidden). dD/dz: dD/ds for the divergence's points taken as free log-probs (_jsd_and_grad)
+    chained through the log-softmax, and for the top k through the tail bucket's own softmax."""
+
+    @staticmethod
+    def forward(ctx, x, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk):
+        n, T = x.shape[:2]
+        flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)
+        out = torch.zeros(n, T, 2, dtype=acc, device=x.device)  # written through a flat view: no view itself
+        overlap = torch.zeros(n, T, dtype=torch.float32, device=x.device)
+        flat_out, ids = out.view(n * T, 2), None if token_ids is None else token_ids.reshape(-1)
+        theirs_all = teacher.topk_ids.reshape(n * T, -1)
+        segments = _dense_segments(teacher, n, T, x.device)
+        for chunk in _dense_chunks(flat, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk, segments):
+            positions, z, lse, divergence, s, _ = chunk
+            if ids is not None:
+                flat_out[positions, 0] = (z.gather(1, ids[positions, None])[:, 0] - lse).to(acc)
+            flat_out[positions, 1] = divergence.to(acc)
+            mine, theirs = s.topk(spec.metric_k, -1).indices, theirs_all[positions]  # (c, k) each
+            overlap.view(-1)[positions] = (mine[:, :, None] == theirs[:, None, :]).any(-1).sum(-1).float()
+        ctx.save_for_backward(x, weight, token_ids)
+        ctx.more = teacher, spec, ignore_ids, dtype, per_chunk, segments
+        ctx.mark_non_differentiable(overlap)
+        return out, overlap
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        x, weight, token_ids = ctx.saved_tensors
+        teacher, spec, ignore_ids, dtype, per_chunk, segments = ctx.more
+        n, T = x.shape[:2]
+        flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)  # acc: the sums' dtype
+        grad_out = grad_out.reshape(n * T, 2).to(acc)
+        grad = torch.zeros(flat.shape, dtype=acc, device=x.device)
+        train_head = weight is not None and ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device) if train_head else None
+        for chunk in _dense_chunks(flat, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk, segments):
+            positions, z, lse, _, _, dz_divergence = chunk
+            g_logp, g_div = grad_out[positions, 0:1].to(z.dtype), grad_out[positions, 1:2].to(z.dtype)
+            d = (z - lse[:, None]).exp_().mul_(-g_logp)  # -g p: the sampled token's log-prob, all but its onehot
+            if token_ids is not None:
+                d.scatter_add_(1, token_ids.reshape(-1)[positions, None], g_logp)
+            d[:, : spec.vocab] += g_div * dz_divergence()
+            d.div_(spec.temperature)
+            if weight is None:
+                grad[positions] = d.to(acc)
+                continue
+            d = d.to(dtype)
+            grad[positions] = (d @ weight.to(dtype)).to(acc)
+            if train_head:
+                grad_weight.addmm_(d.T.to(acc), flat[positions].to(acc))
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad.to(x.dtype).view_as(x), grad_weight, *(None,) * 6
+
+
+def _dense_chunks(flat, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk, segments):
+    """Per chunk of at most per_chunk positions: (positions (c,), z: the tempered student logits (c, V), the ignored
+    ids at -inf, lse: their logsumexp (c,), the divergence (c,), s: the student's log-probs over the spec's vocab
+    (c, vocab), and dz() -> (c, vocab): the divergence's gradient with respect to z[:, :vocab]). The math runs in
+    float32 (float64 for float64 inputs)."""
+    k = spec.metric_k
+    ids_all, logps_all = teacher.topk_ids.reshape(-1, k), teacher.topk_logps.reshape(-1, k + 1)
+    for positions, teacher_x, head in segments:
+        for c in range(0, len(positions), per_chunk):
+            where = positions[c : c + per_chunk]
+            h = flat[where]
+            logits = h if weight is None else h.to(dtype) @ weight.to(dtype).T  # (c, V)
+            z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / spec.temperature
+            if ignore_ids is not None:
+                z.index_fill_(1, ignore_ids, float("-inf"))
+            lse = z.logsumexp(-1)
+            zd = z[:, : spec.vocab]  # the ids both heads have
+            lse_d = lse if zd.shape[1] == z.shape[1] else zd.logsumexp(-1)
+            s = zd - lse_d[:, None]
+            if spec.top_k:
+                ids = ids_all[where]  # (c, k)
+                outside = zd.scatter(1, ids, float("-inf"))  # the tail bucket's logits
+                outside_lse = outside.logsumexp(-1)
+                points = torch.cat([s.gather(1, ids), (outside_lse - lse_d)[:, None]], 1)  # (c, k + 1)
+                divergence, g = _jsd_and_grad(points, logps_all[where].to(s.dtype), spec.beta)
+            else:
+                x_t = teacher_x[c : c + per_chunk]
+                t = spec.log_softmax(x_t if head is None else _linear(x_t, head)).to(s.dtype)  # (c, vocab)
+                divergence, g = _jsd_and_grad(s, t, spec.beta)
+                ids = outside = outside_lse = None
+            yield where, z, lse, divergence, s, functools.partial(_chain, g, s, ids, outside, outside_lse)
+
+
+def _linear(x: torch.Tensor, head) -> torch.Tensor:
+    """A teacher's logits of its hidden states x: its LM head (an nn.Linear) without the module's hooks."""
+    return torch.nn.functional.linear(x.to(head.weight.dtype), head.weight, head.bias)
+
+
+def _chain(g, s, ids, outside, outside_lse) -> torch.Tensor:
+    """The divergence's gradient with respect to the student's logits over the vocab (c, vocab), from g, its gradient
+    with respect to the divergence's points taken as free log-probs: the whole vocabulary's log-softmax (ids None),
+    or the top k's points z_i - lse and the tail's logsumexp(outside) - lse."""
+    p = s.exp()
+    if ids is None:
+        return g - p * g.sum(-1, keepdim=True)
+    k = ids.shape[1]
+    out = (outside - outside_lse[:, None]).exp_().mul_(g[:, k:])  # the tail's softmax, 0 at the top k
+    out.scatter_add_(1, ids, g[:, :k])
+    return out.sub_(p * g.sum(-1, keepdim=True))
+
+
+def dense_head(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
+    teacher,
+    spec,
+    ignore_ids: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    chunk_elements: int = 2**24,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense term at n x T positions without (n, T, V) tensors: x (n, T, H) the student's final hidden states with
+    its LM head weight (V, H), or (n, T, V) logits with weight None; token_ids (n, T) the sampled tokens (None: no
+    log-probs); teacher: gndpo_extras' DenseTeacher at the same positions (its top k, or its hidden states and head
+    per group of rows); spec: its DenseSpec (beta, top_k, temperature, vocab, metric_k); ignore_ids: (K,) ids at
+    -inf in the student's logits; dtype: the head's matmuls' (None: the weight's). Chunks of at most chunk_elements
+    logits. Returns ((n, T, 2) float32: [..., 0] the sampled tokens' log-probs, [..., 1] the divergence, with the
+    gradient to x and a trainable weight; (n, T) how many of the student's top metric_k ids the teacher's holds)."""
+    dtype = dtype or (weight.dtype if weight is not None else x.dtype)
+    per_chunk = max(1, chunk_elements // (x.shape[-1] if weight is None else weight.shape[0]))
+    return _DenseHead.apply(x, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,6 +785,18 @@ def _checkpointing_with_cache(model):
             del m._can_checkpoint_with_cache  # back to the class's own value
 
 
+@contextlib.contextmanager
+def _head_input(model, seen: list):
+    """Within it the LM head's forward (its class's) also appends its input, the final hidden states, to `seen`."""
+    head = _unwrap(model).get_output_embeddings()
+    forward = head.forward
+    head.forward = lambda hidden: (seen.append(hidden), forward(hidden))[1]
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 class SharedPrefix:
     """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
     continue on it, in one forward (logps: scoring and the update) or token by token (sample: rollouts).
@@ -576,19 +810,24 @@ class SharedPrefix:
     prompt's forward is not checkpointed and the response's reads the cache without writing it.
     """
 
-    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
+    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor, keep_hidden: bool = False):
         device = index.device
         prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
         seen = {}
         hook = _decoder(model).register_forward_pre_hook(
             lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True
         )
+        head_inputs = []  # keep_hidden: the LM head's input, the prompt's last final hidden state (u, 1, H)
         try:
-            with _checkpointing_off(model):
+            with (
+                _checkpointing_off(model),
+                _head_input(model, head_inputs) if keep_hidden else contextlib.nullcontext(),
+            ):
                 out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
         finally:
             hook.remove()
         self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
+        self.first_hidden = head_inputs[0][:, -1].index_select(0, index) if head_inputs else None  # (n, H): dense
         self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys
         self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
         # token types (mm_token_type_ids, token_type_ids): response tokens are text
@@ -641,16 +880,27 @@ class SharedPrefix:
         through the cache into the prompt's forward, so the student's update can use it too. lean: the response's
         log-probs through logps_from's lean path (--lean_logps), else the plain gather."""
         ids, mask = rollout.response_ids, rollout.response_mask
-        shared = SharedPrefix(model, rollout.extra["prompt_inputs"], rollout.extra["prompt_index"].to(ids.device))
-        first = (token_logps if lean else _gather_logps)(
-            shared.first[:, None], ids[:, :1], ignore_ids, temperature
+        tap = dense_tap(model)  # the dense term's (gndpo_extras): the first position's hidden state, where chunked
+        hidden = tap is not None and lean and head_path(model) == "chunked head"
+        index = rollout.extra["prompt_index"].to(ids.device)
+        shared = SharedPrefix(model, rollout.extra["prompt_inputs"], index, keep_hidden=hidden)
+        first = functools.partial(
+            token_logps if lean else _gather_logps, shared.first[:, None], ids[:, :1], ignore_ids, temperature
         )  # (n, 1)
+        if tap is None:
+            first = first()
+        else:
+            head = _unwrap(model).get_output_embeddings() if hidden else None
+            x = shared.first_hidden[:, None] if hidden else shared.first[:, None]
+            dtype = autocast_dtype(x.device.type)
+            first = tap_report(tap, 0, x, head, ids[:, :1], ignore_ids, dtype, first)
+            first = first[..., 0] if tap.teacher is not None else first
         if ids.shape[1] == 1:
             return first
         inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
         with _checkpointing_with_cache(model):
             rest = logps_from(
-                model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False, lean
+                model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False, lean, start=1
             )  # (n, R - 1)
         return torch.cat([first, rest], 1)
 
@@ -915,7 +1165,8 @@ class PrefixSharing:
                         plain[:, :positions] = self.plain(model, rollout, without, temperature)[:, :positions]
                 ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
             else:
-                ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
+                with _untapped(model):  # the dense term's tap is for the step's forward, not the check's
+                    ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
         except Exception as e:  # a model whose forward cannot continue from an expanded cache, or its backward
             ok, why = False, f"error: {type(e).__name__}: {e}"
         agreed = self.agree(ok)
@@ -1122,7 +1373,9 @@ def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> str
     sampling, policy = models.sampling, _unwrap(models.student)
     if runs("static_cache"):
         static_cache(sampling.config, args)
-    plain = lean_forward(script.sequence_inputs) if asked("lean_logps") else script.response_logps
+    # the dense term (gndpo_extras' --dense_weight) reads both LM heads through this module's forwards, lean or not
+    reads_heads = asked("lean_logps") or getattr(args, "dense_weight", 0) > 0
+    plain = lean_forward(script.sequence_inputs, asked("lean_logps")) if reads_heads else script.response_logps
     if asked("share_prompt_prefix"):
         n, device = accelerator.num_processes, accelerator.device
 
