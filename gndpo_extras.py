@@ -390,7 +390,7 @@ def teacher_logps(teacher: DenseTeacher, shape: tuple, spec: DenseSpec) -> torch
     return out
 
 
-def teacher_topk(x: torch.Tensor, head, spec: DenseSpec, chunk_elements: int = 2**24) -> tuple:
+def teacher_topk(x: torch.Tensor, head, spec: DenseSpec, chunk_elements: int = 2**22) -> tuple:
     """A teacher's top metric_k at every position, chunk by chunk: (n, T, D) hidden states with their head (an
     nn.Linear), or logits with head None -> ((n, T, k) ids, (n, T, k + 1) float32 log-probs with the tail (n, T) their
     mass)."""

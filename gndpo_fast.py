@@ -602,113 +602,259 @@ def _dense_segments(teacher, n: int, T: int, device) -> list[tuple]:
     return out
 
 
+DENSE_ROWS = 256  # positions per chunk: enough rows for the LM heads' matmuls to run at speed
+DENSE_TILE = (
+    2**21
+)  # logits per tile (rows x vocabulary columns): a few MiB, so a tile's elementwise passes stay in cache
+
+
+class _Online:
+    """Running logsumexp statistics of rows seen tile by tile: a max and a sum of exp(x - max) per row."""
+
+    def __init__(self, rows: int, dtype, device):
+        self.max = torch.full((rows,), -math.inf, dtype=dtype, device=device)
+        self.sum = torch.zeros(rows, dtype=dtype, device=device)
+
+    def add(self, tile: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folds a (rows, w) tile in: returns exp(tile - the new max) and the factor the earlier sums were scaled by."""
+        new = torch.maximum(self.max, tile.amax(-1))
+        shift = torch.where(new > -math.inf, new, torch.zeros_like(new))  # a row with no finite logit yet
+        scale = (self.max - shift).exp()
+        e = (tile - shift[:, None]).exp()
+        self.sum, self.max = self.sum * scale + e.sum(-1), new
+        return e, scale
+
+    def lse(self) -> torch.Tensor:
+        return self.max + self.sum.log()
+
+
+class _Chunk:
+    """One chunk of positions, its logits made tile by tile (rows x vocabulary columns, never a whole row of the
+    vocabulary): the student's from its hidden states h and head weight (or h itself, logits, with weight None),
+    tempered, the ignored ids at -inf; for the whole vocabulary the teacher's the same way from x_t and its head."""
+
+    def __init__(self, h, weight, dtype, spec, ignore_ids, x_t, head_t, width: int, acc):
+        self.h, self.weight, self.dtype, self.spec, self.ignore, self.acc = h, weight, dtype, spec, ignore_ids, acc
+        self.x_t, self.head_t, self.width = x_t, head_t, width
+        self.V = h.shape[1] if weight is None else weight.shape[0]  # the student's ids; the divergence: spec.vocab
+
+    def logits(self, x, weight, bias, dtype, v0: int, v1: int, ignore) -> torch.Tensor:
+        z = x[:, v0:v1] if weight is None else x.to(dtype) @ weight[v0:v1].to(dtype).T
+        z = z.to(self.acc, copy=weight is None)  # from logits: a copy, changed in place below
+        if bias is not None:
+            z += bias[v0:v1]
+        if self.spec.temperature != 1.0:
+            z /= self.spec.temperature
+        if ignore is not None and len(ignore):
+            z.index_fill_(1, ignore, -math.inf)
+        return z
+
+    def local(self, ids, v0: int, v1: int):
+        return None if ids is None else ids[(ids >= v0) & (ids < v1)] - v0
+
+    def tiles(self):
+        """(v0, v1, u1, zs (c, v1 - v0), zt (c, u1 - v0) or None, the ignored ids of [v0, u1) local to the tile):
+        u1 = min(v1, vocab), the end of the tile's part the divergence reads (none where v0 >= vocab)."""
+        vocab = self.spec.vocab
+        for v0 in range(0, self.V, self.width):
+            v1 = min(v0 + self.width, self.V)
+            u1 = min(v1, vocab)
+            zs = self.logits(self.h, self.weight, None, self.dtype, v0, v1, self.local(self.ignore, v0, v1))
+            local = self.local(self.spec.ignore_ids, v0, u1) if v0 < vocab else None
+            zt = None
+            if self.x_t is not None and v0 < vocab:
+                w_t = None if self.head_t is None else self.head_t.weight
+                bias = None if self.head_t is None else self.head_t.bias
+                dtype = self.x_t.dtype if w_t is None else w_t.dtype
+                zt = self.logits(self.x_t, w_t, bias, dtype, v0, u1, local)
+            yield v0, v1, u1, zs, zt, local
+
+
+def _merge_topk(values, ids, tile: torch.Tensor, v0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running top k (values, ids) of rows, with a tile of their logits starting at id v0 folded in."""
+    k = values.shape[1]
+    v, i = tile.topk(min(k, tile.shape[1]), -1)
+    v, i = torch.cat([values, v], 1), torch.cat([ids, i + v0], 1)
+    top = v.topk(k, -1).indices
+    return v.gather(1, top), i.gather(1, top)
+
+
+def _topk_in_tile(ids: torch.Tensor, v0: int, u1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of the ids (c, k) that fall in the tile [v0, u1), the column local to the tile."""
+    rows, j = ((ids >= v0) & (ids < u1)).nonzero(as_tuple=True)
+    return rows, j
+
+
+def _chunk_forward(ch: _Chunk, tokens, ids, points_t, beta: float) -> dict:
+    """One chunk's pass over its tiles: the sampled tokens' logits, the logsumexps, the student's running top k and,
+    for the whole vocabulary, beta 0 or 1's divergence in the same pass (a second one for the JSD); for the top k
+    the k ids' logits and the tail's logsumexp. Returns per-row tensors (c,)."""
+    c, acc, device, vocab, k = ch.h.shape[0], ch.acc, ch.h.device, ch.spec.vocab, ids.shape[1]
+    student = _Online(c, acc, device)  # over the ids the divergence reads
+    whole = _Online(c, acc, device) if ch.V > vocab else student  # over all the student's ids: the tokens' lse
+    teacher, tail = _Online(c, acc, device), _Online(c, acc, device)
+    gap, picked = torch.zeros(c, dtype=acc, device=device), torch.zeros(c, dtype=acc, device=device)
+    top_v, top_i = torch.full((c, k), -math.inf, dtype=acc, device=device), torch.zeros(c, k, dtype=torch.long)
+    top_i, z_ids = top_i.to(device), torch.zeros(c, k, dtype=acc, device=device)
+    for v0, v1, u1, zs, zt, local in ch.tiles():
+        if tokens is not None:
+            inside = ((tokens >= v0) & (tokens < v1)).nonzero(as_tuple=True)[0]
+            picked[inside] = zs[inside, tokens[inside] - v0]
+        if whole is not student:
+            whole.add(zs)
+        if v0 >= vocab:
+            continue
+        zd = zs[:, : u1 - v0]
+        e_s, scale_s = student.add(zd)
+        top_v, top_i = _merge_topk(top_v, top_i, zd, v0)
+        if points_t is not None:  # the top k: their logits, and the tail over the others
+            rows, j = _topk_in_tile(ids, v0, u1)
+            z_ids[rows, j] = zd[rows, ids[rows, j] - v0]
+            outside = zd.clone()
+            outside[rows, ids[rows, j] - v0] = -math.inf
+            tail.add(outside)
+        else:
+            e_t, scale_t = teacher.add(zt)
+            if beta in (0.0, 1.0):  # sum p (z_a - z_b) of the KL's own side, in the same pass
+                diff = (zd - zt) if beta == 1 else (zt - zd)
+                if local is not None:
+                    diff.index_fill_(1, local, 0.0)  # -inf - -inf at the ignored ids, weighted 0 anyway
+                gap = gap * (scale_s if beta == 1 else scale_t) + ((e_s if beta == 1 else e_t) * diff).sum(-1)
+    out = {"lse_whole": whole.lse(), "lse": student.lse(), "picked": picked, "top": top_i}
+    if points_t is not None:
+        out["tail"], out["z_ids"] = tail.lse(), z_ids
+        points = torch.cat([z_ids - out["lse"][:, None], (out["tail"] - out["lse"])[:, None]], 1)
+        out["divergence"], _ = _jsd_and_grad(points, points_t.to(acc), beta)
+        return out
+    out["lse_t"] = teacher.lse()
+    if beta == 1:
+        out["divergence"] = gap / student.sum - out["lse"] + out["lse_t"]
+    elif beta == 0:
+        out["divergence"] = gap / teacher.sum - out["lse_t"] + out["lse"]
+    else:  # the mixture needs both normalizers: a second pass
+        out["divergence"], out["kl_s"] = (torch.zeros(c, dtype=acc, device=device) for _ in range(2))
+        for v0, _, u1, zs, zt, _ in ch.tiles():
+            if v0 >= vocab:
+                continue
+            s, t = zs[:, : u1 - v0] - out["lse"][:, None], zt - out["lse_t"][:, None]
+            m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+            student_side = _plogr(s.exp(), s, m).sum(-1)
+            out["divergence"] += beta * _plogr(t.exp(), t, m).sum(-1) + (1 - beta) * student_side
+            out["kl_s"] += student_side
+    return out
+
+
+def _chunk_backward(ch: _Chunk, tokens, ids, points_t, beta: float, saved: dict, g_logp, g_div, head: bool) -> tuple:
+    """One chunk's gradient, tile by tile: d = g_logp (onehot(y) - p) + g_div dD/dz over tau, to the hidden states
+    (d @ W, summed over tiles) and the head's rows of the tile (d^T @ h); from logits, d itself. dD/dz: the closed
+    forms of TRL's kernel for the whole vocabulary (p (s - t - D), p - q, (1 - beta) p (s - m - KL(S || M))); for the
+    top k, the gradient with respect to the k + 1 points (_jsd_and_grad) through the log-softmax and the tail's own
+    softmax. Returns ((c, H) or (c, V), [(v0, v1, d^T @ h)] for a trainable head (head), else [])."""
+    vocab, lse, g_logp, g_div = ch.spec.vocab, saved["lse"][:, None], g_logp[:, None], g_div[:, None]
+    if points_t is not None:
+        points = torch.cat([saved["z_ids"] - lse, (saved["tail"] - saved["lse"])[:, None]], 1)
+        _, g = _jsd_and_grad(points, points_t.to(points.dtype), beta)
+        g_sum, k = g.sum(-1, keepdim=True), ids.shape[1]
+    grad, blocks = torch.zeros(ch.h.shape, dtype=ch.acc, device=ch.h.device), []
+    for v0, v1, u1, zs, zt, local in ch.tiles():
+        d = (zs - saved["lse_whole"][:, None]).exp_().mul_(-g_logp)  # the sampled token's: -g p, then + g at it
+        if tokens is not None:
+            inside = ((tokens >= v0) & (tokens < v1)).nonzero(as_tuple=True)[0]
+            d[inside, tokens[inside] - v0] += g_logp[inside, 0]
+        if v0 < vocab:
+            s = zs[:, : u1 - v0] - lse
+            p = s.exp()
+            if points_t is not None:
+                dd = p * -g_sum
+                rows, j = _topk_in_tile(ids, v0, u1)
+                dd[rows, ids[rows, j] - v0] += g[rows, j]
+                outside = (zs[:, : u1 - v0] - saved["tail"][:, None]).exp_()
+                outside[rows, ids[rows, j] - v0] = 0.0
+                dd += g[:, k:] * outside
+            else:
+                t = zt.sub_(saved["lse_t"][:, None])
+                if beta == 1:
+                    dd = p * (s - t - saved["divergence"][:, None])
+                elif beta == 0:
+                    dd = p - t.exp_()
+                else:
+                    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+                    dd = (1 - beta) * p * (s - m - saved["kl_s"][:, None])
+                if local is not None:
+                    dd.index_fill_(1, local, 0.0)  # no mass at the ignored ids (the formulas give NaN there)
+            d[:, : u1 - v0] += g_div * dd
+        if ch.spec.temperature != 1.0:
+            d /= ch.spec.temperature
+        if ch.weight is None:
+            grad[:, v0:v1] = d
+            continue
+        d = d.to(ch.dtype)
+        grad += (d @ ch.weight[v0:v1].to(ch.dtype)).to(ch.acc)
+        if head:
+            blocks.append((v0, v1, d.T.to(ch.acc) @ ch.h.to(ch.acc)))
+    return grad, blocks
+
+
 class _DenseHead(torch.autograd.Function):
-    """dense_head under autograd: per chunk of positions the student's logits are made from its hidden states (or
-    taken as given), their log-softmax read for the sampled token and for the divergence against the teacher's
-    (its logits made from its hidden states and head, or its top k with the tail), then dropped; backward makes
-    them again and returns d = g_logp (onehot(y) - p) + g_div dD/dz, over tau, to the hidden states (d @ W) and to
-    a trainable head (d^T @ hidden). dD/dz: dD/ds for the divergence's points taken as free log-probs (_jsd_and_grad)
-    chained through the log-softmax, and for the top k through the tail bucket's own softmax."""
+    """dense_head under autograd: per chunk of positions the logits are made tile by tile from the hidden states and
+    head (or read from given logits), folded into running statistics (_chunk_forward) and dropped; backward makes
+    them again, tile by tile (_chunk_backward). Only (n * T, ...) per-position statistics are kept between the two."""
 
     @staticmethod
-    def forward(ctx, x, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk):
+    def forward(ctx, x, weight, token_ids, teacher, spec, ignore_ids, dtype, rows, tile):
         n, T = x.shape[:2]
         flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)
         out = torch.zeros(n, T, 2, dtype=acc, device=x.device)  # written through a flat view: no view itself
         overlap = torch.zeros(n, T, dtype=torch.float32, device=x.device)
-        flat_out, ids = out.view(n * T, 2), None if token_ids is None else token_ids.reshape(-1)
-        theirs_all = teacher.topk_ids.reshape(n * T, -1)
-        segments = _dense_segments(teacher, n, T, x.device)
-        for chunk in _dense_chunks(flat, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk, segments):
-            positions, z, lse, divergence, s, _ = chunk
-            if ids is not None:
-                flat_out[positions, 0] = (z.gather(1, ids[positions, None])[:, 0] - lse).to(acc)
-            flat_out[positions, 1] = divergence.to(acc)
-            mine, theirs = s.topk(spec.metric_k, -1).indices, theirs_all[positions]  # (c, k) each
-            overlap.view(-1)[positions] = (mine[:, :, None] == theirs[:, None, :]).any(-1).sum(-1).float()
+        flat_out, tokens = out.view(n * T, 2), None if token_ids is None else token_ids.reshape(-1)
+        ids_all, points_all = teacher.topk_ids.reshape(n * T, -1), teacher.topk_logps.reshape(n * T, -1)
+        saved = []
+        for where, ch in _dense_chunks(flat, n, T, weight, teacher, spec, ignore_ids, dtype, rows, tile, acc):
+            points = points_all[where] if spec.top_k else None
+            r = _chunk_forward(ch, None if tokens is None else tokens[where], ids_all[where], points, spec.beta)
+            if tokens is not None:
+                flat_out[where, 0] = r["picked"] - r["lse_whole"]
+            flat_out[where, 1] = r["divergence"]
+            overlap.view(-1)[where] = (r["top"][:, :, None] == ids_all[where][:, None, :]).any(-1).sum(-1).float()
+            saved.append({k: v for k, v in r.items() if k not in ("picked", "top")})
         ctx.save_for_backward(x, weight, token_ids)
-        ctx.more = teacher, spec, ignore_ids, dtype, per_chunk, segments
+        ctx.more = teacher, spec, ignore_ids, dtype, rows, tile, saved
         ctx.mark_non_differentiable(overlap)
         return out, overlap
 
     @staticmethod
     def backward(ctx, grad_out, _):
         x, weight, token_ids = ctx.saved_tensors
-        teacher, spec, ignore_ids, dtype, per_chunk, segments = ctx.more
+        teacher, spec, ignore_ids, dtype, rows, tile, saved = ctx.more
         n, T = x.shape[:2]
-        flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)  # acc: the sums' dtype
-        grad_out = grad_out.reshape(n * T, 2).to(acc)
+        flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)
+        grad_out, tokens = grad_out.reshape(n * T, 2).to(acc), None if token_ids is None else token_ids.reshape(-1)
+        ids_all, points_all = teacher.topk_ids.reshape(n * T, -1), teacher.topk_logps.reshape(n * T, -1)
         grad = torch.zeros(flat.shape, dtype=acc, device=x.device)
         train_head = weight is not None and ctx.needs_input_grad[1]
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device) if train_head else None
-        for chunk in _dense_chunks(flat, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk, segments):
-            positions, z, lse, _, _, dz_divergence = chunk
-            g_logp, g_div = grad_out[positions, 0:1].to(z.dtype), grad_out[positions, 1:2].to(z.dtype)
-            d = (z - lse[:, None]).exp_().mul_(-g_logp)  # -g p: the sampled token's log-prob, all but its onehot
-            if token_ids is not None:
-                d.scatter_add_(1, token_ids.reshape(-1)[positions, None], g_logp)
-            d[:, : spec.vocab] += g_div * dz_divergence()
-            d.div_(spec.temperature)
-            if weight is None:
-                grad[positions] = d.to(acc)
-                continue
-            d = d.to(dtype)
-            grad[positions] = (d @ weight.to(dtype)).to(acc)
-            if train_head:
-                grad_weight.addmm_(d.T.to(acc), flat[positions].to(acc))
+        chunks = _dense_chunks(flat, n, T, weight, teacher, spec, ignore_ids, dtype, rows, tile, acc)
+        for (where, ch), s in zip(chunks, saved):
+            points = points_all[where] if spec.top_k else None
+            token = None if tokens is None else tokens[where]
+            g_logp, g_div = grad_out[where, 0], grad_out[where, 1]
+            grad[where], blocks = _chunk_backward(
+                ch, token, ids_all[where], points, spec.beta, s, g_logp, g_div, train_head
+            )
+            for v0, v1, block in blocks:
+                grad_weight[v0:v1] += block
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad.to(x.dtype).view_as(x), grad_weight, *(None,) * 6
+        return grad.to(x.dtype).view_as(x), grad_weight, *(None,) * 7
 
 
-def _dense_chunks(flat, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk, segments):
-    """Per chunk of at most per_chunk positions: (positions (c,), z: the tempered student logits (c, V), the ignored
-    ids at -inf, lse: their logsumexp (c,), the divergence (c,), s: the student's log-probs over the spec's vocab
-    (c, vocab), and dz() -> (c, vocab): the divergence's gradient with respect to z[:, :vocab]). The math runs in
-    float32 (float64 for float64 inputs)."""
-    k = spec.metric_k
-    ids_all, logps_all = teacher.topk_ids.reshape(-1, k), teacher.topk_logps.reshape(-1, k + 1)
-    for positions, teacher_x, head in segments:
-        for c in range(0, len(positions), per_chunk):
-            where = positions[c : c + per_chunk]
-            h = flat[where]
-            logits = h if weight is None else h.to(dtype) @ weight.to(dtype).T  # (c, V)
-            z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / spec.temperature
-            if ignore_ids is not None:
-                z.index_fill_(1, ignore_ids, float("-inf"))
-            lse = z.logsumexp(-1)
-            zd = z[:, : spec.vocab]  # the ids both heads have
-            lse_d = lse if zd.shape[1] == z.shape[1] else zd.logsumexp(-1)
-            s = zd - lse_d[:, None]
-            if spec.top_k:
-                ids = ids_all[where]  # (c, k)
-                outside = zd.scatter(1, ids, float("-inf"))  # the tail bucket's logits
-                outside_lse = outside.logsumexp(-1)
-                points = torch.cat([s.gather(1, ids), (outside_lse - lse_d)[:, None]], 1)  # (c, k + 1)
-                divergence, g = _jsd_and_grad(points, logps_all[where].to(s.dtype), spec.beta)
-            else:
-                x_t = teacher_x[c : c + per_chunk]
-                t = spec.log_softmax(x_t if head is None else _linear(x_t, head)).to(s.dtype)  # (c, vocab)
-                divergence, g = _jsd_and_grad(s, t, spec.beta)
-                ids = outside = outside_lse = None
-            yield where, z, lse, divergence, s, functools.partial(_chain, g, s, ids, outside, outside_lse)
-
-
-def _linear(x: torch.Tensor, head) -> torch.Tensor:
-    """A teacher's logits of its hidden states x: its LM head (an nn.Linear) without the module's hooks."""
-    return torch.nn.functional.linear(x.to(head.weight.dtype), head.weight, head.bias)
-
-
-def _chain(g, s, ids, outside, outside_lse) -> torch.Tensor:
-    """The divergence's gradient with respect to the student's logits over the vocab (c, vocab), from g, its gradient
-    with respect to the divergence's points taken as free log-probs: the whole vocabulary's log-softmax (ids None),
-    or the top k's points z_i - lse and the tail's logsumexp(outside) - lse."""
-    p = s.exp()
-    if ids is None:
-        return g - p * g.sum(-1, keepdim=True)
-    k = ids.shape[1]
-    out = (outside - outside_lse[:, None]).exp_().mul_(g[:, k:])  # the tail's softmax, 0 at the top k
-    out.scatter_add_(1, ids, g[:, :k])
-    return out.sub_(p * g.sum(-1, keepdim=True))
+def _dense_chunks(flat, n: int, T: int, weight, teacher, spec, ignore_ids, dtype, rows: int, tile: int, acc):
+    """(positions (c,), _Chunk) per chunk of at most `rows` of the n x T positions, each segment in turn."""
+    width = max(1, tile // rows)
+    for positions, teacher_x, head in _dense_segments(teacher, n, T, flat.device):
+        for c in range(0, len(positions), rows):
+            where = positions[c : c + rows]
+            x_t = None if teacher_x is None else teacher_x[c : c + rows]
+            yield where, _Chunk(flat[where], weight, dtype, spec, ignore_ids, x_t, head, width, acc)
 
 
 def dense_head(
@@ -719,18 +865,19 @@ def dense_head(
     spec,
     ignore_ids: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
-    chunk_elements: int = 2**24,
+    rows: int = DENSE_ROWS,
+    tile: int = DENSE_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense term at n x T positions without (n, T, V) tensors: x (n, T, H) the student's final hidden states with
     its LM head weight (V, H), or (n, T, V) logits with weight None; token_ids (n, T) the sampled tokens (None: no
     log-probs); teacher: gndpo_extras' DenseTeacher at the same positions (its top k, or its hidden states and head
     per group of rows); spec: its DenseSpec (beta, top_k, temperature, vocab, metric_k); ignore_ids: (K,) ids at
-    -inf in the student's logits; dtype: the head's matmuls' (None: the weight's). Chunks of at most chunk_elements
-    logits. Returns ((n, T, 2) float32: [..., 0] the sampled tokens' log-probs, [..., 1] the divergence, with the
-    gradient to x and a trainable weight; (n, T) how many of the student's top metric_k ids the teacher's holds)."""
+    -inf in the student's logits; dtype: the head's matmuls' (None: the weight's). Chunks of at most `rows`
+    positions, their logits made in tiles of at most `tile` (rows x columns). Returns ((n, T, 2) float32: [..., 0]
+    the sampled tokens' log-probs, [..., 1] the divergence, with the gradient to x and a trainable weight; (n, T) how
+    many of the student's top metric_k ids the teacher's holds)."""
     dtype = dtype or (weight.dtype if weight is not None else x.dtype)
-    per_chunk = max(1, chunk_elements // (x.shape[-1] if weight is None else weight.shape[0]))
-    return _DenseHead.apply(x, weight, token_ids, teacher, spec, ignore_ids, dtype, per_chunk)
+    return _DenseHead.apply(x, weight, token_ids, teacher, spec, ignore_ids, dtype, rows, tile)
 
 
 # ---------------------------------------------------------------------------------------------
