@@ -633,3 +633,36 @@ def test_the_dense_term_learns_on_the_default_world(tmp_path, flags):
     assert "dense term: 1 x the generalized JSD" in done.stdout + done.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["student_accuracy_after"] > summary["student_accuracy_before"] + 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# The study (studies/dense.py): its analysis on hand-made runs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_studys_primary_endpoint_is_the_sign_flip_test_of_its_runs():
+    sys.path.insert(0, os.path.join(ROOT, "studies"))
+    import dense as study
+    import stats
+
+    rows = {}
+    for seed in study.SEEDS:
+        for i, arm in enumerate(study.ARMS):
+            after = 0.5 + 0.1 * (arm == "jsd") + 0.01 * ((seed * 7 + i) % 5)
+            run = dict(acc_before=0.35, acc_after=after, teacher=0.9, kl_first=1.0, kl_last5=0.3)
+            run |= dict(
+                dense_first5=math.nan if arm == "gndpo" else 0.8, dense_last5=math.nan if arm == "gndpo" else 0.2
+            )
+            rows[arm, seed] = run | {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "commit": "a" * 40}
+            rows[arm, seed] |= {"dirty": False, "wall_seconds": 30.0, "steps": 20, "skipped_steps": 0, "returncode": 0}
+    result = study.analyse(rows)
+    primary = result["primary"]
+    diffs = [rows["jsd", s]["acc_after"] - rows["gndpo", s]["acc_after"] for s in study.SEEDS]
+    assert list(primary["per_seed"].values()) == diffs and primary["p"] == stats.sign_flip_test(diffs)
+    assert primary["p"] == 2 / 2**10 and primary["reading"] == "differs"  # every seed higher, by more than 0.05
+    assert [c["p_holm"] for c in result["secondary"]] == stats.holm([c["p"] for c in result["secondary"]])
+    record = {"rounds": {r["name"]: r for r in rows.values()}, "result": result, "clean": True, "date": "2026-12-06"}
+    machine = {"cpu_model": "x", "cores": 2, "isa": {}, "threads": {"OMP_NUM_THREADS": "1", "torch_num_threads": 1}}
+    text = study.page(record | {"command": "python studies/dense.py", "machine": machine})
+    assert study.contrast_row(primary, False) in text and "Verdict (primary): **differs**" in text
+    assert text.count("\n| ") == (1 + len(study.ARMS)) + (1 + 1) + (1 + 4) + (1 + len(rows))  # headers and rows
