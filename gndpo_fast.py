@@ -603,9 +603,8 @@ def _dense_segments(teacher, n: int, T: int, device) -> list[tuple]:
 
 
 DENSE_ROWS = 256  # positions per chunk: enough rows for the LM heads' matmuls to run at speed
-DENSE_TILE = (
-    2**21
-)  # logits per tile (rows x vocabulary columns): a few MiB, so a tile's elementwise passes stay in cache
+# logits per tile (rows x vocabulary columns): a few MiB, so that a tile's elementwise passes stay in cache
+DENSE_TILE = 2**21
 
 
 class _Online:
@@ -680,9 +679,9 @@ def _merge_topk(values, ids, tile: torch.Tensor, v0: int) -> tuple[torch.Tensor,
 
 
 def _topk_in_tile(ids: torch.Tensor, v0: int, u1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) of the ids (c, k) that fall in the tile [v0, u1), the column local to the tile."""
-    rows, j = ((ids >= v0) & (ids < u1)).nonzero(as_tuple=True)
-    return rows, j
+    """(rows, js): where in ids (c, k) the ids of the tile [v0, u1) are; their columns in it: ids[rows, js] - v0."""
+    rows, js = ((ids >= v0) & (ids < u1)).nonzero(as_tuple=True)
+    return rows, js
 
 
 def _chunk_forward(ch: _Chunk, tokens, ids, points_t, beta: float) -> dict:
@@ -744,18 +743,18 @@ def _chunk_forward(ch: _Chunk, tokens, ids, points_t, beta: float) -> dict:
     return out
 
 
-def _chunk_backward(ch: _Chunk, tokens, ids, points_t, beta: float, saved: dict, g_logp, g_div, head: bool) -> tuple:
+def _chunk_backward(ch: _Chunk, tokens, ids, points_t, beta: float, saved: dict, g_logp, g_div, grad_weight):
     """One chunk's gradient, tile by tile: d = g_logp (onehot(y) - p) + g_div dD/dz over tau, to the hidden states
     (d @ W, summed over tiles) and the head's rows of the tile (d^T @ h); from logits, d itself. dD/dz: the closed
     forms of TRL's kernel for the whole vocabulary (p (s - t - D), p - q, (1 - beta) p (s - m - KL(S || M))); for the
     top k, the gradient with respect to the k + 1 points (_jsd_and_grad) through the log-softmax and the tail's own
-    softmax. Returns ((c, H) or (c, V), [(v0, v1, d^T @ h)] for a trainable head (head), else [])."""
+    softmax. Returns the (c, H) (or (c, V)) gradient; a trainable head's (grad_weight, (V, H)) gets its rows added."""
     vocab, lse, g_logp, g_div = ch.spec.vocab, saved["lse"][:, None], g_logp[:, None], g_div[:, None]
     if points_t is not None:
         points = torch.cat([saved["z_ids"] - lse, (saved["tail"] - saved["lse"])[:, None]], 1)
         _, g = _jsd_and_grad(points, points_t.to(points.dtype), beta)
         g_sum, k = g.sum(-1, keepdim=True), ids.shape[1]
-    grad, blocks = torch.zeros(ch.h.shape, dtype=ch.acc, device=ch.h.device), []
+    grad = torch.zeros(ch.h.shape, dtype=ch.acc, device=ch.h.device)
     for v0, v1, u1, zs, zt, local in ch.tiles():
         d = (zs - saved["lse_whole"][:, None]).exp_().mul_(-g_logp)  # the sampled token's: -g p, then + g at it
         if tokens is not None:
@@ -790,9 +789,9 @@ def _chunk_backward(ch: _Chunk, tokens, ids, points_t, beta: float, saved: dict,
             continue
         d = d.to(ch.dtype)
         grad += (d @ ch.weight[v0:v1].to(ch.dtype)).to(ch.acc)
-        if head:
-            blocks.append((v0, v1, d.T.to(ch.acc) @ ch.h.to(ch.acc)))
-    return grad, blocks
+        if grad_weight is not None:
+            grad_weight[v0:v1].addmm_(d.T.to(ch.acc), ch.h.to(ch.acc))
+    return grad
 
 
 class _DenseHead(torch.autograd.Function):
@@ -838,11 +837,7 @@ class _DenseHead(torch.autograd.Function):
             points = points_all[where] if spec.top_k else None
             token = None if tokens is None else tokens[where]
             g_logp, g_div = grad_out[where, 0], grad_out[where, 1]
-            grad[where], blocks = _chunk_backward(
-                ch, token, ids_all[where], points, spec.beta, s, g_logp, g_div, train_head
-            )
-            for v0, v1, block in blocks:
-                grad_weight[v0:v1] += block
+            grad[where] = _chunk_backward(ch, token, ids_all[where], points, spec.beta, s, g_logp, g_div, grad_weight)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad.to(x.dtype).view_as(x), grad_weight, *(None,) * 7
 
