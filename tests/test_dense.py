@@ -568,8 +568,7 @@ def test_the_self_teacher_with_the_dense_term(tmp_path):
     OPSD) it is not."""
     hint = os.path.join(ROOT, "assets", "hint")
     common = dict(
-        student_model=os.path.join(hint, "student"),
-        dataset_name=os.path.join(hint, "data"),
+        student_model=os.path.join(hint, "student"),  # the hint world's data are the default world's
         teacher_model="self",
         prompts_per_step=4,
         num_generations=2,
