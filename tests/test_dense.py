@@ -249,7 +249,18 @@ def world(trained_models):
     for i, r in enumerate(rollouts):  # every row's prompt too, for the forwards that read it (and the reference)
         rows = prompts.prompts[i * 4 : (i + 1) * 4]
         r.row_inputs = g.pixels_on_host(g.encode_prompts(processor, rows), torch.device("cpu"))
-    return {"args": args, "processor": processor, "student": student, "teacher": teacher, "rollouts": rollouts}
+    decided = dict(models.sampling.sharing.decided)  # the first step's checks: the tests' models take them as made
+    return {"args": args, "processor": processor, "student": student, "teacher": teacher, "rollouts": rollouts,
+            "decided": decided}  # fmt: skip
+
+
+def world_models(world, args, teacher=None):
+    """make_models on the world's student and teacher, each prompt-sharing decision taken from the world's checks."""
+    teacher = teacher or world["teacher"]
+    models = g.make_models(args, Accelerator(cpu=True), world["processor"], world["student"], {"t": teacher}, QUIET)
+    if models.sampling.sharing is not None:
+        models.sampling.sharing.decided.update(world["decided"])
+    return models
 
 
 def reference(world, rollout, spec, ignore_ids, teacher=None):
@@ -274,16 +285,21 @@ PATHS = {  # the flags of each way the forwards run; "plain": the script's respo
 }
 
 
-@pytest.mark.parametrize("top_k", [0, 8])
+FAST = {("shared_lean", 0), ("shared_lean", 8), ("plain", 0)}  # the rest run with the slow tests
+
+
 @pytest.mark.parametrize(
-    "path", [p if p in ("shared_lean", "plain") else pytest.param(p, marks=pytest.mark.slow) for p in PATHS]
+    "path, top_k",
+    [
+        (p, k) if (p, k) in FAST else pytest.param(p, k, marks=pytest.mark.slow, id=f"{p}-{k}")
+        for p in PATHS
+        for k in (0, 8)
+    ],
 )
 def test_the_training_path_equals_the_reference_on_the_tiny_worlds_models(world, path, top_k):
     args = dataclasses.replace(world["args"], dense_weight=1.0, dense_beta=0.5 if top_k else 1.0, dense_top_k=top_k)
     args = dataclasses.replace(args, **PATHS[path])
-    models = g.make_models(
-        args, Accelerator(cpu=True), world["processor"], world["student"], {"t": world["teacher"]}, QUIET
-    )
+    models = world_models(world, args)
     (plugin,) = [p for p in models.plugins if isinstance(p, ex.DenseDistillation)]
     if path == "plain":  # the script alone: its forward, and the plug-in reading the head's output through a hook
         plugin = ex.DenseDistillation(args, plugin.spec, {"t": world["teacher"]}, fast_forwards=False)
@@ -318,18 +334,14 @@ def test_the_training_path_equals_the_reference_on_the_tiny_worlds_models(world,
 
 def test_the_old_policys_forward_and_a_step_without_the_dense_term_read_no_tap(world):
     args = dataclasses.replace(world["args"], dense_weight=1.0)
-    models = g.make_models(
-        args, Accelerator(cpu=True), world["processor"], world["student"], {"t": world["teacher"]}, QUIET
-    )
+    models = world_models(world, args)
     rollout = dataclasses.replace(world["rollouts"][0], extra=dict(world["rollouts"][0].extra))
     with torch.no_grad():
         models.teacher_logps_of(rollout)
         models.student_logps_of(rollout, args.temperature)  # the old policy's log-probs: no divergence kept
     assert "dense" not in rollout.extra
     assert not hasattr(world["student"].get_output_embeddings(), "dense_tap")  # nothing left on the head
-    plain = g.make_models(
-        world["args"], Accelerator(cpu=True), world["processor"], world["student"], {"t": world["teacher"]}, QUIET
-    )
+    plain = world_models(world, world["args"])
     assert not [p for p in plain.plugins if isinstance(p, ex.DenseDistillation)]
     for forward in (plain.student_forward, plain.teacher_forward):  # --dense_weight 0: the forwards as they were
         assert getattr(forward, "__name__", None) not in ("dense_student", "dense_teacher")
@@ -434,13 +446,10 @@ def test_bad_dense_flags_stop_start_up_in_one_line(flags, message):
 def test_a_top_k_without_a_tail_stops_once_the_models_are_loaded(world):
     ignored = g.vision_token_ids(world["processor"].tokenizer, world["student"].config)
     args = dataclasses.replace(world["args"], dense_weight=1.0, dense_top_k=463)
-    load = lambda a: g.make_models(
-        a, Accelerator(cpu=True), world["processor"], world["student"], {"t": world["teacher"]}, QUIET
-    )  # noqa: E731
     with pytest.raises(ValueError, match=r"--dense_top_k 463 leaves no tail: .* ids both LM heads have") as caught:
-        load(args)
+        world_models(world, args)
     assert str(caught.value).endswith(f"k must be below {463 - len(ignored)}")  # the image special tokens are not
-    load(dataclasses.replace(args, dense_top_k=463 - len(ignored) - 1))  # the largest k with a tail
+    world_models(world, dataclasses.replace(args, dense_top_k=463 - len(ignored) - 1))  # the largest k with a tail
 
 
 def test_a_teacher_with_more_head_rows_runs_over_the_ids_both_heads_have(world):
@@ -451,7 +460,7 @@ def test_a_teacher_with_more_head_rows_runs_over_the_ids_both_heads_have(world):
     wide.resize_token_embeddings(463 + 9, mean_resizing=False)
     wide.eval().requires_grad_(False)
     args = dataclasses.replace(world["args"], dense_weight=1.0, share_prompt_prefix="false")
-    models = g.make_models(args, Accelerator(cpu=True), world["processor"], world["student"], {"t": wide}, QUIET)
+    models = world_models(world, args, teacher=wide)
     (plugin,) = [p for p in models.plugins if isinstance(p, ex.DenseDistillation)]
     assert plugin.spec.vocab == 463
     rollout = dataclasses.replace(world["rollouts"][0], extra=dict(world["rollouts"][0].extra))
