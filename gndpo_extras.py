@@ -16,6 +16,7 @@ from the script's module object.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,10 +38,15 @@ class ExtrasArgs:
     score_std_floor: float = _flag(0.0, "global mode: only center a step whose scores' std is below this; 0 = off.")
     reward_weight: float = _flag(0.0, "w: add w * the group-normalized task reward to the advantages; 0 = off.")
     constant_advantage: float = _flag(-1.0, "--advantage_mode constant: each valid token's advantage.")
+    dense_weight: float = _flag(0.0, "lambda: add lambda * the dense divergence to the update's loss; 0 = off.")
+    dense_beta: float = _flag(1.0, "The dense term's generalized JSD: 0 forward KL, 1 reverse KL (TRL's convention).")
+    dense_top_k: int = _flag(0, "The dense term over the teacher's top k ids and a tail; 0 = the whole vocabulary.")
+    pg_weight: float = _flag(1.0, "The weight of GNDPO's policy loss beside the dense term; 0 = dense only (TRL's).")
 
 
 ARGS = ExtrasArgs  # the script parses these with its own Args
 RANGES = {"score_std_floor": 0, "reward_weight": 0, "power_alpha": -1}  # lowest values (-1: above 0), the script checks
+RANGES |= {"dense_weight": 0, "dense_top_k": 0, "pg_weight": 0}
 
 
 def power_scores(
@@ -136,6 +142,12 @@ def check_args(script, args, num_processes: int) -> list[str]:
         problems.append(
             "--reward_weight grades answers with the optional module gndpo_eval.py: copy it beside the script"
         )
+    if not 0 <= args.dense_beta <= 1:
+        problems.append(f"--dense_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {args.dense_beta}")
+    if args.pg_weight == 0 and args.dense_weight == 0:
+        problems.append("--pg_weight 0 with --dense_weight 0 leaves nothing to train: give --dense_weight a weight")
+    elif args.pg_weight != 1 and args.dense_weight == 0:
+        problems.append(f"--pg_weight {args.pg_weight} weighs the policy loss against a dense term: add --dense_weight")
     return problems
 
 
@@ -213,6 +225,325 @@ class BeyondThePaper:
         return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Dense distillation (--dense_weight): the divergence of the student's next-token distribution from the teacher's at
+# every response position (the whole vocabulary, or the teacher's top k ids and a tail), beside GNDPO's sampled-token
+# score or alone. The math first (pure functions that copy out), then how a run reads both LM heads (DenseTap) and
+# the plug-in that adds the term to the update's loss (DenseDistillation).
+# ---------------------------------------------------------------------------------------------
+
+
+def _kl_terms(p_logps: torch.Tensor, q_logps: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) over the last dim of two log-prob tensors, a point where P has no mass (-inf) adding 0. Both -inf
+    entries are replaced before any arithmetic, so the gradient at them is 0, not NaN."""
+    has = p_logps > float("-inf")
+    p_safe = torch.where(has, p_logps, torch.zeros_like(p_logps))
+    q_safe = torch.where(has, q_logps, torch.zeros_like(q_logps))
+    return torch.where(has, p_safe.exp() * (p_safe - q_safe), torch.zeros_like(p_safe)).sum(-1)
+
+
+def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """The generalized Jensen-Shannon divergence of two distributions given as log-probs over the last dim, in TRL's
+    convention (its DistillationTrainer, after GKD, arXiv 2306.13649): beta = 0 the forward KL(T || S), beta = 1 the
+    reverse KL(S || T), otherwise beta KL(T || M) + (1 - beta) KL(S || M) with M = beta T + (1 - beta) S.
+    (..., P) each, -inf where a distribution has no mass; returns (...)."""
+    s, t = student_logps, teacher_logps
+    if beta == 0:
+        return _kl_terms(t, s)
+    if beta == 1:
+        return _kl_terms(s, t)
+    empty = (s == float("-inf")) & (t == float("-inf"))  # no mass in either: M has none, and neither KL reads it
+    s_m, t_m = (torch.where(empty, torch.zeros_like(x), x) for x in (s, t))
+    m = torch.logaddexp(s_m + math.log(1 - beta), t_m + math.log(beta))
+    return beta * _kl_terms(t, m) + (1 - beta) * _kl_terms(s, m)
+
+
+def topk_with_tail(logps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A distribution on k ids and one tail bucket: (..., V) log-probs and (..., k) ids -> (..., k + 1) log-probs, the
+    ids' own and the log of the mass outside them (a logsumexp over the other ids: no 1 - sum rounding)."""
+    tail = logps.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.cat([logps.gather(-1, ids), tail], -1)
+
+
+def dense_divergence(
+    student_logps: torch.Tensor, teacher_logps: torch.Tensor, mask: torch.Tensor, beta: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """The dense term's divergence at every response position (the reference; the training path never builds (n, R,
+    V) tensors: gndpo_fast's dense_head). student_logps, teacher_logps: (n, R, V) log-softmaxed, over the same ids,
+    -inf at ids neither may emit (the image special tokens); mask: (n, R). top_k = 0: the generalized JSD
+    (generalized_jsd, beta as TRL's) over the whole vocabulary; top_k > 0: over the teacher's k most likely ids at
+    each position and a tail bucket holding each distribution's mass outside them (topk_with_tail), a (k + 1)-point
+    distribution that stays proper (verl PR 7855). Returns (n, R) float32 (float64 for float64 inputs), 0 off the
+    mask."""
+    s, t = student_logps, teacher_logps
+    if top_k:
+        ids = t.topk(top_k, -1).indices  # (n, R, k)
+        s, t = topk_with_tail(s, ids), topk_with_tail(t, ids)
+    d = generalized_jsd(s, t, beta).to(torch.promote_types(student_logps.dtype, torch.float32))
+    return torch.where(mask.bool(), d, torch.zeros_like(d))
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, num_sequences: float | None = None) -> torch.Tensor:
+    """values (n, R) averaged as the policy loss is: over each sequence's valid tokens, then summed over sequences and
+    divided by num_sequences (the mini-batch's sequences with a valid token, all processes; None: this batch's)."""
+    m = mask.to(values.dtype)
+    lengths = m.sum(1)
+    has = lengths > 0
+    count = has.sum().item() if num_sequences is None else num_sequences
+    per_sequence = (values * m).sum(1) / lengths.clamp(min=1)  # (n,)
+    return per_sequence[has].sum() / count if count > 0 else (values * 0).sum()
+
+
+METRIC_TOP_K = 8  # the k of teacher_topk_mass and topk_overlap where the divergence is the whole vocabulary's
+
+
+@dataclass
+class DenseSpec:
+    """What the dense term computes, the same in every forward of a run."""
+
+    beta: float  # generalized_jsd's
+    top_k: int  # 0: the whole vocabulary
+    temperature: float  # applied to both models' logits, as the sampler applies it
+    ignore_ids: torch.Tensor | None  # (K,) ids neither distribution holds (the image special tokens)
+    vocab: int  # the ids both LM heads have (a 7B teacher may have more rows than its 3B student)
+    metric_k: int  # top_k, or METRIC_TOP_K for the whole vocabulary: the k of the metrics and of the teacher's top-k
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V') logits of either model -> (..., vocab) float32 log-probs: tempered, the ignored ids at -inf."""
+        z = logits[..., : self.vocab]
+        z = z.to(torch.promote_types(z.dtype, torch.float32)) / self.temperature  # float64 stays (the tests')
+        if self.ignore_ids is not None:
+            z = z.index_fill(-1, self.ignore_ids, float("-inf"))
+        return torch.log_softmax(z, -1)
+
+
+@dataclass
+class DenseTeacher:
+    """The teacher's side of a micro-batch's dense term, read once when the batch is scored. (n, R) positions."""
+
+    topk_ids: torch.Tensor  # (n, R, k) the teacher's k most likely ids (k: the spec's metric_k)
+    topk_logps: torch.Tensor  # (n, R, k + 1) float32 their log-probs and the tail's (topk_with_tail)
+    # the whole vocabulary only: [(rows (m,) or None for all, x (m, R, D), head)] per teacher, x the final hidden
+    # states with the head (an nn.Linear, applied chunk by chunk) or, with head None, the logits themselves
+    groups: list = field(default_factory=list)
+
+    def positions(self, start: int, length: int) -> DenseTeacher:
+        """The positions start .. start + length - 1 of every row."""
+        cut = slice(start, start + length)
+        groups = [(rows, x[:, cut], head) for rows, x, head in self.groups]
+        return DenseTeacher(self.topk_ids[:, cut], self.topk_logps[:, cut], groups)
+
+
+def _logits(x: torch.Tensor, head) -> torch.Tensor:
+    """x itself (logits, head None) or the head's logits of hidden states x, without the module's hooks."""
+    return x if head is None else torch.nn.functional.linear(x.to(head.weight.dtype), head.weight, head.bias)
+
+
+class DenseTap:
+    """A model's LM head while the dense term reads it, set on the head module as `dense_tap` (tapped) for one forward.
+    Each forward reports the response positions start .. start + T - 1 it computes to report(start, ...): gndpo_fast's
+    forwards do so themselves (fast_forwards; they run its chunked head), the script's plain one through a hook on
+    the head's output (plain). A teacher's tap (teacher None) takes (start, x, head): (n, T, H) final hidden states
+    and the head (an nn.Linear), or (n, T, V) logits with head None; it keeps their top k at once, and the states
+    themselves where the divergence is the whole vocabulary's. A student's tap (teacher: its DenseTeacher) takes
+    (start, out, overlap): out (n, T, 2) float32 whose [..., 1] is the divergence with the gradient, overlap (n, T)
+    how many of the student's top k the teacher's holds."""
+
+    def __init__(self, spec: DenseSpec, teacher: DenseTeacher | None = None, fast_forwards: bool = False):
+        self.spec, self.teacher, self.fast_forwards, self.records = spec, teacher, fast_forwards, []
+
+    def report(self, start: int, *values) -> None:
+        if self.teacher is not None:
+            self.records.append((start, *values))
+            return
+        x, head = values
+        with torch.no_grad():
+            ids, logps, mass = teacher_topk(x, head, self.spec)
+        self.records.append((start, None if self.spec.top_k else x.detach(), head, ids, logps, mass))
+
+    def plain(self, logits: torch.Tensor) -> None:
+        """The plain path's report: the head's (n, R + 1, V) output (its last position predicts nothing scored)."""
+        logits = logits[:, :-1]
+        if self.teacher is None:
+            self.report(0, logits, None)
+            return
+        s, t, beta = self.spec.log_softmax(logits), self.teacher, self.spec.beta  # s: (n, R, vocab), with the gradient
+        if self.spec.top_k:
+            divergence = generalized_jsd(topk_with_tail(s, t.topk_ids), t.topk_logps, beta)
+        else:
+            divergence = generalized_jsd(s, teacher_logps(t, s.shape, self.spec), beta)
+        overlap = topk_overlap(s.detach(), t.topk_ids)
+        self.report(0, torch.stack([torch.zeros_like(divergence), divergence], -1), overlap)
+
+
+def topk_overlap(student_logps: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """(..., V) student log-probs and (..., k) teacher ids -> (...) how many of the student's top k are among them."""
+    mine = student_logps.topk(teacher_ids.shape[-1], -1).indices  # (..., k)
+    return (mine[..., :, None] == teacher_ids[..., None, :]).any(-1).sum(-1).float()
+
+
+def teacher_logps(teacher: DenseTeacher, shape: tuple, spec: DenseSpec) -> torch.Tensor:
+    """The plain path's (n, R, vocab) teacher log-probs from its groups (logits, or hidden states and their head)."""
+    out = torch.zeros(shape, dtype=torch.float32, device=teacher.topk_logps.device)
+    for rows, x, head in teacher.groups:
+        out[slice(None) if rows is None else rows, : x.shape[1]] = spec.log_softmax(_logits(x, head))
+    return out
+
+
+def teacher_topk(x: torch.Tensor, head, spec: DenseSpec, chunk_elements: int = 2**22) -> tuple:
+    """A teacher's top metric_k at every position, chunk by chunk: (n, T, D) hidden states with their head (an
+    nn.Linear), or logits with head None -> ((n, T, k) ids, (n, T, k + 1) float32 log-probs with the tail (n, T) their
+    mass)."""
+    n, T, k = *x.shape[:2], spec.metric_k
+    flat = x.reshape(n * T, -1)
+    ids = torch.empty(n * T, k, dtype=torch.long, device=x.device)
+    logps = torch.empty(n * T, k + 1, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    rows = max(1, chunk_elements // spec.vocab)
+    for r in range(0, n * T, rows):
+        t = spec.log_softmax(_logits(flat[r : r + rows], head))  # (c, vocab)
+        ids[r : r + rows] = t.topk(k, -1).indices
+        logps[r : r + rows] = topk_with_tail(t, ids[r : r + rows])
+    mass = logps[:, :k].exp().sum(-1)
+    return ids.view(n, T, k), logps.view(n, T, k + 1), mass.view(n, T)
+
+
+def _head(model):
+    """A (DDP-wrapped, LoRA-wrapped) model's LM head module."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_output_embeddings()
+
+
+@contextlib.contextmanager
+def tapped(models: list, make_tap: Callable):
+    """Within it each model's LM head holds make_tap() as `dense_tap`, and where no forward reports to it itself (the
+    plain path) a hook reports the head's output; yields {head: its tap}."""
+    taps, hooks = {}, []
+    for model in models:
+        head = _head(model)
+        if head in taps:  # the LoRA self-teacher is the student: one head
+            continue
+        taps[head] = head.dense_tap = make_tap()
+        if not taps[head].fast_forwards:
+            hooks.append(head.register_forward_hook(lambda module, args, out: module.dense_tap.plain(out)))
+    try:
+        yield taps
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for head in taps:
+            del head.dense_tap
+
+
+def _joined(records: list, width: int) -> list:
+    """One forward's records (start, field, ...), sorted by position, as one tensor per field, its dim 1 the positions
+    0 .. width - 1 (zeros past the records); a field that is no tensor (a head, None) as the first record's."""
+    records = sorted(records, key=lambda r: r[0])
+    starts = [r[0] for r in records]
+    lengths = [next(v for v in r[1:] if torch.is_tensor(v)).shape[1] for r in records]
+    if starts != [sum(lengths[:i]) for i in range(len(records))]:
+        raise RuntimeError(f"the dense term's reports cover positions {list(zip(starts, lengths))}, not 0 .. R - 1")
+    fields = []
+    for parts in zip(*(r[1:] for r in records)):
+        if not torch.is_tensor(parts[0]):
+            fields.append(parts[0])
+            continue
+        joined = torch.cat(parts, 1)
+        fields.append(torch.nn.functional.pad(joined, [0, 0] * (joined.dim() - 2) + [0, width - joined.shape[1]]))
+    return fields
+
+
+class DenseDistillation:
+    """The plug-in behind --dense_weight (the script's Models.plugins): it reads the teacher's side once per
+    micro-batch where the teacher scores it (teacher_forward: rollout.extra["dense_teacher"]), the student's with the
+    gradient in each update forward (student_forward: rollout.extra["dense"], (n, R)), and makes the update's loss
+    pg_weight * the policy loss + dense_weight * the divergence averaged like it (add_loss); then its metrics.
+    teachers: {name: model} (several teachers' rows: rollout.extra["by_teacher"], gndpo_teachers)."""
+
+    def __init__(self, args, spec: DenseSpec, teachers: dict, fast_forwards: bool):
+        self.args, self.spec, self.teachers, self.fast_forwards = args, spec, teachers, fast_forwards
+        self.sums = dict.fromkeys(("dense_loss_sum", "overlap_sum", "overlap_tokens"), 0.0)
+
+    def teacher_forward(self, forward: Callable) -> Callable:
+        """Models.teacher_forward: `forward`, its teachers' LM heads tapped; the micro-batch's DenseTeacher kept
+        (rollout.extra["dense_teacher"]) and the teacher's top-k mass (rollout.extra["teacher_topk_mass"], (n, R))."""
+
+        def dense_teacher(teacher, rollout, ignore_ids, *more):
+            spec, k = self.spec, self.spec.metric_k
+            with tapped(list(self.teachers.values()), lambda: DenseTap(spec, None, self.fast_forwards)) as taps:
+                out = forward(teacher, rollout, ignore_ids, *more)
+            (n, R), device = rollout.response_ids.shape, out.device
+            ids, logps = torch.zeros(n, R, k, dtype=torch.long, device=device), torch.zeros(n, R, k + 1, device=device)
+            mass, groups = torch.zeros(n, R, device=device), []
+            parts = rollout.extra.get("by_teacher") or {None: (None, rollout)}  # several teachers: each its rows
+            for name, (rows, _) in parts.items():
+                tap = taps[_head(self.teachers[name]) if name else next(iter(taps))]
+                if not tap.records:
+                    raise RuntimeError(
+                        "the dense term read nothing of the teacher's LM head: the teacher forward is none of "
+                        "gndpo_fast's or the script's response_logps"
+                    )
+                x, head, part_ids, part_logps, part_mass = _joined(tap.records, R)
+                tap.records = []
+                where = slice(None) if rows is None else rows
+                ids[where], logps[where], mass[where] = part_ids, part_logps, part_mass
+                if not spec.top_k:
+                    groups.append((rows, x, head))
+            rollout.extra["dense_teacher"] = DenseTeacher(ids, logps, groups)
+            rollout.extra["teacher_topk_mass"] = mass
+            return out
+
+        return dense_teacher
+
+    def student_forward(self, forward: Callable) -> Callable:
+        """Models.student_forward: with the gradient on and the teacher's side there, the student's LM head tapped and
+        the divergence at each position kept (rollout.extra["dense"]); otherwise `forward` alone."""
+
+        def dense_student(model, rollout, ignore_ids, temperature=1.0):
+            teacher = rollout.extra.get("dense_teacher")
+            if teacher is None or not torch.is_grad_enabled():  # the old policy's log-probs, an evaluation
+                return forward(model, rollout, ignore_ids, temperature)
+            with tapped([model], lambda: DenseTap(self.spec, teacher, self.fast_forwards)) as taps:
+                logps = forward(model, rollout, ignore_ids, temperature)
+            (tap,) = taps.values()
+            if not tap.records:
+                raise RuntimeError(
+                    "the dense term read nothing of the student's LM head: its forward is not one of "
+                    "gndpo_fast's or the script's response_logps"
+                )
+            out, overlap = _joined(tap.records, rollout.response_ids.shape[1])
+            rollout.extra["dense"], rollout.extra["topk_overlap"] = out[..., 1], overlap
+            return logps
+
+        return dense_student
+
+    def add_loss(self, loss, logps, rollout, mask, num_sequences) -> torch.Tensor:
+        """pg_weight * loss + dense_weight * the micro-batch's divergence averaged like the policy loss."""
+        divergence = sequence_mean(rollout.extra.pop("dense"), mask, num_sequences)
+        overlap = rollout.extra.pop("topk_overlap")
+        self.sums["dense_loss_sum"] += divergence.item()
+        self.sums["overlap_sum"] += float((overlap * mask).sum())
+        self.sums["overlap_tokens"] += float(mask.sum())
+        return self.args.pg_weight * loss + self.args.dense_weight * divergence
+
+    def metric_sums(self, batch) -> dict:
+        """This process's sums of the step: the dense terms of its updates, the teacher's top-k mass over the valid
+        tokens, the top-k overlap over the tokens of every update forward; then they start again."""
+        mass = sum(float((r.extra["teacher_topk_mass"] * m).sum()) for r, _, m in batch.micro_batches())
+        sums, self.sums = self.sums, dict.fromkeys(self.sums, 0.0)
+        return sums | {"teacher_topk_mass_sum": mass}
+
+    def metrics(self, r: dict, batch) -> dict:
+        """dense_loss (the mean over the step's updates of their dense term), teacher_topk_mass, topk_overlap (the
+        share of the student's top k that the teacher's holds), from metric_sums reduced over processes (r)."""
+        updates = self.args.steps_per_generation * self.args.num_iterations
+        return {
+            "dense_loss": r["dense_loss_sum"] / updates,
+            "teacher_topk_mass": r["teacher_topk_mass_sum"] / max(r["tokens"], 1.0),
+            "topk_overlap": r["overlap_sum"] / max(r["overlap_tokens"], 1.0) / self.spec.metric_k,
+        }
+
+
 UPDATE_SIZE_CHUNK = 2**20  # elements update_size turns to float64 at a time: its temporaries stay a few MiB
 
 
@@ -269,3 +600,37 @@ def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> Non
             return models.task_rewards(models.processor, rollouts, answers)
 
         models.plugins.append(BeyondThePaper(args, grade, script.whiten, script.global_sums))
+    if args.dense_weight > 0:
+        plugin = dense_plug_in(models, args, teachers)
+        models.teacher_forward = plugin.teacher_forward(models.teacher_forward or script.response_logps)
+        models.student_forward = plugin.student_forward(models.student_forward or script.response_logps)
+        models.plugins.append(plugin)
+        k = f"the teacher's top {args.dense_top_k} ids and a tail" if args.dense_top_k else "the whole vocabulary"
+        chunked = plugin.fast_forwards and str(args.lean_logps).lower() != "false"
+        path = "chunked over both LM heads (gndpo_fast)" if chunked else "through the (n, R, V) logits"
+        log(
+            f"dense term: {args.dense_weight:g} x the generalized JSD, beta {args.dense_beta:g}, over {k} "
+            f"({plugin.spec.vocab} ids), {path}; the policy loss x {args.pg_weight:g}"
+        )
+
+
+def dense_plug_in(models, args, teachers: dict) -> DenseDistillation:
+    """The dense term's plug-in for the run: its spec (the ids both LM heads have, less the ignored ones), checked
+    against the models (ValueError); gndpo_fast's forwards report to its taps where that module is there (its flags
+    are among the arguments)."""
+    heads = [_head(models.student), *(_head(t) for t in teachers.values())]
+    for head in heads:
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"the dense term reads LM heads that are nn.Linear layers, not {type(head).__name__}")
+    vocab = min(head.out_features for head in heads)  # the shared tokenizer's ids lie below every head's size
+    ignore = models.ignore_ids
+    ignore = None if ignore is None or not (ignore < vocab).any() else ignore[ignore < vocab]
+    free = vocab - (0 if ignore is None else len(ignore.unique()))
+    k = args.dense_top_k or min(METRIC_TOP_K, free - 1)
+    if not 0 < k < free:
+        raise ValueError(
+            f"--dense_top_k {args.dense_top_k} leaves no tail: the divergence runs over the {free} ids both LM heads "
+            f"have less the image special tokens, so k must be below {free}"
+        )
+    spec = DenseSpec(args.dense_beta, args.dense_top_k, args.temperature, ignore, vocab, k)
+    return DenseDistillation(args, spec, teachers, fast_forwards=hasattr(args, "lean_logps"))

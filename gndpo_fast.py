@@ -437,12 +437,16 @@ def head_path(model) -> str:
 
 
 @contextlib.contextmanager
-def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float, drop_last: bool):
+def chunked_head(
+    model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None, temperature: float, drop_last: bool, start: int = 0
+):
     """Within it the LM head's forward returns head_logps of `token_ids` (n, T) instead of (n, keep, V) logits, so
     model(...).logits is (n, T) float32 log-probs; yields whether it did (head_path). The head's own forward is
     replaced, not the module: it still runs inside the model's forward, under the autocast of Accelerate's mixed
     precision (head_logps then computes in that dtype, as the sampler's nn.Linear does), and under FSDP2 inside
-    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient."""
+    its unit's hooks, which gather the weight before and free it after, and reduce-scatter its gradient. A head the
+    dense term taps (gndpo_extras) also reports the response positions start .. start + T - 1 to it (tap_report): a
+    student's then returns dense_head's (n, T, 2), so that the divergence is the head's output too."""
     from torch.distributed.fsdp import FSDPModule
 
     head = _unwrap(model).get_output_embeddings()
@@ -452,10 +456,13 @@ def chunked_head(model, token_ids: torch.Tensor, ignore_ids: torch.Tensor | None
     # a model FSDP2 shards: our kernel, as TRL's on a gathered weight is not checked under FSDP2 yet
     fsdp = any(isinstance(m, FSDPModule) for m in _unwrap(model).modules())
     fn = chunked_head_logps if fsdp else head_logps
+    tap = dense_tap(model)
 
     def forward(hidden):  # (n, keep, H) -> (n, T) log-probs
         hidden = hidden[:, :-1] if drop_last else hidden
-        return fn(hidden, head.weight, token_ids, ignore_ids, temperature, dtype=autocast_dtype(hidden.device.type))
+        dtype = autocast_dtype(hidden.device.type)
+        logps = functools.partial(fn, hidden, head.weight, token_ids, ignore_ids, temperature, dtype=dtype)
+        return logps() if tap is None else tap_report(tap, start, hidden, head, token_ids, ignore_ids, dtype, logps)
 
     head.forward = forward  # an instance attribute: the class's forward comes back when it is deleted
     try:
@@ -473,28 +480,36 @@ def logps_from(
     keep: int,
     drop_last: bool,
     lean: bool = True,
+    start: int = 0,
 ) -> torch.Tensor:
     """model(**inputs) at its `keep` last positions (minus the very last with drop_last) -> (n, T) float32
     log-probs of token_ids there. lean: through head_logps (no (n, T, V) logits) where chunked_head allows, else
-    through the logits and token_logps; not lean: one log_softmax over the logits."""
+    through the logits and token_logps; not lean: one log_softmax over the logits. A head the dense term taps gets
+    the positions start .. start + T - 1 of the response reported (tap_report)."""
+    tap = dense_tap(model)
     with (
-        chunked_head(model, token_ids, ignore_ids, temperature, drop_last)
+        chunked_head(model, token_ids, ignore_ids, temperature, drop_last, start)
         if lean
         else contextlib.nullcontext(False) as chunked
     ):
         out = model(**inputs, logits_to_keep=keep).logits  # (n, T) log-probs when chunked, else (n, keep, V)
     if chunked:
-        return out
+        return out[..., 0] if tap is not None and tap.teacher is not None else out
     out = out[:, :-1] if drop_last else out
+    if tap is not None:  # through the logits: the (n, T, V) path
+        logps = functools.partial(token_logps if lean else _gather_logps, out, token_ids, ignore_ids, temperature)
+        logps = tap_report(tap, start, out, None, token_ids, ignore_ids, None, logps)
+        return logps[..., 0] if tap.teacher is not None else logps
     if not lean:
         return _gather_logps(out, token_ids, ignore_ids, temperature)
     return token_logps(out, token_ids, ignore_ids, temperature)  # temperature applied chunk by chunk
 
 
-def lean_forward(inputs_of: Callable) -> Callable:
+def lean_forward(inputs_of: Callable, lean: bool = True) -> Callable:
     """The script's plain response forward, (model, rollout, ignore_ids, temperature=1.0) -> (n, R) float32
-    log-probs of the response tokens, through logps_from: the same values, with no (n, R, V) float32 logits.
-    inputs_of(rollout) gives the forward's inputs, prompt + response (the script's sequence_inputs)."""
+    log-probs of the response tokens, through logps_from: the same values, with no (n, R, V) float32 logits (lean;
+    not lean: through them, as the script's, for the dense term's taps). inputs_of(rollout) gives the forward's
+    inputs, prompt + response (the script's sequence_inputs)."""
 
     def lean_response_logps(model, rollout, ignore_ids: torch.Tensor | None, temperature: float = 1.0):
         R = rollout.response_ids.shape[1]
@@ -506,9 +521,358 @@ def lean_forward(inputs_of: Callable) -> Callable:
             temperature,
             R + 1,
             True,
+            lean,
         )
 
     return lean_response_logps
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed-up 1 for the dense term (gndpo_extras' --dense_weight): its divergence over the whole vocabulary or the
+# teacher's top k, from the student's hidden states and LM head chunk by chunk, with a backward of its own, beside
+# the sampled tokens' log-probs in the same pass; the teacher's side read once at scoring (its top k, or its hidden
+# states and head). Replaces gndpo_extras' plain path over (n, R, V) log-probs; checked against its reference,
+# dense_divergence, in value and gradient (tests/test_dense.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def dense_tap(model):
+    """The DenseTap gndpo_extras set on the model's LM head while the dense term reads it, or None."""
+    return getattr(_unwrap(model).get_output_embeddings(), "dense_tap", None)
+
+
+@contextlib.contextmanager
+def _untapped(model):
+    """Within it the model's LM head holds no dense tap (a check's forwards are not the step's)."""
+    head = _unwrap(model).get_output_embeddings()
+    tap = head.__dict__.pop("dense_tap", None)
+    try:
+        yield
+    finally:
+        if tap is not None:
+            head.dense_tap = tap
+
+
+def tap_report(
+    tap, start: int, x, head, token_ids, ignore_ids, dtype, teacher_logps: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """The response positions start .. start + T - 1 reported to a dense tap: x (n, T, H) hidden states with the
+    head (an nn.Linear) or (n, T, V) logits with head None. A teacher's tap takes x and the head, and the caller's own
+    log-probs come back (teacher_logps()); a student's takes dense_head's (n, T, 2) output, which comes back:
+    [..., 0] the sampled tokens' log-probs, [..., 1] the divergence, both with the gradient."""
+    if tap.teacher is None:
+        tap.report(start, x, head)
+        return teacher_logps()
+    weight = None if head is None else head.weight
+    teacher = tap.teacher.positions(start, x.shape[1])
+    out, overlap = dense_head(x, weight, token_ids, teacher, tap.spec, ignore_ids, dtype)
+    tap.report(start, out, overlap)
+    return out
+
+
+def _plogr(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """p (a - b) where p > 0, else 0 (a point without mass adds nothing, whatever a - b is there)."""
+    return torch.where(p > 0, p * (a - b), torch.zeros_like(p))
+
+
+def _jsd_and_grad(s: torch.Tensor, t: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generalized JSD of two (c, P) log-prob tensors (TRL's convention: beta 0 KL(T || S), 1 KL(S || T)) and its
+    gradient with respect to s taken as P free values: ((c,), (c, P))."""
+    ps, pt = s.exp(), t.exp()
+    if beta == 0:
+        return _plogr(pt, t, s).sum(-1), -pt
+    if beta == 1:
+        terms = _plogr(ps, s, t)
+        return terms.sum(-1), terms + ps
+    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+    student = _plogr(ps, s, m)
+    return beta * _plogr(pt, t, m).sum(-1) + (1 - beta) * student.sum(-1), (1 - beta) * student
+
+
+def _dense_segments(teacher, n: int, T: int, device) -> list[tuple]:
+    """Which flat positions (n * T) read which teacher: [(positions (L,), teacher x (L, D) or None, head or None)];
+    one segment for the top k (the teacher's side is in its topk tensors), one per teacher for the whole vocabulary."""
+    if not teacher.groups:
+        return [(torch.arange(n * T, device=device), None, None)]
+    out = []
+    for rows, x, head in teacher.groups:
+        rows = torch.arange(n, device=device) if rows is None else rows.to(device)
+        positions = (rows[:, None] * T + torch.arange(T, device=device)).reshape(-1)
+        out.append((positions, x.reshape(len(positions), -1), head))
+    return out
+
+
+DENSE_ROWS = 256  # positions per chunk: enough rows for the LM heads' matmuls to run at speed
+# logits per tile (rows x vocabulary columns): a few MiB, so that a tile's elementwise passes stay in cache
+DENSE_TILE = 2**21
+
+
+class _Online:
+    """Running logsumexp statistics of rows seen tile by tile: a max and a sum of exp(x - max) per row."""
+
+    def __init__(self, rows: int, dtype, device):
+        self.max = torch.full((rows,), -math.inf, dtype=dtype, device=device)
+        self.sum = torch.zeros(rows, dtype=dtype, device=device)
+
+    def add(self, tile: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folds a (rows, w) tile in: returns exp(tile - the new max) and the factor the earlier sums were scaled by."""
+        new = torch.maximum(self.max, tile.amax(-1))
+        shift = torch.where(new > -math.inf, new, torch.zeros_like(new))  # a row with no finite logit yet
+        scale = (self.max - shift).exp()
+        e = (tile - shift[:, None]).exp()
+        self.sum, self.max = self.sum * scale + e.sum(-1), new
+        return e, scale
+
+    def lse(self) -> torch.Tensor:
+        return self.max + self.sum.log()
+
+
+class _Chunk:
+    """One chunk of positions, its logits made tile by tile (rows x vocabulary columns, never a whole row of the
+    vocabulary): the student's from its hidden states h and head weight (or h itself, logits, with weight None),
+    tempered, the ignored ids at -inf; for the whole vocabulary the teacher's the same way from x_t and its head."""
+
+    def __init__(self, h, weight, dtype, spec, ignore_ids, x_t, head_t, width: int, acc):
+        self.h, self.weight, self.dtype, self.spec, self.ignore, self.acc = h, weight, dtype, spec, ignore_ids, acc
+        self.x_t, self.head_t, self.width = x_t, head_t, width
+        self.V = h.shape[1] if weight is None else weight.shape[0]  # the student's ids; the divergence: spec.vocab
+
+    def logits(self, x, weight, bias, dtype, v0: int, v1: int, ignore) -> torch.Tensor:
+        z = x[:, v0:v1] if weight is None else x.to(dtype) @ weight[v0:v1].to(dtype).T
+        z = z.to(self.acc, copy=weight is None)  # from logits: a copy, changed in place below
+        if bias is not None:
+            z += bias[v0:v1]
+        if self.spec.temperature != 1.0:
+            z /= self.spec.temperature
+        if ignore is not None and len(ignore):
+            z.index_fill_(1, ignore, -math.inf)
+        return z
+
+    def local(self, ids, v0: int, v1: int):
+        return None if ids is None else ids[(ids >= v0) & (ids < v1)] - v0
+
+    def tiles(self):
+        """(v0, v1, u1, zs (c, v1 - v0), zt (c, u1 - v0) or None, the ignored ids of [v0, u1) local to the tile):
+        u1 = min(v1, vocab), the end of the tile's part the divergence reads (none where v0 >= vocab)."""
+        vocab = self.spec.vocab
+        for v0 in range(0, self.V, self.width):
+            v1 = min(v0 + self.width, self.V)
+            u1 = min(v1, vocab)
+            zs = self.logits(self.h, self.weight, None, self.dtype, v0, v1, self.local(self.ignore, v0, v1))
+            local = self.local(self.spec.ignore_ids, v0, u1) if v0 < vocab else None
+            zt = None
+            if self.x_t is not None and v0 < vocab:
+                w_t = None if self.head_t is None else self.head_t.weight
+                bias = None if self.head_t is None else self.head_t.bias
+                dtype = self.x_t.dtype if w_t is None else w_t.dtype
+                zt = self.logits(self.x_t, w_t, bias, dtype, v0, u1, local)
+            yield v0, v1, u1, zs, zt, local
+
+
+def _merge_topk(values, ids, tile: torch.Tensor, v0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running top k (values, ids) of rows, with a tile of their logits starting at id v0 folded in."""
+    k = values.shape[1]
+    v, i = tile.topk(min(k, tile.shape[1]), -1)
+    v, i = torch.cat([values, v], 1), torch.cat([ids, i + v0], 1)
+    top = v.topk(k, -1).indices
+    return v.gather(1, top), i.gather(1, top)
+
+
+def _topk_in_tile(ids: torch.Tensor, v0: int, u1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, js): where in ids (c, k) the ids of the tile [v0, u1) are; their columns in it: ids[rows, js] - v0."""
+    rows, js = ((ids >= v0) & (ids < u1)).nonzero(as_tuple=True)
+    return rows, js
+
+
+def _chunk_forward(ch: _Chunk, tokens, ids, points_t, beta: float) -> dict:
+    """One chunk's pass over its tiles: the sampled tokens' logits, the logsumexps, the student's running top k and,
+    for the whole vocabulary, beta 0 or 1's divergence in the same pass (a second one for the JSD); for the top k
+    the k ids' logits and the tail's logsumexp. Returns per-row tensors (c,)."""
+    c, acc, device, vocab, k = ch.h.shape[0], ch.acc, ch.h.device, ch.spec.vocab, ids.shape[1]
+    student = _Online(c, acc, device)  # over the ids the divergence reads
+    whole = _Online(c, acc, device) if ch.V > vocab else student  # over all the student's ids: the tokens' lse
+    teacher, tail = _Online(c, acc, device), _Online(c, acc, device)
+    gap, picked = torch.zeros(c, dtype=acc, device=device), torch.zeros(c, dtype=acc, device=device)
+    top_v, top_i = torch.full((c, k), -math.inf, dtype=acc, device=device), torch.zeros(c, k, dtype=torch.long)
+    top_i, z_ids = top_i.to(device), torch.zeros(c, k, dtype=acc, device=device)
+    for v0, v1, u1, zs, zt, local in ch.tiles():
+        if tokens is not None:
+            inside = ((tokens >= v0) & (tokens < v1)).nonzero(as_tuple=True)[0]
+            picked[inside] = zs[inside, tokens[inside] - v0]
+        if whole is not student:
+            whole.add(zs)
+        if v0 >= vocab:
+            continue
+        zd = zs[:, : u1 - v0]
+        e_s, scale_s = student.add(zd)
+        top_v, top_i = _merge_topk(top_v, top_i, zd, v0)
+        if points_t is not None:  # the top k: their logits, and the tail over the others
+            rows, j = _topk_in_tile(ids, v0, u1)
+            z_ids[rows, j] = zd[rows, ids[rows, j] - v0]
+            outside = zd.clone()
+            outside[rows, ids[rows, j] - v0] = -math.inf
+            tail.add(outside)
+        else:
+            e_t, scale_t = teacher.add(zt)
+            if beta in (0.0, 1.0):  # sum p (z_a - z_b) of the KL's own side, in the same pass
+                diff = (zd - zt) if beta == 1 else (zt - zd)
+                if local is not None:
+                    diff.index_fill_(1, local, 0.0)  # -inf - -inf at the ignored ids, weighted 0 anyway
+                gap = gap * (scale_s if beta == 1 else scale_t) + ((e_s if beta == 1 else e_t) * diff).sum(-1)
+    out = {"lse_whole": whole.lse(), "lse": student.lse(), "picked": picked, "top": top_i}
+    if points_t is not None:
+        out["tail"], out["z_ids"] = tail.lse(), z_ids
+        points = torch.cat([z_ids - out["lse"][:, None], (out["tail"] - out["lse"])[:, None]], 1)
+        out["divergence"], _ = _jsd_and_grad(points, points_t.to(acc), beta)
+        return out
+    out["lse_t"] = teacher.lse()
+    if beta == 1:
+        out["divergence"] = gap / student.sum - out["lse"] + out["lse_t"]
+    elif beta == 0:
+        out["divergence"] = gap / teacher.sum - out["lse_t"] + out["lse"]
+    else:  # the mixture needs both normalizers: a second pass
+        out["divergence"], out["kl_s"] = (torch.zeros(c, dtype=acc, device=device) for _ in range(2))
+        for v0, _, u1, zs, zt, _ in ch.tiles():
+            if v0 >= vocab:
+                continue
+            s, t = zs[:, : u1 - v0] - out["lse"][:, None], zt - out["lse_t"][:, None]
+            m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+            student_side = _plogr(s.exp(), s, m).sum(-1)
+            out["divergence"] += beta * _plogr(t.exp(), t, m).sum(-1) + (1 - beta) * student_side
+            out["kl_s"] += student_side
+    return out
+
+
+def _chunk_backward(ch: _Chunk, tokens, ids, points_t, beta: float, saved: dict, g_logp, g_div, grad_weight):
+    """One chunk's gradient, tile by tile: d = g_logp (onehot(y) - p) + g_div dD/dz over tau, to the hidden states
+    (d @ W, summed over tiles) and the head's rows of the tile (d^T @ h); from logits, d itself. dD/dz: the closed
+    forms of TRL's kernel for the whole vocabulary (p (s - t - D), p - q, (1 - beta) p (s - m - KL(S || M))); for the
+    top k, the gradient with respect to the k + 1 points (_jsd_and_grad) through the log-softmax and the tail's own
+    softmax. Returns the (c, H) (or (c, V)) gradient; a trainable head's (grad_weight, (V, H)) gets its rows added."""
+    vocab, lse, g_logp, g_div = ch.spec.vocab, saved["lse"][:, None], g_logp[:, None], g_div[:, None]
+    if points_t is not None:
+        points = torch.cat([saved["z_ids"] - lse, (saved["tail"] - saved["lse"])[:, None]], 1)
+        _, g = _jsd_and_grad(points, points_t.to(points.dtype), beta)
+        g_sum, k = g.sum(-1, keepdim=True), ids.shape[1]
+    grad = torch.zeros(ch.h.shape, dtype=ch.acc, device=ch.h.device)
+    for v0, v1, u1, zs, zt, local in ch.tiles():
+        d = (zs - saved["lse_whole"][:, None]).exp_().mul_(-g_logp)  # the sampled token's: -g p, then + g at it
+        if tokens is not None:
+            inside = ((tokens >= v0) & (tokens < v1)).nonzero(as_tuple=True)[0]
+            d[inside, tokens[inside] - v0] += g_logp[inside, 0]
+        if v0 < vocab:
+            s = zs[:, : u1 - v0] - lse
+            p = s.exp()
+            if points_t is not None:
+                dd = p * -g_sum
+                rows, j = _topk_in_tile(ids, v0, u1)
+                dd[rows, ids[rows, j] - v0] += g[rows, j]
+                outside = (zs[:, : u1 - v0] - saved["tail"][:, None]).exp_()
+                outside[rows, ids[rows, j] - v0] = 0.0
+                dd += g[:, k:] * outside
+            else:
+                t = zt.sub_(saved["lse_t"][:, None])
+                if beta == 1:
+                    dd = p * (s - t - saved["divergence"][:, None])
+                elif beta == 0:
+                    dd = p - t.exp_()
+                else:
+                    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+                    dd = (1 - beta) * p * (s - m - saved["kl_s"][:, None])
+                if local is not None:
+                    dd.index_fill_(1, local, 0.0)  # no mass at the ignored ids (the formulas give NaN there)
+            d[:, : u1 - v0] += g_div * dd
+        if ch.spec.temperature != 1.0:
+            d /= ch.spec.temperature
+        if ch.weight is None:
+            grad[:, v0:v1] = d
+            continue
+        d = d.to(ch.dtype)
+        grad += (d @ ch.weight[v0:v1].to(ch.dtype)).to(ch.acc)
+        if grad_weight is not None:
+            grad_weight[v0:v1].addmm_(d.T.to(ch.acc), ch.h.to(ch.acc))
+    return grad
+
+
+class _DenseHead(torch.autograd.Function):
+    """dense_head under autograd: per chunk of positions the logits are made tile by tile from the hidden states and
+    head (or read from given logits), folded into running statistics (_chunk_forward) and dropped; backward makes
+    them again, tile by tile (_chunk_backward). Only (n * T, ...) per-position statistics are kept between the two."""
+
+    @staticmethod
+    def forward(ctx, x, weight, token_ids, teacher, spec, ignore_ids, dtype, rows, tile):
+        n, T = x.shape[:2]
+        flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)
+        out = torch.zeros(n, T, 2, dtype=acc, device=x.device)  # written through a flat view: no view itself
+        overlap = torch.zeros(n, T, dtype=torch.float32, device=x.device)
+        flat_out, tokens = out.view(n * T, 2), None if token_ids is None else token_ids.reshape(-1)
+        ids_all, points_all = teacher.topk_ids.reshape(n * T, -1), teacher.topk_logps.reshape(n * T, -1)
+        saved = []
+        for where, ch in _dense_chunks(flat, n, T, weight, teacher, spec, ignore_ids, dtype, rows, tile, acc):
+            points = points_all[where] if spec.top_k else None
+            r = _chunk_forward(ch, None if tokens is None else tokens[where], ids_all[where], points, spec.beta)
+            if tokens is not None:
+                flat_out[where, 0] = r["picked"] - r["lse_whole"]
+            flat_out[where, 1] = r["divergence"]
+            overlap.view(-1)[where] = (r["top"][:, :, None] == ids_all[where][:, None, :]).any(-1).sum(-1).float()
+            saved.append({k: v for k, v in r.items() if k not in ("picked", "top")})
+        ctx.save_for_backward(x, weight, token_ids)
+        ctx.more = teacher, spec, ignore_ids, dtype, rows, tile, saved
+        ctx.mark_non_differentiable(overlap)
+        return out, overlap
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        x, weight, token_ids = ctx.saved_tensors
+        teacher, spec, ignore_ids, dtype, rows, tile, saved = ctx.more
+        n, T = x.shape[:2]
+        flat, acc = x.reshape(n * T, -1), torch.promote_types(x.dtype, torch.float32)
+        grad_out, tokens = grad_out.reshape(n * T, 2).to(acc), None if token_ids is None else token_ids.reshape(-1)
+        ids_all, points_all = teacher.topk_ids.reshape(n * T, -1), teacher.topk_logps.reshape(n * T, -1)
+        grad = torch.zeros(flat.shape, dtype=acc, device=x.device)
+        train_head = weight is not None and ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=x.device) if train_head else None
+        chunks = _dense_chunks(flat, n, T, weight, teacher, spec, ignore_ids, dtype, rows, tile, acc)
+        for (where, ch), s in zip(chunks, saved):
+            points = points_all[where] if spec.top_k else None
+            token = None if tokens is None else tokens[where]
+            g_logp, g_div = grad_out[where, 0], grad_out[where, 1]
+            grad[where] = _chunk_backward(ch, token, ids_all[where], points, spec.beta, s, g_logp, g_div, grad_weight)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad.to(x.dtype).view_as(x), grad_weight, *(None,) * 7
+
+
+def _dense_chunks(flat, n: int, T: int, weight, teacher, spec, ignore_ids, dtype, rows: int, tile: int, acc):
+    """(positions (c,), _Chunk) per chunk of at most `rows` of the n x T positions, each segment in turn."""
+    width = max(1, tile // rows)
+    for positions, teacher_x, head in _dense_segments(teacher, n, T, flat.device):
+        for c in range(0, len(positions), rows):
+            where = positions[c : c + rows]
+            x_t = None if teacher_x is None else teacher_x[c : c + rows]
+            yield where, _Chunk(flat[where], weight, dtype, spec, ignore_ids, x_t, head, width, acc)
+
+
+def dense_head(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
+    teacher,
+    spec,
+    ignore_ids: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    rows: int = DENSE_ROWS,
+    tile: int = DENSE_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense term at n x T positions without (n, T, V) tensors: x (n, T, H) the student's final hidden states with
+    its LM head weight (V, H), or (n, T, V) logits with weight None; token_ids (n, T) the sampled tokens (None: no
+    log-probs); teacher: gndpo_extras' DenseTeacher at the same positions (its top k, or its hidden states and head
+    per group of rows); spec: its DenseSpec (beta, top_k, temperature, vocab, metric_k); ignore_ids: (K,) ids at
+    -inf in the student's logits; dtype: the head's matmuls' (None: the weight's). Chunks of at most `rows`
+    positions, their logits made in tiles of at most `tile` (rows x columns). Returns ((n, T, 2) float32: [..., 0]
+    the sampled tokens' log-probs, [..., 1] the divergence, with the gradient to x and a trainable weight; (n, T) how
+    many of the student's top metric_k ids the teacher's holds)."""
+    dtype = dtype or (weight.dtype if weight is not None else x.dtype)
+    return _DenseHead.apply(x, weight, token_ids, teacher, spec, ignore_ids, dtype, rows, tile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,6 +927,18 @@ def _checkpointing_with_cache(model):
             del m._can_checkpoint_with_cache  # back to the class's own value
 
 
+@contextlib.contextmanager
+def _head_input(model, seen: list):
+    """Within it the LM head's forward (its class's) also appends its input, the final hidden states, to `seen`."""
+    head = _unwrap(model).get_output_embeddings()
+    forward = head.forward
+    head.forward = lambda hidden: (seen.append(hidden), forward(hidden))[1]
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 class SharedPrefix:
     """The u distinct prompts of n rows read once, their KV cache indexed to the rows; then the rows' responses
     continue on it, in one forward (logps: scoring and the update) or token by token (sample: rollouts).
@@ -576,19 +952,24 @@ class SharedPrefix:
     prompt's forward is not checkpointed and the response's reads the cache without writing it.
     """
 
-    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor):
+    def __init__(self, model, prompt_inputs: dict, index: torch.Tensor, keep_hidden: bool = False):
         device = index.device
         prompt = {k: v.to(device) for k, v in prompt_inputs.items()}  # (u, P) ids and mask, images
         seen = {}
         hook = _decoder(model).register_forward_pre_hook(
             lambda module, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True
         )
+        head_inputs = []  # keep_hidden: the LM head's input, the prompt's last final hidden state (u, 1, H)
         try:
-            with _checkpointing_off(model):
+            with (
+                _checkpointing_off(model),
+                _head_input(model, head_inputs) if keep_hidden else contextlib.nullcontext(),
+            ):
                 out = model(**prompt, use_cache=True, logits_to_keep=1)  # (u, 1, V)
         finally:
             hook.remove()
         self.model, self.first, self.cache = model, out.logits[:, -1].index_select(0, index), out.cache
+        self.first_hidden = head_inputs[0][:, -1].index_select(0, index) if head_inputs else None  # (n, H): dense
         self.cache.reorder_cache(index)  # (u, ...) -> (n, ...): the G samples of a prompt read the same keys
         self.mask = prompt["attention_mask"].index_select(0, index)  # (n, P), grows with the response
         # token types (mm_token_type_ids, token_type_ids): response tokens are text
@@ -641,16 +1022,27 @@ class SharedPrefix:
         through the cache into the prompt's forward, so the student's update can use it too. lean: the response's
         log-probs through logps_from's lean path (--lean_logps), else the plain gather."""
         ids, mask = rollout.response_ids, rollout.response_mask
-        shared = SharedPrefix(model, rollout.extra["prompt_inputs"], rollout.extra["prompt_index"].to(ids.device))
-        first = (token_logps if lean else _gather_logps)(
-            shared.first[:, None], ids[:, :1], ignore_ids, temperature
+        tap = dense_tap(model)  # the dense term's (gndpo_extras): the first position's hidden state, where chunked
+        hidden = tap is not None and lean and head_path(model) == "chunked head"
+        index = rollout.extra["prompt_index"].to(ids.device)
+        shared = SharedPrefix(model, rollout.extra["prompt_inputs"], index, keep_hidden=hidden)
+        first = functools.partial(
+            token_logps if lean else _gather_logps, shared.first[:, None], ids[:, :1], ignore_ids, temperature
         )  # (n, 1)
+        if tap is None:
+            first = first()
+        else:
+            head = _unwrap(model).get_output_embeddings() if hidden else None
+            x = shared.first_hidden[:, None] if hidden else shared.first[:, None]
+            dtype = autocast_dtype(x.device.type)
+            first = tap_report(tap, 0, x, head, ids[:, :1], ignore_ids, dtype, first)
+            first = first[..., 0] if tap.teacher is not None else first
         if ids.shape[1] == 1:
             return first
         inputs = shared.inputs(ids[:, :-1], mask[:, :-1], read_only=True)  # the last token predicts nothing scored
         with _checkpointing_with_cache(model):
             rest = logps_from(
-                model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False, lean
+                model, inputs, ids[:, 1:], ignore_ids, temperature, ids.shape[1] - 1, False, lean, start=1
             )  # (n, R - 1)
         return torch.cat([first, rest], 1)
 
@@ -915,7 +1307,8 @@ class PrefixSharing:
                         plain[:, :positions] = self.plain(model, rollout, without, temperature)[:, :positions]
                 ok, why = self._compare_values(role, plain, rollout.sampled_logps, valid, tolerance, "recorded")
             else:
-                ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
+                with _untapped(model):  # the dense term's tap is for the step's forward, not the check's
+                    ok, why = self._compare_forwards(role, model, rollout, ignore_ids, temperature, tolerance)
         except Exception as e:  # a model whose forward cannot continue from an expanded cache, or its backward
             ok, why = False, f"error: {type(e).__name__}: {e}"
         agreed = self.agree(ok)
@@ -1122,7 +1515,9 @@ def plug_in(script, models, args, teachers: dict, accelerator, log=print) -> str
     sampling, policy = models.sampling, _unwrap(models.student)
     if runs("static_cache"):
         static_cache(sampling.config, args)
-    plain = lean_forward(script.sequence_inputs) if asked("lean_logps") else script.response_logps
+    # the dense term (gndpo_extras' --dense_weight) reads both LM heads through this module's forwards, lean or not
+    reads_heads = asked("lean_logps") or getattr(args, "dense_weight", 0) > 0
+    plain = lean_forward(script.sequence_inputs, asked("lean_logps")) if reads_heads else script.response_logps
     if asked("share_prompt_prefix"):
         n, device = accelerator.num_processes, accelerator.device
 

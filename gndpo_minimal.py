@@ -443,6 +443,8 @@ def update_student(
                     loss, m = loss_fn(
                         logps, old, advantages, mask, args.loss_type, args.clip_low, args.clip_high, sequences[k]
                     )
+                    for add_loss in models.hooks("add_loss"):  # BEYOND THE PAPER: the dense term (gndpo_extras)
+                        loss = add_loss(loss, logps, rollout, mask, sequences[k])
                     accelerator.backward(loss * scale)
                 stats.micro_batch(loss, m, mask, old, rollout.sampled_logps if epoch == 0 else None)
             grad_norm = accelerator.clip_grad_norm_(models.student.parameters(), args.max_grad_norm)
@@ -1424,6 +1426,7 @@ HOOKS = {
     "route": "(prompts, rollouts) -> rollouts: sample_rollouts, after sampling (each row to its teacher)",
     "batch_extra": "(rollouts) -> dict for ScoredBatch.extra: score_rollouts, before the advantages",
     "on_batch": "(batch, prompts, log): generate_and_score, the scored batch in place",
+    "add_loss": "(loss, logps, rollout, mask, num_sequences) -> loss: update_student, after the policy loss",
     "metric_sums": "(batch) -> {key: this process's sum}: step_metrics, reduced over processes",
     "metrics": "(reduced sums, batch) -> the metrics line's keys: step_metrics",
     "evaluate": "(one, model, rows) -> an evaluation: gndpo_eval, how a model is evaluated on its rows",
@@ -1774,7 +1777,8 @@ MODULE_FLAGS = {
     "gndpo_fast": "lean_logps share_prompt_prefix fast_sampler merged_sampling static_cache varlen_vision",
     "gndpo_teachers": "teacher_column privileged_column privileged_template privileged_source "
     "max_teacher_prompt_length self_teacher_weights self_teacher_ema_decay",
-    "gndpo_extras": "power_alpha score_std_floor reward_weight constant_advantage",
+    "gndpo_extras": "power_alpha score_std_floor reward_weight constant_advantage dense_weight dense_beta dense_top_k "
+    "pg_weight",
     "gndpo_eval": "eval_split num_eval_samples eval_steps require_think eval_dataset_name eval_dataset_config "
     "eval_image_column eval_question_column eval_answer_column eval_image_root",
 }

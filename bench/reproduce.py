@@ -260,6 +260,7 @@ RESULTS = {
     "paper_shape_gc": (ONE_THREAD, bench_script("paper_shape", "--gradient_checkpointing", "--no_trl")),
     "token_logps": (ONE_THREAD, bench_script("token_logps")),
     "vs_trl": (ONE_THREAD, bench_script("vs_trl")),
+    "dense_vs_trl": (ONE_THREAD, bench_script("dense_vs_trl")),
     "families": (ONE_THREAD, bench_script("families")),
     "two_teachers": (ONE_THREAD, main_run("recipes/tiny_two_teachers.yaml")),
     "memory": (ONE_THREAD, bench_script("memory")),
@@ -315,6 +316,9 @@ def rounds_of(name: str, result: dict) -> object:
         }
     if name == "families":
         return {family: r["steps_seconds"] for family, r in result.items()}
+    if name == "dense_vs_trl":  # per shape, each side's timed calls
+        shapes = {k: r for k, r in result.items() if isinstance(r, dict)}
+        return {shape: {side: r[side]["runs_seconds"] for side in ("ours", "trl")} for shape, r in shapes.items()}
     if name == "sampler":  # each sampler's timed calls, per shape and distribution
         return {k: {d: v["runs_seconds"] for d, v in s["distributions"].items()} for k, s in result["shapes"].items()}
     if name == "memory":  # one step a workload: the measured bytes of each phase
@@ -642,6 +646,41 @@ def render_vs_trl(r: dict) -> str:
     )
 
 
+def render_dense_vs_trl(r: dict) -> str:
+    rows = []
+    for shape, m in ((k, v) for k, v in r["result"].items() if isinstance(v, dict)):
+        rows.append(
+            [
+                shape,
+                f"{m['positions']} x {m['vocab']:,}",
+                f"{m['student_hidden']} / {m['teacher_hidden']}",
+                spread(m["time_ratios"], 2),
+                f"{m['ours']['extra_bytes'] / 2**20:.0f}",
+                f"{m['trl']['extra_bytes'] / 2**20:.0f}",
+                f"{m['memory_ratio']:.2f}x",
+                f"{m['max_abs_diff']:.1e} / {m['grad_max_abs_diff']:.1e}",
+            ]
+        )
+    return fill(
+        "dense_vs_trl",
+        table=table(
+            [
+                "shape",
+                "positions x ids",
+                "hidden, student / teacher",
+                "time, ours / TRL (per repeat)",
+                "peak extra MiB, ours",
+                "peak extra MiB, TRL",
+                "memory, ours / TRL",
+                "max abs difference, divergence / gradient",
+            ],
+            rows,
+        ),
+        beta=f"{r['result']['beta']:g}",
+        provenance=provenance(r),
+    )
+
+
 def render_families(r: dict) -> str:
     rows = [
         [family, v["pair"], f"{v['step_seconds']:.3f}", f"{v['logp_mismatch']:.1e}"]
@@ -760,6 +799,7 @@ RENDERS = {
         "paper_parts": (render_paper_parts, ["paper_shape", "paper_shape_gc"]),
         "token_logps": (render_token_logps, ["token_logps"]),
         "vs_trl": (render_vs_trl, ["vs_trl"]),
+        "dense_vs_trl": (render_dense_vs_trl, ["dense_vs_trl"]),
         "equivalence": (render_equivalence, ["equivalence"]),
         "memory": (render_memory, ["memory"]),
     },

@@ -240,8 +240,10 @@ def test_every_key_a_run_writes_is_documented_and_every_documented_key_is_writte
         reward_weight=0.5,
         score_std_floor=0.1,
         score_type="power",
+        dense_weight=1.0,
     )
     assert {"reward_mean", "reward_groups_nonzero", "reward_no_answer", "score_std_floored"} <= beyond[0]
+    assert {"dense_loss", "teacher_topk_mass", "topk_overlap"} <= beyond[0] - plain[0]  # only with --dense_weight
     assert "score_clamped_frac" not in beyond[0]
     # several teachers: one set of keys per teacher, named by the page's pattern
     teachers = run_keys(

@@ -48,7 +48,7 @@ def script_functions() -> set[str]:
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 
-def test_the_eight_tutorials_exist():
+def test_the_nine_tutorials_exist():
     expected = [
         "01_data_and_prompts.ipynb",
         "02_rollout.ipynb",
@@ -58,6 +58,7 @@ def test_the_eight_tutorials_exist():
         "06_trace_outliers.ipynb",
         "07_several_teachers.ipynb",
         "08_self_distillation.ipynb",
+        "09_dense_distillation.ipynb",
     ]
     assert names(NOTEBOOKS) == expected
 
