@@ -1,6 +1,6 @@
 """The mutation check: does the suite catch the method and its machinery broken on purpose?
 
-    python bench/mutations.py                          # every mutation, then the table (about an hour on 2 cores)
+    python bench/mutations.py                          # every mutation, then the table (15-30 minutes on 2 cores)
     python bench/mutations.py whitening_sign rng_reseeded_after_restore   # some of them
     python bench/mutations.py --list                   # each mutation: its file, anchor and tests, nothing run
     python bench/mutations.py --markdown               # the table as docs/tests.md holds it
@@ -11,8 +11,10 @@ Each mutation is one named breakage of one line: an anchor, a string found exact
 untracked, not ignored, files over it) is unpacked into a folder of its own, the anchor replaced, and the tests that
 should catch it run there as CI runs them (`python -m pytest -q FILES`, offline, the copy first on PYTHONPATH so that
 no subprocess imports another checkout). The same tests run once on the unbroken copy first: a mutation counts as
-caught by the tests that fail with it and passed without it. It does not run in CI (it trains); the table it prints
-is docs/tests.md's. To add one (issue 51's dense divergence, once it exists), append a Mutation to MUTATIONS.
+caught by the tests that fail with it and passed without it; the exit status is 1 if one is not, unless it is
+`pending` (the test that will catch it is being written: the table says so). It does not run in CI (it trains); the
+table it prints is docs/tests.md's. To add one (issue 51's dense divergence, once it exists), append a Mutation to
+MUTATIONS.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Mutation:
     anchor: str  # found exactly once in the file
     replacement: str
     tests: tuple[str, ...]  # pytest node ids or files, relative to tests/, that should catch it
+    pending: str = ""  # why it is not caught yet, where the test that will catch it is still being written
 
 
 MUTATIONS = [
@@ -67,6 +70,8 @@ MUTATIONS = [
         "adapter_off = self.model.disable_adapter() if self.lora else contextlib.nullcontext()",
         "adapter_off = contextlib.nullcontext()",
         ("test_self_teacher.py",),
+        pending="issue 55 adds the self-teacher test with the adapter's B off zero (today's start from B = 0, "
+        "where the adapter on and off score alike)",
     ),
     Mutation(
         "whitening_sign",
@@ -263,15 +268,18 @@ def markdown(selected: list[Mutation], outcome: dict, commit: str) -> str:
     """The table docs/tests.md holds: each mutation, what it breaks, and the tests that caught it."""
     minutes = sum(r["seconds"] for r in outcome["mutations"].values()) / 60
     lines = [
-        f"Run on {commit} by `python bench/mutations.py`: {minutes:.0f} minutes for the mutations, each running its "
-        "own tests only.",
+        f"Run on {commit} by `python bench/mutations.py`: the unbroken copy's tests in "
+        f"{outcome['baseline']['seconds'] / 60:.0f} minutes, then {minutes:.0f} minutes for the mutations, each "
+        "running its own tests only.",
         "",
         "| mutation | what it breaks | file | caught by |",
         "| --- | --- | --- | --- |",
     ]
     for m in selected:
         r = outcome["mutations"][m.name]
-        caught = "<br>".join(f"`{t}`" for t in r["caught_by"]) or f"**not caught** ({r['rc']})"
+        why = "timed out" if r["rc"] == "timeout" else "its tests pass"
+        missed = f"**not caught** yet: {m.pending}" if m.pending else f"**not caught**: {why}"
+        caught = "<br>".join(f"`{t}`" for t in r["caught_by"]) or missed
         lines.append(f"| `{m.name}` | {m.what} | `{m.path}` | {caught} |")
     return "\n".join(lines)
 
@@ -306,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in selected:
             r = outcome["mutations"][m.name]
             print(f"{m.name:<{width}}  {', '.join(r['caught_by']) or 'NOT CAUGHT'}")
-    missed = [name for name, r in outcome["mutations"].items() if not r["caught_by"]]
+    pending = {m.name for m in selected if m.pending}
+    for name in pending & {name for name, r in outcome["mutations"].items() if r["caught_by"]}:
+        print(f"{name} is caught now: its pending note can go")
+    missed = [name for name, r in outcome["mutations"].items() if not r["caught_by"] and name not in pending]
     return 1 if missed or outcome["baseline"]["rc"] != 0 else 0
 
 
