@@ -8,7 +8,9 @@ the 8 rows (all of them alone, 4 each with two), makes the update, and OUT_DIR/g
 gradient the optimizer applied (after the all-reduce), read on the main process.
 
 LORA_R (comma-separated, default 16) makes one update per LoRA rank listed, 0 being full fine-tuning, each with a
-fresh student; GRAD_NAME names their files ({processes} and {lora_r} filled in). Under FSDP2 (tests/test_fsdp.py)
+fresh student (a LoRA one with its B matrices off zero, tests/adapters.py, so that A's gradient is compared too);
+GRAD_NAME names their files ({processes} and {lora_r} filled in); MICRO_BATCH_SIZE (default 2) how a process cuts its
+rows into micro-batches. Under FSDP2 (tests/test_fsdp.py)
 the gradient is gathered from the shards. LEAN=1 makes the update's forward the lean one (lean_response_logps: the
 chunked head, which must then be the path taken), else the plain log-softmax gather.
 """
@@ -21,6 +23,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from adapters import move_b_off_zero  # noqa: E402
+
 import gndpo_fast as fast  # noqa: E402
 import gndpo_minimal as g  # noqa: E402
 from worlds import tiny_world  # noqa: E402
@@ -34,7 +38,7 @@ def main() -> None:
         teacher_model=os.path.join(models_dir, "teacher"),
         prompts_per_step=4,
         num_generations=2,
-        micro_batch_size=2,
+        micro_batch_size=int(os.environ.get("MICRO_BATCH_SIZE", "2")),
         max_new_tokens=6,
         max_grad_norm=1e9,
         num_eval_samples=0,
@@ -57,6 +61,8 @@ def main() -> None:
 def update_gradient(args: g.Args, accelerator, accum: int) -> torch.Tensor:
     torch.manual_seed(0)  # the same LoRA adapter on every process
     processor, student, _ = g.load_models(dataclasses.replace(args, teacher_4bit=False), accelerator, lambda m: None)
+    if args.lora_r:
+        move_b_off_zero(student)
     rows = tiny_world.make_rows(4, seed=3)
     prompts = [p for p in ((r["question"], [r["image"]]) for r in rows) for _ in range(2)]  # G copies, one object
     config, _ = g.generation_configs(processor.tokenizer, student, args)

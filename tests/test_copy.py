@@ -2,7 +2,8 @@
 rollouts, at most 420 lines with the math, formatted), pasted alone into a blank module, are closed (every name
 they use is listed, a builtin or one of the module's imports), read of `args` exactly the fields of the small config
 docs/code.md gives, and, fed that config and rollouts that a tiny model sampled with generate() in a loop of the
-copier's own, give gndpo_minimal's loss and gradient."""
+copier's own, give gndpo_minimal's loss and gradient, and the advantages, loss and gradient of the independent
+transcriptions of the paper in tests/test_math.py (so a mistake shared by the script and its copy shows too)."""
 
 import ast
 import builtins
@@ -15,6 +16,8 @@ import types
 import pytest
 import torch
 from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
+from adapters import move_b_off_zero
+from test_math import spec_global, spec_gspo
 
 import gndpo_minimal as g
 
@@ -220,6 +223,7 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
     )
     accelerator, _ = g.make_accelerator(args)  # the copier's loop runs under Accelerate; the pasted module imports none
     processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
+    move_b_off_zero(student)  # LoRA's A gets a gradient too
     teacher = teachers["teacher"]  # one teacher: {"teacher": model}
     config, _ = g.generation_configs(processor.tokenizer, student, args)
     ignore_ids = torch.tensor(config.suppress_tokens)
@@ -258,3 +262,33 @@ def test_the_pasted_definitions_train_like_gndpo_minimal(untrained_models):
     assert pasted[1]["loss"] == ours[1]["loss"] and pasted[1]["grad_norm"] == ours[1]["grad_norm"]
     assert ours[2].norm() > 0
     torch.testing.assert_close(pasted[2], ours[2], rtol=0, atol=0)
+    # and against the paper's definitions, transcribed in tests/test_math.py, on a forward written out here
+    batch, mask = pasted[0], pasted[0].response_mask
+    scores = (batch.teacher_logps - batch.student_logps).clamp(-5, 5) * mask  # the clamped log-ratio, 0 off the mask
+    torch.testing.assert_close(batch.scores, scores)
+    torch.testing.assert_close(batch.advantages, spec_global(scores, mask))
+    loss, gradient = transcribed_loss_and_gradient(copy.deepcopy(student), rollout, batch.advantages, ignore_ids)
+    assert pasted[1]["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+    assert pasted[1]["grad_norm"] == pytest.approx(gradient.norm().item(), rel=1e-4)
+    clip = min(1.0, args.max_grad_norm / (gradient.norm().item() + 1e-6))  # clip_grad_norm_ before the step
+    torch.testing.assert_close(pasted[2], gradient * clip, rtol=1e-4, atol=1e-7)
+
+
+def transcribed_loss_and_gradient(model, rollout, advantages, ignore_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The on-policy GSPO loss of one update (spec_gspo, the old log-probs the new ones detached) on log-probs from
+    a forward of prompt + response written out here (the response's logits, ignored ids at -inf, log_softmax,
+    gather), and its gradient over the trainable parameters, flattened in their order."""
+    prompt, response = rollout.row_inputs, rollout.response_ids
+    per_token = {k for k, v in prompt.items() if torch.is_tensor(v) and v.shape == prompt["input_ids"].shape}
+    inputs = {k: torch.cat([v, torch.zeros_like(response)], 1) if k in per_token else v for k, v in prompt.items()}
+    inputs |= {  # token types (text) grow by zeros, the ids by the response, the mask by its mask
+        "input_ids": torch.cat([prompt["input_ids"], response], 1),
+        "attention_mask": torch.cat([prompt["attention_mask"], rollout.response_mask], 1),
+    }
+    P = prompt["input_ids"].shape[1]
+    logits = model(**inputs, use_cache=False).logits[:, P - 1 : -1].float()  # position t predicts token t + 1
+    logits[..., ignore_ids] = float("-inf")
+    logps = torch.log_softmax(logits, -1).gather(-1, response[..., None]).squeeze(-1)
+    loss = spec_gspo(logps, logps.detach(), advantages, rollout.response_mask)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss, torch.cat([grad.flatten() for grad in torch.autograd.grad(loss, params)])

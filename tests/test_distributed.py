@@ -103,11 +103,13 @@ def test_global_normalization_over_processes_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_give_the_update_gradient_of_one(untrained_models, tmp_path):
-    """The same 8 rollouts (one with no valid token) in one process or split over two: the update applies the same
-    gradient, since GSPO's sequence mean is taken over the valid sequences of the whole mini-batch, all processes
-    together, not over each process's own."""
+    """The same 8 rollouts (one with no valid token) in one process, as one micro-batch of 8, or split over two, each
+    cutting its 4 into micro-batches of 1 (the empty row one of them): the update applies the same gradient, since
+    GSPO's sequence mean is taken over the valid sequences of the whole mini-batch, all processes and micro-batches
+    together, not over each process's or micro-batch's own (cut alike in both runs, a mean per micro-batch would
+    pass)."""
     gradients = {}
-    for processes in (1, 2):
+    for processes, micro_batch_size in ((1, 8), (2, 1)):
         run(
             [
                 sys.executable,
@@ -121,7 +123,12 @@ def test_two_processes_give_the_update_gradient_of_one(untrained_models, tmp_pat
                 str(free_port()),
                 os.path.join("tests", "dist_update_worker.py"),
             ],
-            env={**ENV, "OUT_DIR": str(tmp_path), "MODELS_DIR": untrained_models},
+            env={
+                **ENV,
+                "OUT_DIR": str(tmp_path),
+                "MODELS_DIR": untrained_models,
+                "MICRO_BATCH_SIZE": str(micro_batch_size),
+            },
         )
         gradients[processes] = torch.load(tmp_path / f"grad{processes}.pt")
     assert gradients[1].norm() > 0

@@ -2,9 +2,10 @@
 
 Per family: one GNDPO step through main() (LoRA student, 4-bit teacher of the same family); sampling log-probs
 equal to the training forward's (positions, image tokens and token types passed right); the teacher's scoring
-equal to a plain full forward; LoRA on the language model's linear layers only, the adapter reloading onto the
-base; no image special token ever sampled; estimate_memory exact on the loaded models; the tokenizer check
-passing within a family and stopping across families.
+equal to a plain full forward; sampling from merged adapters (their B matrices off zero) recording the adapter's
+log-probs and leaving the base weights as loaded; LoRA on the language model's linear layers only, the adapter
+reloading onto the base; no image special token ever sampled; estimate_memory exact on the loaded models; the
+tokenizer check passing within a family and stopping across families.
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ import os
 
 import pytest
 import torch
+from adapters import move_b_off_zero
 from safetensors.torch import load_file
 from summary_checks import assert_eval_counts
 from test_prompt_sharing import measured
@@ -105,22 +107,52 @@ def test_one_step_through_main(run):
 
 @family_params()
 def test_sampling_logps_equal_the_training_forward(run):
-    # recorded while generate() sampled vs recomputed by the training forward on prompt + response
+    # recorded while generate() sampled vs recomputed by the training forward on prompt + response (the first step
+    # samples from B = 0, where merged and unmerged adapters agree: test_merged_sampling_... moves B off zero)
     assert run["metrics"][0]["logp_mismatch"] < 1e-4
 
 
+@family_params()
+def test_merged_sampling_samples_the_adapted_policy_and_restores_the_base(models, family_data):
+    """Merged sampling (gndpo_fast.MergedAdapters, on by default on every device) with the adapter's B matrices moved
+    off zero, where merged and unmerged weights differ: the log-probs recorded while sampling from the merged weights
+    are the unmerged adapter's eval forward over the same tokens, which is not the base model's (the adapter counts),
+    and afterwards the base weights are bit for bit those the student loaded."""
+    args, _, student, rollout, ignore_ids = family_rollout(models, family_data, merged=True)
+    valid = rollout.response_mask.bool()
+    with torch.no_grad():
+        adapted = g.response_logps(student.eval(), rollout, ignore_ids)
+        with student.disable_adapter():
+            base = g.response_logps(student, rollout, ignore_ids)
+    torch.testing.assert_close(rollout.sampled_logps[valid], adapted[valid], atol=1e-4, rtol=0)
+    assert (adapted[valid] - base[valid]).abs().max() > 1e-3
+    loaded = dict(g.load_student(args, torch.float32).named_parameters())
+    for name, weight in student.named_parameters():
+        if "base_layer.weight" in name:
+            assert torch.equal(weight, loaded[name]), name
+
+
 def family_rollout(
-    models: str, data: str, n_prompts: int = 2, bias: float = 0.0, shared_prefix: bool = False, min_tokens: int = 0
+    models: str,
+    data: str,
+    n_prompts: int = 2,
+    bias: float = 0.0,
+    shared_prefix: bool = False,
+    min_tokens: int = 0,
+    merged: bool = False,
 ):
     """A rollout of the family's plain student on the first rows of the data, as main() makes it; with `bias`
     added to the logits of every vision special token (in generate and in any later forward alike); with
     shared_prefix, decoded on the distinct prompts' shared cache instead of by generate(); with min_tokens, every
-    response at least that long (the end token held back)."""
+    response at least that long (the end token held back); with merged, the adapter's B matrices off zero and the
+    rollout sampled from the adapters merged into the base weights (gndpo_fast.MergedAdapters)."""
     from transformers import AutoProcessor
 
     args = family_args(models, data, "/nonexistent", max_new_tokens=max(8, min_tokens), min_new_tokens=min_tokens)
     processor = AutoProcessor.from_pretrained(args.student_model)
     student = g.load_student(args, torch.float32)
+    if merged:
+        move_b_off_zero(student)
     student.train()
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
     ignore_ids = torch.tensor(sample_config.suppress_tokens)
@@ -134,14 +166,18 @@ def family_rollout(
     sharing = fast.PrefixSharing(g.response_logps, g.logps_tolerance, script=g)  # it encodes distinct prompts
     distinct = sharing.encode_distinct(processor, prompts, step.group_ids, args, torch.device("cpu"))
     torch.manual_seed(0)
-    rollout = g.rollout(
-        student,
-        processor,
-        prompts,
-        g.Sampling(sample_config, fast.draw_tokens),
-        args,
-        decode=fast.SharedPrefix.decoder(distinct) if shared_prefix else None,
-    )
+    sampling = g.Sampling(sample_config, fast.draw_tokens)
+    if merged:
+        sampling.weights = fast.MergedAdapters(student).merged
+    with sampling.weights():  # as generate_rollouts samples
+        rollout = g.rollout(
+            student,
+            processor,
+            prompts,
+            sampling,
+            args,
+            decode=fast.SharedPrefix.decoder(distinct) if shared_prefix else None,
+        )
     rollout.extra.update(distinct)
     # every row's prompt (plain forwards) and the distinct ones
     (rollout,) = sharing.cut(processor, step, [rollout], len(prompts), args)

@@ -1,5 +1,6 @@
 """bench/gpu_smoke.py: its --tiny run on a CPU records every section (each phase with its tokens, seconds and
-memory, the start-up checks' decisions, a resume that continues from step 2 to step 3, the provenance), every key
+memory, the start-up checks' decisions, a resume from step 2 whose step 3 is the uninterrupted run's, the
+provenance), every key
 of its record is documented in docs/benchmarks.md, --tiny never writes over the GPU record, and the GPU mode's
 models (the shipped Qwen2.5-VL configs with their special-token ids set to the tiny tokenizer's) take the tiny
 processor's inputs, which the configs as shipped do not."""
@@ -56,14 +57,17 @@ def errors_in(value, where: str = "result") -> list[str]:
     return []
 
 
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+TIMINGS = {"time_generate", "time_score", "time_update", "tokens_per_second"}
+
+
 @pytest.fixture(scope="module")
 def record(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("gpu_smoke") / "smoke.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     run = subprocess.run(
         [sys.executable, "bench/gpu_smoke.py", "--tiny", "--json", str(path)],
         cwd=ROOT,
-        env=env,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
@@ -117,18 +121,53 @@ def test_tiny_run_records_the_checks_decisions(record):
     assert checks["sampling"]["response_tokens"] > 0 and checks["sampling"]["seconds"] > 0
 
 
+# The smoke's resume run without the interruption: its shape and 3 steps in one main(), checkpoints as the smoke's
+UNINTERRUPTED = """
+import dataclasses, json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "bench"))
+import gpu_smoke
+from benchutil import tiny_models
+import gndpo_minimal as g
+shape, out = json.loads(sys.argv[2]), sys.argv[3]
+student, teacher, _ = tiny_models()
+args = gpu_smoke.base_args(True, student, teacher, out)
+tokens = shape["max_new_tokens"]
+g.main(dataclasses.replace(args, **shape, min_new_tokens=tokens, max_steps=3, save_steps=2, static_cache="false"))
+"""
+
+
 @pytest.mark.slow
-def test_tiny_run_resumes_from_step_2_to_step_3(record):
+def test_tiny_run_resumes_from_step_2_to_step_3_as_the_uninterrupted_run(record, tmp_path):
+    """The smoke's resume continues from its step-2 checkpoint to step 3, and that step's metrics equal, key for key
+    (timings aside), step 3 of the same run made without the interruption, in a process of its own as the smoke's."""
     resume = record["result"]["resume"]
     assert resume["first_run_steps"] == [1, 2] and resume["checkpoint"] == "checkpoint-2"
     assert resume["checkpoint_step"] == 2 and resume["resumed_run_steps"] == [3]
     assert resume["metrics_steps"] == [1, 2, 3] and resume["summary_steps"] == 3
-    assert resume["resumed_step_metrics"]["step"] == 3
-    numbers = {k: v for k, v in resume["resumed_step_metrics"].items() if isinstance(v, float)}
-    assert numbers and all(math.isfinite(v) for v in numbers.values()), numbers
     assert resume["step_counter_continued"] is True and resume["resumed_metrics_finite"] is True
     for run in ("first_run", "resumed_run"):
         assert set(resume["share_prompt_prefix"][run]) == ROLES
+    shape = {**gpu_smoke.RESUME_SHAPE, "max_new_tokens": gpu_smoke.RESUME_TOKENS["tiny"], "share_prompt_prefix": True}
+    assert resume["shape"] == shape
+    out = str(tmp_path / "uninterrupted")
+    run = subprocess.run(
+        [sys.executable, "-c", UNINTERRUPTED, ROOT, json.dumps(shape), out],
+        cwd=ROOT,
+        env={**ENV, "ACCELERATE_USE_CPU": "true"},  # as --tiny sets it
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        uninterrupted = [json.loads(line) for line in f]
+    assert [m["step"] for m in uninterrupted] == [1, 2, 3]
+    resumed, whole = resume["resumed_step_metrics"], uninterrupted[-1]
+    assert resumed.keys() == whole.keys() and resumed["step"] == 3
+    nan = lambda v: isinstance(v, float) and math.isnan(v)
+    differ = {k: (resumed[k], whole[k]) for k in resumed.keys() - TIMINGS if resumed[k] != whole[k]}
+    assert {k: v for k, v in differ.items() if not (nan(v[0]) and nan(v[1]))} == {}
+    assert resumed["grad_norm"] > 0 and resumed["reverse_kl"] != uninterrupted[0]["reverse_kl"]  # it trained
 
 
 @pytest.mark.slow

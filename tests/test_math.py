@@ -332,6 +332,53 @@ def test_gspo_equals_spec_transcription_with_clipping_active():
     assert 0 < metrics["clip_frac"] < 1 and metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
 
 
+def spec_ppo(logp_new, logp_old, A, m, cl=0.2, ch=0.2):
+    """PPO-clip per token, transcribed the same way: each token's own ratio, a mean over the sequence's valid tokens,
+    then over the sequences that have one."""
+    losses = []
+    for i in range(logp_new.shape[0]):
+        mi = m[i].bool()
+        if not mi.any():
+            continue
+        s = torch.exp(torch.clamp(logp_new[i] - logp_old[i], max=10))
+        tok = torch.maximum(-A[i] * s, -A[i] * torch.clamp(s, 1 - cl, 1 + ch))
+        losses.append(tok[mi].mean())
+    return torch.stack(losses).mean()
+
+
+def ratios_on_both_sides(gen, B=8, T=6):
+    """(new, old, A, mask): rows whose sequence ratio is 0.6, 0.76, 0.9, 1.0, 1.1, 1.24, 1.5 (the tokens' own ratios
+    within about 5% of it) and an empty row, advantages of both signs. 0.76 and 1.24 lie between the bounds 0.2 and
+    0.28 on each side: there a lower or upper bound of 0.2 clips and one of 0.28 does not."""
+    mask = random_mask(B, T, gen, min_len=3)
+    mask[-1] = 0
+    noise = torch.randn(B, T, generator=gen) * 0.05 * mask
+    noise = noise - (noise.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)) * mask  # mean 0 per row
+    target = torch.log(torch.tensor([0.6, 0.76, 0.9, 1.0, 1.1, 1.24, 1.5, 1.0]))[:, None]
+    old = torch.randn(B, T, generator=gen) - 2
+    new = (old + (target + noise) * mask).requires_grad_(True)
+    return new, old, torch.randn(B, T, generator=gen), mask
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "ppo"])
+@pytest.mark.parametrize("clip_low, clip_high", [(0.2, 0.28), (0.28, 0.2)])
+def test_asymmetric_clip_equals_the_transcription_and_each_bound_acts(loss_type, clip_low, clip_high):
+    """The two bounds apart (DAPO's 0.2 / 0.28, and mirrored): loss and gradient equal the transcription's with the
+    same bounds, and each bound acts on its own: the loss differs from the one with both bounds at clip_low and
+    from the one with both at clip_high (an upper bound that read clip_low, or a lower one that read clip_high, would
+    give one of those)."""
+    new, old, A, mask = ratios_on_both_sides(torch.Generator().manual_seed(8))
+    spec = spec_gspo if loss_type == "gspo" else spec_ppo
+    loss, metrics = policy_loss(new, old, A, mask, loss_type, clip_low, clip_high)
+    ref = spec(new, old, A, mask, clip_low, clip_high)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(torch.autograd.grad(loss, new)[0], torch.autograd.grad(ref, new)[0])
+    assert 0 < metrics["clip_frac"] < 1
+    for both in (clip_low, clip_high):
+        symmetric, _ = policy_loss(new, old, A, mask, loss_type, both, both)
+        assert abs(symmetric.item() - loss.item()) > 1e-4, both
+
+
 def test_ppo_is_token_level_clip():
     old = torch.zeros(1, 3)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_(True)

@@ -98,26 +98,71 @@ def test_memory_json_has_both_figures_for_every_phase_of_every_workload():
         assert record["rounds"][name] == {p: v["measured_bytes"] for p, v in w["phases"].items()}
 
 
-def test_the_stand_in_is_large_with_long_prompts_and_responses_and_each_phase_is_in_band_or_says_why():
-    """At least 50M student parameters, a prompt of at least 256 image tokens, 128-token responses; a phase whose
-    estimate / measured is outside 0.75-1.25 carries its reason."""
+# The phases whose estimate / measured ratio docs/bench_results/memory.json records outside BAND: (workload, phase,
+# that ratio, why). Every other phase of a banded workload is inside BAND; remaking the record means checking this list.
+BAND = (0.75, 1.25)
+SAMPLER_BOUND = (
+    "the estimate counts SAMPLER_COPIES (6) float32 rows of the 400,000-token vocabulary per sampling step, where the "
+    "sampler holds 3 at once, and fewer when each prompt is read once: a bound"
+)
+GATHERED_HEAD = (
+    "the previous update's backward freed the LM head's FSDP2 unit (the tied embedding, most of the stand-in's "
+    "weights) and the rollout gathers it again: measured in the phase, estimated in the resident bytes "
+    "(fsdp_gathered), so resident plus phase still bound the peak"
+)
+OUT_OF_BAND = [
+    ("stand_in_lora_shared", "check", 1.271, "the largest of the checks' forwards at full length, each a bound"),
+    ("stand_in_lora_shared", "rollout", 1.770, SAMPLER_BOUND),
+    ("stand_in_lora_plain", "rollout", 1.321, SAMPLER_BOUND),
+    ("stand_in_full_shared", "rollout", 1.769, SAMPLER_BOUND),
+    ("stand_in_full_plain", "rollout", 1.321, SAMPLER_BOUND),
+    ("stand_in_lora_plain_fsdp2", "rollout", 0.663, GATHERED_HEAD),
+    ("stand_in_full_plain_fsdp2", "rollout", 0.663, GATHERED_HEAD),
+]
+# The workloads not banded at all, and why
+TINY = (
+    "a phase of the tiny models adds 2.6-15 MiB (a 0.85M-parameter student, 34-token prompts, 6-token responses): the "
+    "estimate's bounds (the widest layer for every row, vocabulary rows of the sampler, the checks at full length) "
+    "are sized by terms that dominate at a real model's shapes, and here the ratio runs from 0.86 to 3.25; the "
+    "estimate is held to the band on the stand-in and on the GPU records instead"
+)
+UNBANDED = {f"tiny_{t}_{s}": TINY for t in ("lora", "full") for s in ("shared", "plain")}
+
+
+def test_each_phase_is_in_band_or_listed_with_its_ratio():
+    """Every phase of every workload but UNBANDED's has its estimate within 0.75-1.25 of its measurement, or is one of
+    OUT_OF_BAND's, at the ratio listed there (a listed phase back in the band, or at another ratio, fails too); so
+    does the estimate of the bytes resident when the update starts."""
+    workloads = load_record()["result"]["workloads"]
+    assert set(UNBANDED) <= set(workloads) and all(len(why) > 40 for why in UNBANDED.values())
+    listed = {(name, phase): ratio for name, phase, ratio, why in OUT_OF_BAND}
+    assert len(listed) == len(OUT_OF_BAND) and all(len(why) > 40 for *_, why in OUT_OF_BAND)
+    for name in set(workloads) - set(UNBANDED):
+        w = workloads[name]
+        assert BAND[0] <= w["estimated_resident_bytes"] / w["resident_bytes"] <= BAND[1], name
+        for phase, v in w["phases"].items():
+            if (name, phase) in listed:
+                assert not BAND[0] <= v["ratio"] <= BAND[1], (name, phase, v["ratio"])
+                assert v["ratio"] == pytest.approx(listed[name, phase], abs=1e-3), (name, phase, v["ratio"])
+            else:
+                assert BAND[0] <= v["ratio"] <= BAND[1], (name, phase, v["ratio"])
+    assert all(name in workloads and phase in workloads[name]["phases"] for name, phase in listed)
+
+
+def test_the_stand_in_is_large_with_long_prompts_and_responses():
+    """At least 50M student parameters, a prompt of at least 256 image tokens, 128-token responses."""
     workloads = load_record()["result"]["workloads"]
     for name in (n for n in workloads if n.startswith("stand_in")):
         w = workloads[name]
         assert w["student_params"] >= 50e6 and w["prompt_tokens"] >= 256 and w["response_tokens"] >= 128, name
-        for phase, v in w["phases"].items():
-            if not memory.WHY_BAND[0] <= v["ratio"] <= memory.WHY_BAND[1]:
-                assert len(v.get("why", "")) > 40, (name, phase, v["ratio"])
-    for name in (n for n in workloads if "tiny" in n):
-        assert all("why" not in v for v in workloads[name]["phases"].values())
 
 
-def test_a_sharded_workload_holds_no_more_than_its_one_process_twin_and_its_estimate_is_in_band():
+def test_a_sharded_workload_holds_no_more_than_its_one_process_twin():
     """Each stand-in workload run over 2 processes with FSDP2: its larger process's resident bytes when the update
     starts plus its update's peak are at most what the same global step holds in one process (full fine-tuning
-    always; where not, the record says why, and the excess is less than the whole unit FSDP2 keeps gathered); each
-    phase's estimate (estimate() for one of 2 processes, sharded) and the resident bytes' are within 0.75-1.25 of
-    the larger process's measurement, or the phase says why; the phases' figures are the larger process's."""
+    always; where not, the record says why, and the excess is less than the whole unit FSDP2 keeps gathered); the
+    phases' figures are the larger process's (their estimates, estimate() for one of 2 processes, sharded, are banded
+    with the others' by test_each_phase_is_in_band_or_listed_with_its_ratio)."""
     workloads = load_record()["result"]["workloads"]
     sharded = [name for name in workloads if name.endswith(memory.SHARDED)]
     assert len(sharded) == 2
@@ -137,14 +182,6 @@ def test_a_sharded_workload_holds_no_more_than_its_one_process_twin_and_its_esti
         assert len(w["processes"]) == memory.PROCESSES
         for phase, v in w["phases"].items():
             assert v["measured_bytes"] == max(p["measured"][phase] for p in w["processes"]), (name, phase)
-            assert memory.WHY_BAND[0] <= v["ratio"] <= memory.WHY_BAND[1] or len(v.get("why", "")) > 40, (
-                name,
-                phase,
-                v["ratio"],
-            )
-    for name, w in workloads.items():
-        if name.startswith("stand_in"):
-            assert memory.WHY_BAND[0] <= w["estimated_resident_bytes"] / w["resident_bytes"] <= memory.WHY_BAND[1]
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 from accelerate import Accelerator
+from adapters import lora_gradients, move_b_off_zero
 
 import gndpo_fast as fast
 import gndpo_minimal as g
@@ -21,7 +22,8 @@ import gndpo_minimal as g
 
 @pytest.fixture(scope="module")
 def pair(untrained_models):
-    """Student (LoRA, training mode), fp32 teacher and one rollout of 4 prompts x G = 3 in one micro-batch."""
+    """Student (LoRA, training mode, its B matrices off zero so that the adapter counts in every forward and A gets a
+    gradient), fp32 teacher and one rollout of 4 prompts x G = 3 in one micro-batch."""
     args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
@@ -37,6 +39,7 @@ def pair(untrained_models):
     processor = AutoProcessor.from_pretrained(args.student_model)
     torch.manual_seed(0)
     student = g.load_student(args, torch.float32)
+    move_b_off_zero(student)
     student.train()
     teacher = g.load_teacher(args, torch.float32, torch.device("cpu"))
     sample_config, _ = g.generation_configs(processor.tokenizer, student, args)
@@ -99,7 +102,7 @@ def test_shared_prompt_equals_the_plain_forward_in_value_and_gradient(pair):
         (logps * weights * valid).sum().backward()  # the gradient flows through the cache into the prompt's forward
         grads.append({n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad})
     student.zero_grad(set_to_none=True)
-    assert any(v.abs().sum() > 0 for v in grads[0].values())
+    assert all(total > 0 for total in lora_gradients(grads[0]).values())  # A's and B's
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
 
@@ -210,7 +213,7 @@ def test_the_lean_forward_equals_the_plain_one_in_values_and_gradients(pair):
     (log_softmax(logits).gather), on the student's rollout, at a temperature: values and every LoRA gradient."""
     student, rollout, ignore = pair["student"], pair["rollout"], pair["ignore_ids"]
     weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
-    trainable = [p for p in student.parameters() if p.requires_grad]
+    names, trainable = zip(*[(n, p) for n, p in student.named_parameters() if p.requires_grad])
     out, lean_logps = {}, fast.lean_forward(g.sequence_inputs)
     for fn in (g.response_logps, lean_logps):
         logps = fn(student, rollout, ignore, 0.7)
@@ -218,7 +221,7 @@ def test_the_lean_forward_equals_the_plain_one_in_values_and_gradients(pair):
     valid = rollout.response_mask.bool()
     plain, lean = out[g.response_logps], out[lean_logps]
     torch.testing.assert_close(lean[0][valid], plain[0][valid], atol=1e-5, rtol=0)
-    assert sum(grad.abs().sum() for grad in plain[1]) > 0  # LoRA's A has none yet (B starts at 0), B has
+    assert all(total > 0 for total in lora_gradients(dict(zip(names, plain[1]))).values())  # A's and B's
     for a, b in zip(lean[1], plain[1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
@@ -398,7 +401,8 @@ def test_rollouts_share_under_gradient_checkpointing_and_their_check_passes(pair
 
 def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equals_plain(pair, untrained_models):
     """With gradient checkpointing the response forward on the shared prompt is checkpointed too (backward runs
-    each layer again) and its cache is read-only, so value and gradient equal the plain forward's."""
+    each layer again) and its cache is read-only, so value and gradient (A's and B's, B off zero) equal the plain
+    forward's."""
     args = dataclasses.replace(pair["args"], gradient_checkpointing=True)
     rollout, ignore = pair["rollout"], pair["ignore_ids"]
     weights = torch.randn(rollout.response_ids.shape, generator=torch.Generator().manual_seed(0))
@@ -406,6 +410,7 @@ def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equal
     for fn in (g.response_logps, fast.SharedPrefix.logps):
         torch.manual_seed(0)
         student = g.load_student(args, torch.float32)
+        move_b_off_zero(student)
         student.train()
         layer = next(m for m in student.modules() if type(m).__name__.endswith("DecoderLayer"))
         calls = []
@@ -416,6 +421,7 @@ def test_shared_forward_under_gradient_checkpointing_recomputes_layers_and_equal
         grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad}
         results[fn] = (logps.detach(), grads, forward_calls, len(calls))
     plain, shared = results[g.response_logps], results[fast.SharedPrefix.logps]
+    assert all(total > 0 for total in lora_gradients(plain[1]).values())
     assert plain[2:] == (1, 2)  # one forward, run again in backward
     assert shared[2:] == (2, 3)  # the prompt's forward (kept), the response's (run again in backward)
     valid = rollout.response_mask.bool()

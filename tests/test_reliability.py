@@ -1,7 +1,8 @@
 """Nothing lost on crashes or bad numbers.
 
 * kill -9 in the middle of a run, then the same command with --resume_from_checkpoint latest: every step's
-  metrics (timings aside) and the final adapter equal those of an uninterrupted run (CPU, fixed seed);
+  metrics (timings aside) and the final adapter equal those of an uninterrupted run (CPU, fixed seed), with LoRA
+  dropout on, so that the global RNG is drawn at every step and must be restored with the checkpoint;
 * a corrupted image in the middle of a local dataset: the row is skipped and counted, the run finishes;
 * a NaN loss skips the optimizer step (counted); K skips in a row stop the run with the last good
   checkpoint intact; NaN teacher log-probs are dropped and counted, or skip the step when nothing is left.
@@ -92,7 +93,8 @@ MAX_STEPS = 8
 
 
 def command(models: str, data: str, out: str, *extra: str) -> list[str]:
-    # warmup over 6 steps: the learning rate changes at every step, so a scheduler that is not restored shows
+    # warmup over 6 steps: the learning rate changes at every step, so a scheduler that is not restored shows;
+    # dropout draws the global RNG in every training forward, so an RNG state that is not restored shows
     return [
         sys.executable,
         SCRIPT,
@@ -118,6 +120,8 @@ def command(models: str, data: str, out: str, *extra: str) -> list[str]:
         "2",
         "--warmup_steps",
         "6",
+        "--lora_dropout",
+        "0.3",
         "--save_steps",
         "2",
         "--save_total_limit",
@@ -234,6 +238,9 @@ def test_kill_9_then_resume_latest_equals_an_uninterrupted_run(runs):
     assert [m["step"] for m in resumed] == list(range(1, MAX_STEPS + 1))  # lines logged after the checkpoint dropped
     assert [m["step"] for m in full] == list(range(1, MAX_STEPS + 1))
     assert len({m["lr"] for m in full}) >= 5  # warmup: the scheduler state matters at the resume point
+    # dropout: from step 2 on (B is off zero) the training forward differs from the sampling policy's (eval mode) by
+    # the RNG's draws
+    assert all(m["logp_mismatch"] > 1e-4 for m in full[1:])
     for a, b in zip(full, resumed):
         for key in a.keys() - TIMING_KEYS:
             assert a[key] == b[key] or (math.isnan(a[key]) and math.isnan(b[key])), (a["step"], key, a[key], b[key])

@@ -2,7 +2,9 @@
 step_prompts -> generate_and_score -> update_student -> step_metrics.
 
 * off-policy updates (K = steps_per_generation, E = num_iterations): the ratio leaves 1 and the clip acts,
-  GSPO and PPO then differ; K = E = 1 is the plain on-policy update (ratio 1, one optimizer step);
+  GSPO and PPO then differ, a clip acting on one side reads that side's bound alone; K = E = 1 is the plain
+  on-policy update (ratio 1, one optimizer step);
+* the LoRA adapter's B matrices start off zero here (tests/adapters.py), so that A's gradient is compared too;
 * the GNDPO math section of gndpo_minimal.py runs pasted alone into a file after `import torch`.
 """
 
@@ -14,6 +16,7 @@ import os
 import pytest
 import torch
 from accelerate.utils import set_seed
+from adapters import lora_gradients, move_b_off_zero
 
 import gndpo_minimal as g
 
@@ -28,7 +31,8 @@ SCRIPT = os.path.join(ROOT, "gndpo_minimal.py")
 
 @pytest.fixture(scope="module")
 def setup(untrained_models):
-    """Accelerator, models and one scored batch of 4 prompts x G = 2 (micro-batches of 2: 4 per step)."""
+    """Accelerator, models and one scored batch of 4 prompts x G = 2 (micro-batches of 2: 4 per step); the LoRA
+    adapter's B matrices off zero (tests/adapters.py), so that the update's paths through it all count."""
     args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
@@ -42,6 +46,7 @@ def setup(untrained_models):
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)  # the LoRA's random init: the same starting student whatever ran before in this process
     processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
+    move_b_off_zero(student)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
     models = g.make_models(args, accelerator, processor, student, teachers, log=lambda msg: None)
     student.train()
@@ -68,9 +73,20 @@ def fresh_models(setup, student=None) -> g.Models:
     return dataclasses.replace(setup["models"], student=student, teacher_forward=None, student_forward=None)
 
 
+def with_rates(update: dict) -> dict:
+    """update_student's sums over this process's tokens, with the metrics line's rates made of them (as step_metrics
+    makes them over the processes): clip_frac, ratio_mean, logp_mismatch."""
+    tokens = max(update["update_tokens"], 1.0)
+    return update | {
+        "clip_frac": update["clipped_tokens"] / tokens,
+        "ratio_mean": update["ratio_sum"] / tokens,
+        "logp_mismatch": update["mismatch_sum"] / max(update["mismatch_tokens"], 1.0),
+    }
+
+
 def run_update(setup, batch: g.ScoredBatch | None = None, **changes) -> tuple[dict, dict]:
     """update_student on a fresh copy of the student with Args changes, on the setup's batch or another;
-    returns (its metrics, the trained LoRA weights)."""
+    returns (its sums and rates (with_rates), the trained LoRA weights)."""
     args = dataclasses.replace(setup["args"], **changes)
     accelerator = setup["accelerator"]
     accum = g.check_args(args, 1)
@@ -85,7 +101,7 @@ def run_update(setup, batch: g.ScoredBatch | None = None, **changes) -> tuple[di
         args,
         log=lambda msg: None,
     )
-    return update, {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
+    return with_rates(update), {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.slow
@@ -190,14 +206,15 @@ def test_k_equal_e_equal_1_is_one_on_policy_update(setup):
     assert any(not torch.equal(weights[n], setup["lora"][n]) for n in weights)
 
 
-def repeated_batch(setup) -> g.ScoredBatch:
-    """The first micro-batch four times over, every sampled token with advantage +1: each of K = 4 updates
-    raises the probability of the same responses, so from the second update on their ratio is above 1 and,
-    at a large learning rate, beyond 1 + clip_high, where the clip must act."""
+def repeated_batch(setup, sign: float = 1.0) -> g.ScoredBatch:
+    """The first micro-batch four times over, every sampled token with advantage `sign`: each of K = 4 updates
+    raises (sign +1) or lowers (-1) the probability of the same responses, so from the second update on their ratio
+    is above (below) 1 and, at a large learning rate, beyond 1 + clip_high (below 1 - clip_low), where the clip must
+    act; the other bound never can (a positive advantage is clipped above only, a negative one below only)."""
     b, first = setup["batch"], setup["batch"].rollouts[0]
     n, R = first.response_ids.shape
     mask = b.response_mask[:n, :R].repeat(4, 1)  # (4n, R)
-    return dataclasses.replace(b, rollouts=[first] * 4, response_mask=mask, advantages=mask.float())
+    return dataclasses.replace(b, rollouts=[first] * 4, response_mask=mask, advantages=sign * mask.float())
 
 
 @pytest.mark.slow
@@ -222,9 +239,30 @@ def test_off_policy_updates_move_the_ratio_and_clip(setup):
     assert warm["lr"] == pytest.approx(5e-2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["upper", "lower"])
+def test_an_off_policy_clip_acting_on_one_side_reads_that_sides_bound_only(setup, sign):
+    """K = 4 updates on responses whose every token has advantage +1 (-1): only the upper (lower) bound can clip.
+    Moving the other bound from 0.2 to 0.28 changes nothing, bit for bit (an upper clip that read clip_low would
+    change); moving this side's bound changes the loss (a clipped token's is the bound's), the clipped fraction and
+    the trained weights."""
+    batch, off_policy = repeated_batch(setup, sign), dict(steps_per_generation=4, learning_rate=2e-2)
+    acting, other = ("clip_high", "clip_low") if sign > 0 else ("clip_low", "clip_high")
+    both, weights = run_update(setup, batch, **off_policy, clip_low=0.2, clip_high=0.2)
+    moved_other, other_weights = run_update(setup, batch, **off_policy, **{acting: 0.2, other: 0.28})
+    moved_acting, acting_weights = run_update(setup, batch, **off_policy, **{acting: 0.28, other: 0.2})
+    assert both["clip_frac"] > 0 and abs(both["ratio_mean"] - 1) > 0.05
+    untimed = lambda update: {k: v for k, v in update.items() if k != "time_update"}
+    assert untimed(moved_other) == untimed(both)
+    assert all(torch.equal(other_weights[n], weights[n]) for n in weights)
+    assert moved_acting["loss"] != both["loss"] and moved_acting["clip_frac"] < both["clip_frac"]
+    assert any(not torch.equal(acting_weights[n], weights[n]) for n in weights)
+
+
 @pytest.fixture(scope="module")
 def setup32(untrained_models):
-    """One scored batch of 8 prompts x G = 4 = 32 rows in one micro-batch, and what re-cuts it."""
+    """One scored batch of 8 prompts x G = 4 = 32 rows in one micro-batch, and what re-cuts it; the LoRA B matrices
+    off zero, so that A's gradient is compared too."""
     args = g.RunArgs(
         student_model=os.path.join(untrained_models, "student"),
         teacher_model=os.path.join(untrained_models, "teacher"),
@@ -239,6 +277,7 @@ def setup32(untrained_models):
     accelerator, _ = g.make_accelerator(args)
     set_seed(0)
     processor, student, teachers = g.load_models(args, accelerator, log=lambda msg: None)
+    move_b_off_zero(student)
     train_ds, keep, _, _ = g.load_data(args, processor, True, log=lambda msg: None)
     models = g.make_models(args, accelerator, processor, student, teachers, log=lambda msg: None)
     student.train()
@@ -254,18 +293,18 @@ def setup32(untrained_models):
     }
 
 
-def update_gradient(setup, batch: g.ScoredBatch, **changes) -> torch.Tensor:
-    """The gradient (all trainable parameters, flattened) that update_student's one update applies to a fresh copy
-    of the student, read when the optimizer steps."""
+def update_gradient(setup, batch: g.ScoredBatch, **changes) -> dict[str, torch.Tensor]:
+    """The gradient ({trainable parameter's name: its gradient}) that update_student's one update applies to a fresh
+    copy of the student, read when the optimizer steps."""
     args = dataclasses.replace(setup["args"], **changes)
     accelerator = setup["accelerator"]
     accum = g.check_args(args, 1)
     accelerator.gradient_accumulation_steps, accelerator.step = accum, 0  # a fresh count of micro-batches
     student, optimizer, scheduler = g.make_optimizer(args, accelerator, copy.deepcopy(setup["models"].student), accum)
-    params, grads, step = [p for p in student.parameters() if p.requires_grad], [], optimizer.step
+    params, grads, step = [(n, p) for n, p in student.named_parameters() if p.requires_grad], [], optimizer.step
 
     def record(*a, **k):
-        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        grads.append({n: p.grad.clone() for n, p in params})
         return step(*a, **k)
 
     optimizer.step = record
@@ -289,7 +328,10 @@ def test_the_gradient_does_not_depend_on_the_micro_batch_size(setup32, empty_row
     gradients = {}
     for size in (1, 4, 32):
         rollouts = g.cut_rollouts(setup32["processor"], setup32["prompts"], batch.rollouts, size, setup32["args"])
-        gradients[size] = update_gradient(setup32, dataclasses.replace(batch, rollouts=rollouts), micro_batch_size=size)
+        named = update_gradient(setup32, dataclasses.replace(batch, rollouts=rollouts), micro_batch_size=size)
+        if size == 32:
+            assert all(total > 0 for total in lora_gradients(named).values())  # A's and B's (B is off zero)
+        gradients[size] = torch.cat([grad.flatten() for grad in named.values()])
     assert gradients[32].norm() > 0
     for size in (1, 4):
         relative = ((gradients[size] - gradients[32]).norm() / gradients[32].norm()).item()

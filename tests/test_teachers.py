@@ -5,6 +5,7 @@ its weights each process holds after every kind of forward, and as many forwards
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -171,8 +172,9 @@ def test_each_row_is_scored_by_its_own_teacher_and_by_no_other(two_teacher_args,
     metrics = [json.loads(line) for line in open(os.path.join(args.output_dir, "metrics.jsonl"))]
     for m in metrics:
         assert {"teacher/a/reverse_kl", "teacher/b/reverse_kl", "teacher/a/adv_std", "teacher/b/score_std"} <= set(m)
-        for name in ("a", "b"):  # per_teacher: each teacher's advantages have unit spread (population std here)
-            assert m[f"teacher/{name}/adv_std"] == pytest.approx(1.0, abs=0.1)
+        for name in ("a", "b"):  # per_teacher: each teacher's n advantages whitened by their unbiased std, whose
+            n = m[f"teacher/{name}/tokens"]  # population std (the metric's) is then sqrt((n - 1) / n), not 1
+            assert n > 1 and m[f"teacher/{name}/adv_std"] == pytest.approx(math.sqrt((n - 1) / n), abs=1e-4)
         assert m["teacher/a/tokens"] + m["teacher/b/tokens"] == pytest.approx(m["response_length"] * 16, abs=0.5)
     for key in (
         "student_accuracy_before_per_teacher",
