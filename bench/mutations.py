@@ -67,11 +67,9 @@ MUTATIONS = [
         "self_teacher_adapter_on",
         "the LoRA self-teacher never disables the adapter (it scores with the trained student)",
         "gndpo_teachers.py",
-        "adapter_off = self.model.disable_adapter() if self.lora else contextlib.nullcontext()",
-        "adapter_off = contextlib.nullcontext()",
-        ("test_self_teacher.py",),
-        pending="issue 55 adds the self-teacher test with the adapter's B off zero (today's start from B = 0, "
-        "where the adapter on and off score alike)",
+        'self.model.disable_adapter() if self.lora and self.weights == "start" else contextlib.nullcontext()',
+        "contextlib.nullcontext()",
+        ("test_self_teacher.py::test_a_lora_self_teacher_holds_no_second_copy_and_reads_the_weights_it_is_told",),
     ),
     Mutation(
         "whitening_sign",
@@ -156,13 +154,53 @@ MUTATIONS = [
     ),
     Mutation(
         "op2sd_context_shift",
-        "OP2SD gives each prompt its own context (the shift to the next prompt's dropped)",
+        "OP2SD looks for a context at the prompt itself, never at the next prompts (the shift dropped)",
         "gndpo_teachers.py",
-        "first[groups[(k + 1) % len(groups)]]",
+        "first[groups[(k + d) % n]]",
         "first[groups[k]]",
-        ("test_self_teacher.py::test_op2sd_gives_each_prompt_another_prompts_context_shared_by_its_samples",),
+        (
+            "test_self_teacher.py::test_op2sd_takes_the_next_prompt_whose_context_text_differs",
+            "test_self_teacher.py::test_op2sd_never_hands_a_prompt_its_own_context_text_and_drops_what_it_cannot_serve",
+        ),
     ),
-    # issue 51's dense divergence (gndpo_extras / gndpo_fast): its entry goes here once the code exists
+    Mutation(
+        "op2sd_own_text_allowed",
+        "OP2SD may hand a prompt another row's context that holds its own context's text (its own answer)",
+        "gndpo_teachers.py",
+        "refused = {g: {texts[first[g]]} for g in groups}",
+        "refused = {g: set() for g in groups}",
+        (
+            "test_self_teacher.py::test_op2sd_takes_the_next_prompt_whose_context_text_differs",
+            "test_self_teacher.py::test_op2sd_never_hands_a_prompt_its_own_context_text_and_drops_what_it_cannot_serve",
+        ),
+    ),
+    Mutation(
+        "dense_reference_direction",
+        "the dense reference's forward KL (beta 0) computes the reverse one",
+        "gndpo_extras.py",
+        "return _kl_terms(t, s)",
+        "return _kl_terms(s, t)",
+        (
+            "test_dense.py::test_the_reference_is_trls_generalized_jsd_in_value_and_gradient",
+            "test_dense.py::test_the_top_k_reference_is_the_tail_bucket_formula",
+        ),
+    ),
+    Mutation(
+        "dense_head_gradient",
+        "the chunked reverse KL's gradient leaves out its p_s term",
+        "gndpo_fast.py",
+        "return terms.sum(-1), terms + ps",
+        "return terms.sum(-1), terms",
+        ("test_dense.py::test_the_chunked_path_equals_the_reference_in_value_and_gradient",),
+    ),
+    Mutation(
+        "dense_head_normalizers",
+        "the chunked reverse KL leaves out the two log-normalizers (its value off by lse_t - lse)",
+        "gndpo_fast.py",
+        'gap / student.sum - out["lse"] + out["lse_t"]',
+        "gap / student.sum",
+        ("test_dense.py::test_the_chunked_path_equals_the_reference_in_value_and_gradient",),
+    ),
 ]
 
 
