@@ -184,10 +184,10 @@ MUTATIONS = [
     ),
     Mutation(
         "dense_head_gradient",
-        "the chunked reverse KL's gradient leaves out its p_s term",
+        "the chunked generalized JSD's gradient leaves out its (1 - beta) weight",
         "gndpo_fast.py",
-        "return terms.sum(-1), terms + ps",
-        "return terms.sum(-1), terms",
+        "(1 - beta) * student.sum(-1), (1 - beta) * student",
+        "(1 - beta) * student.sum(-1), student",
         ("test_dense.py::test_the_chunked_path_equals_the_reference_in_value_and_gradient",),
     ),
     Mutation(
