@@ -1,6 +1,6 @@
 """The mutation check: does the suite catch the method and its machinery broken on purpose?
 
-    python bench/mutations.py                          # every mutation, then the table (15-30 minutes on 2 cores)
+    python bench/mutations.py                          # every mutation, then the table (minutes on 2 cores)
     python bench/mutations.py whitening_sign rng_reseeded_after_restore   # some of them
     python bench/mutations.py --list                   # each mutation: its file, anchor and tests, nothing run
     python bench/mutations.py --markdown               # the table as docs/tests.md holds it
@@ -304,7 +304,7 @@ def markdown(selected: list[Mutation], outcome: dict, commit: str) -> str:
     minutes = sum(r["seconds"] for r in outcome["mutations"].values()) / 60
     lines = [
         f"Run on {commit} by `python bench/mutations.py`: the unbroken copy's tests in "
-        f"{outcome['baseline']['seconds'] / 60:.0f} minutes, then {minutes:.0f} minutes for the mutations, each "
+        f"{outcome['baseline']['seconds'] / 60:.1f} minutes, then {minutes:.1f} minutes for the mutations, each "
         "running its own tests only.",
         "",
         "| mutation | what it breaks | file | caught by |",

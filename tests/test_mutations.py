@@ -57,3 +57,17 @@ def test_an_anchor_found_twice_or_not_at_all_is_refused(tmp_path):
     for m, found in ((twice, 2), (gone, 0)):
         with pytest.raises(ValueError, match=f"found {found} times"):
             mutations.apply(m, str(tmp_path))
+
+
+def test_docs_table_holds_every_mutation_of_the_list_each_caught():
+    """docs/tests.md's table is the last run's output for today's list: one row per mutation, each caught by at
+    least one of the tests the mutation names (a mutation added or renamed since the table was run fails here)."""
+    with open(os.path.join(ROOT, "docs", "tests.md")) as f:
+        rows = {
+            m.group(1): m.group(2)
+            for m in re.finditer(r"^\| `([a-z0-9_]+)` \| [^|]+ \| `[^`]+` \| (.+) \|$", f.read(), re.M)
+        }
+    assert set(rows) == {m.name for m in mutations.MUTATIONS}, set(rows) ^ {m.name for m in mutations.MUTATIONS}
+    for m in mutations.MUTATIONS:
+        caught = re.findall(r"`([^`]+)`", rows[m.name])
+        assert caught and set(caught) <= set(m.tests), f"{m.name}: {rows[m.name]}"
