@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
+import os
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -466,7 +468,7 @@ def template_problem(template: str) -> str | None:
 def check_args(script, args, num_processes: int) -> list[str]:
     """The problems with this module's flags in the run's arguments (several teachers, the sharded teacher, the
     self-teacher), each a line naming the flag and the fix."""
-    problems = []
+    problems = list(filter(None, [moving_average_resume(script, args)]))
     many = "=" in args.teacher_model and len(teacher_paths(args.teacher_model)) > 1
     if args.advantage_mode == "per_teacher" and not many:
         problems.append(
@@ -510,6 +512,27 @@ def check_args(script, args, num_processes: int) -> list[str]:
             "so every score is rounding noise (which global whitening scales up): use start or ema, or a context"
         )
     return problems
+
+
+def moving_average_resume(script, args) -> str | None:
+    """A resume from a checkpoint saved with the self-teacher's moving average by a run without it, or the reverse, as
+    a line: Accelerate would fail to load its states (it restores the objects registered for checkpointing by count)."""
+    resume = args.resume_from_checkpoint
+    found = script.list_checkpoints(args.output_dir) if resume == "latest" else [(0, resume)]
+    state = os.path.join(found[-1][1], "trainer_state.json") if resume and found else ""
+    if not os.path.isfile(state):  # a fresh start, or a checkpoint the script refuses itself
+        return None
+    with open(state) as f:
+        saved = json.load(f)["args"]
+    averaged = [a.get("teacher_model") == SELF and a.get("self_teacher_weights") == "ema" for a in (saved, vars(args))]
+    if averaged[0] == averaged[1]:
+        return None
+    flags = f"--teacher_model {saved.get('teacher_model')} --self_teacher_weights {saved.get('self_teacher_weights')}"
+    which = "which this run keeps" if averaged[1] else "which this run does not keep"
+    return (
+        f"{os.path.dirname(state)} was saved {'with' if averaged[0] else 'without'} the self-teacher's moving average "
+        f"(--self_teacher_weights ema), {which}: resume with its {flags}, or start over in another --output_dir"
+    )
 
 
 def own_teachers(args, teachers: dict, student, accelerator, log=print) -> None:

@@ -641,6 +641,45 @@ def test_bad_self_teacher_input_is_refused_before_any_model_loads(untrained_mode
         g.prepare_split(g.load_split(missing, "train"), missing, processor, "train", 8, log=None)
 
 
+def test_a_resume_that_would_add_or_drop_the_moving_average_is_refused_before_any_model_loads(
+    untrained_models, tmp_path
+):
+    """Accelerate restores the objects registered for checkpointing by count, so a checkpoint saved with the moving
+    average cannot resume a run without it, nor the reverse (it failed with a traceback once the models had loaded):
+    check_args names the checkpoint and the flags it was saved with; the same flags, or weights that keep no
+    average, resume as before."""
+    args = self_args(untrained_models, tmp_path, resume_from_checkpoint="latest")
+    for saved_weights in ("ema", "start"):
+        folder = os.path.join(args.output_dir, "checkpoint-2")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+            saved = dataclasses.asdict(dataclasses.replace(args, self_teacher_weights=saved_weights))
+            json.dump({"step": 2, "counters": {}, "args": saved}, f)
+        with pytest.raises(g.UsageError) as e:
+            g.check_args(
+                dataclasses.replace(args, self_teacher_weights="start" if saved_weights == "ema" else "ema"), 1
+            )
+        said = "with" if saved_weights == "ema" else "without"
+        assert str(e.value) == (
+            f"{folder} was saved {said} the self-teacher's moving average (--self_teacher_weights ema), which "
+            f"this run {'does not keep' if said == 'with' else 'keeps'}: resume with its --teacher_model self "
+            f"--self_teacher_weights {saved_weights}, or start over in another --output_dir"
+        )
+        g.check_args(dataclasses.replace(args, self_teacher_weights=saved_weights), 1)  # the same flags resume
+        other = dataclasses.replace(
+            args, teacher_model=os.path.join(untrained_models, "teacher"), privileged_column=None
+        )
+        if saved_weights == "ema":  # nor does a run with a teacher of its own resume an averaged checkpoint
+            with pytest.raises(g.UsageError, match="which this run does not keep"):
+                g.check_args(dataclasses.replace(other, self_teacher_weights="start"), 1)
+        else:
+            g.check_args(dataclasses.replace(args, self_teacher_weights="current"), 1)  # start and current: no average
+    with pytest.raises(
+        g.UsageError, match="saved without the self-teacher's moving average"
+    ):  # a folder named outright
+        g.check_args(dataclasses.replace(args, resume_from_checkpoint=folder, self_teacher_weights="ema"), 1)
+
+
 @pytest.mark.slow
 def test_a_self_teacher_flag_without_the_self_teacher_stops_the_command_line_in_one_line():
     """`gndpo_minimal.py --privileged_source other` with the default teacher: exit code 2 and one line naming the
