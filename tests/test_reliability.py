@@ -13,13 +13,12 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import datasets
 import pytest
 import torch
+from kill_9 import kill_9_then_resume
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
@@ -152,42 +151,11 @@ def runs(untrained_models, dataset_dir, tmp_path_factory) -> dict:
     """An uninterrupted run and a run killed with SIGKILL mid-step then resumed with the same command."""
     base = tmp_path_factory.mktemp("runs")
     full_out, killed_out = str(base / "full"), str(base / "killed")
-    logs = {name: open(base / f"{name}.log", "w+") for name in ("full", "killed", "resumed")}
-    children = []
-    try:
-        # the two first runs side by side: the uninterrupted one is the reference
-        full = subprocess.Popen(
-            command(untrained_models, dataset_dir, full_out),
-            env=subprocess_env(),
-            stdout=logs["full"],
-            stderr=subprocess.STDOUT,
-        )
-        children.append(full)
-        killed = subprocess.Popen(
-            command(untrained_models, dataset_dir, killed_out),
-            env=subprocess_env(),
-            stdout=logs["killed"],
-            stderr=subprocess.STDOUT,
-        )
-        children.append(killed)
-        metrics_path = os.path.join(killed_out, "metrics.jsonl")
-        killed_at, deadline = None, time.time() + 1200  # generous: a loaded CI machine starts python slowly
-        while killed.poll() is None and time.time() < deadline:
-            lines = open(metrics_path).read().count("\n") if os.path.exists(metrics_path) else 0
-            # a checkpoint exists and a later step has finished: the next step (or a save) is in flight
-            if g.list_checkpoints(killed_out) and lines >= 3:
-                killed.send_signal(signal.SIGKILL)
-                killed_at = lines
-                break
-            time.sleep(0.02)
-        killed.wait(timeout=60)
-        full.wait(timeout=1200)
+
+    def at_kill() -> dict:
         state = {
-            "killed_returncode": killed.returncode,
-            "killed_at": killed_at,
             "checkpoints_at_kill": [s for s, _ in g.list_checkpoints(killed_out)],
             "metrics_at_kill": len(read_metrics(killed_out)),
-            "full_returncode": full.returncode,
             "summary_at_kill": read_json(os.path.join(killed_out, "summary.json")),
         }
         # leftovers that "latest" must ignore: an unfinished save and a folder without trainer_state.json
@@ -195,26 +163,17 @@ def runs(untrained_models, dataset_dir, tmp_path_factory) -> dict:
         with open(os.path.join(killed_out, "checkpoint-99.tmp", "trainer_state.json"), "w") as f:
             json.dump({"step": 99, "counters": {}}, f)
         os.makedirs(os.path.join(killed_out, "checkpoint-98"))
-        resumed = subprocess.Popen(
-            command(untrained_models, dataset_dir, killed_out, "--resume_from_checkpoint", "latest"),
-            env=subprocess_env(),
-            stdout=logs["resumed"],
-            stderr=subprocess.STDOUT,
-        )
-        children.append(resumed)
-        state["resumed_returncode"] = resumed.wait(timeout=1200)
-    finally:
-        for child in children:  # never leave a training process behind, whatever failed above
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-        for name, f in logs.items():
-            f.seek(0)
-            logs[name] = f.read()
-            f.close()
-    state.update({name + "_log": text for name, text in logs.items()})
-    state.update(full_out=full_out, killed_out=killed_out)
-    return state
+        return state
+
+    state = kill_9_then_resume(
+        lambda out, *extra: command(untrained_models, dataset_dir, out, *extra),
+        full_out,
+        killed_out,
+        str(base),
+        subprocess_env(),
+        at_kill,
+    )
+    return state | {"full_out": full_out, "killed_out": killed_out}
 
 
 def test_kill_9_then_resume_latest_equals_an_uninterrupted_run(runs):

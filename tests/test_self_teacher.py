@@ -14,13 +14,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import datasets
 import pytest
 import torch
 from accelerate.utils import extract_model_from_parallel as unwrap  # the model inside a DDP wrapper
 from accelerate.utils import set_seed
+from kill_9 import kill_9_then_resume
 
 import gndpo_minimal as g
 import gndpo_teachers as gt
@@ -489,43 +489,18 @@ def test_the_moving_average_continues_after_kill_9_as_in_an_uninterrupted_run(un
     tensor equal), every step's metrics equal (timings aside) and the same adapter. The average is neither the
     trained adapter nor its start (decay 0.5), so a resume that started it over would show."""
     full_out, killed_out = str(tmp_path / "full"), str(tmp_path / "killed")
-    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("full", "killed", "resumed")}
-    children = []
-    try:
-        for name, out in (("full", full_out), ("killed", killed_out)):
-            cmd = kill_9_command(untrained_models, out)
-            children.append(subprocess.Popen(cmd, env=ENV, stdout=logs[name], stderr=subprocess.STDOUT))
-        full, killed = children
-        deadline, killed_at = time.time() + 1200, None
-        while killed.poll() is None and time.time() < deadline:
-            lines = len(read_lines(killed_out)) if os.path.exists(os.path.join(killed_out, "metrics.jsonl")) else 0
-            if g.list_checkpoints(killed_out) and lines >= 3:  # a later step is done: the next one is in flight
-                killed.send_signal(signal.SIGKILL)
-                killed_at = lines
-                break
-            time.sleep(0.02)
-        killed.wait(timeout=60)
-        resumed_from = max(s for s, _ in g.list_checkpoints(killed_out))
-        resumed = subprocess.Popen(
-            kill_9_command(untrained_models, killed_out, "--resume_from_checkpoint", "latest"),
-            env=ENV,
-            stdout=logs["resumed"],
-            stderr=subprocess.STDOUT,
-        )
-        children.append(resumed)
-        assert full.wait(timeout=1200) == 0 and resumed.wait(timeout=1200) == 0
-    finally:
-        for child in children:  # never leave a training process behind, whatever failed above
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-        for f in logs.values():
-            f.close()
-    assert killed_at is not None and killed.returncode == -signal.SIGKILL and killed_at < 6
-    assert (
-        f"resumed from {os.path.join(killed_out, f'checkpoint-{resumed_from}')}"
-        in open(tmp_path / "resumed.log").read()
+    runs = kill_9_then_resume(
+        lambda out, *extra: kill_9_command(untrained_models, out, *extra),
+        full_out,
+        killed_out,
+        str(tmp_path),
+        ENV,
+        lambda: {"resumed_from": max(s for s, _ in g.list_checkpoints(killed_out))},
     )
+    assert runs["full_returncode"] == 0 and runs["resumed_returncode"] == 0, runs["resumed_log"][-3000:]
+    killed_at, resumed_from = runs["killed_at"], runs["resumed_from"]
+    assert killed_at is not None and runs["killed_returncode"] == -signal.SIGKILL and killed_at < 6
+    assert f"resumed from {os.path.join(killed_out, f'checkpoint-{resumed_from}')}" in runs["resumed_log"]
     a, b = read_lines(full_out), read_lines(killed_out)
     assert [m["step"] for m in b] == list(range(1, 7))
     for x, y in zip(a, b):
