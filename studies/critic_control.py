@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import add_allow_dirty, load_run, p_floor, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, collect, load_run, p_floor, provenance, run, write  # noqa: E402
 
 NAME = "critic_control"
 ARMS = ["none", "global", "constant", "shuffle", "seqmean", "matched"]
@@ -284,16 +284,6 @@ def page(rec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def collect(runs_dir: str) -> dict:
-    rows = {}
-    for seed in SEEDS:
-        for arm in ARMS:
-            r = read_run(os.path.join(runs_dir, f"{arm}_seed{seed}"))
-            if r is not None:
-                rows[arm, seed] = {**r, "name": f"{arm}_seed{seed}", "arm": arm, "seed": seed}
-    return rows
-
-
 def main() -> None:
     if "--train" in sys.argv[1:]:
         argv = sys.argv[1:]
@@ -311,7 +301,7 @@ def main() -> None:
             for arm in ARMS:
                 if not os.path.exists(os.path.join(args.runs_dir, f"{arm}_seed{seed}", "study.json")):
                     run_one(args.runs_dir, arm, seed, made_by)
-    rows = collect(args.runs_dir)
+    rows = collect(args.runs_dir, read_run, SEEDS, ARMS)
     if any(all((a, s) in rows for a in ARMS) for s in SEEDS):
         write(NAME, args.runs_dir, rows, analyse, page)
 

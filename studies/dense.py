@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import load_run, provenance, run, write  # noqa: E402
+from study_runs import collect, load_run, provenance, run, write  # noqa: E402
 
 NAME = "dense"
 DENSE = ["--dense_weight", "1", "--dense_beta", "1"]
@@ -222,16 +222,6 @@ def page(rec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def collect(runs_dir: str) -> dict:
-    rows = {}
-    for seed in SEEDS:
-        for arm in ARMS:
-            r = read_run(os.path.join(runs_dir, f"{arm}_seed{seed}"))
-            if r is not None:
-                rows[arm, seed] = {**r, "name": f"{arm}_seed{seed}", "arm": arm, "seed": seed}
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs", NAME))
@@ -243,7 +233,7 @@ def main() -> None:
             for arm in ARMS:
                 if not os.path.exists(os.path.join(args.runs_dir, f"{arm}_seed{seed}", "study.json")):
                     run_one(args.runs_dir, arm, seed, made_by)
-    rows = collect(args.runs_dir)
+    rows = collect(args.runs_dir, read_run, SEEDS, ARMS)
     if any(all((a, s) in rows for a in ARMS) for s in SEEDS):
         write(NAME, args.runs_dir, rows, analyse, page)
 

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from study_runs import add_allow_dirty, load_run, p_floor, provenance, run, write  # noqa: E402
+from study_runs import add_allow_dirty, collect, load_run, p_floor, provenance, run, write  # noqa: E402
 
 NAME = "spike_replication"
 MODES = ["none", "center", "scale", "global"]
@@ -231,16 +231,6 @@ def page(rec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def collect(runs_dir: str) -> dict:
-    rows = {}
-    for seed in SEEDS:
-        for mode in MODES:
-            r = read_run(os.path.join(runs_dir, f"{mode}_seed{seed}"))
-            if r is not None:
-                rows[mode, seed] = {**r, "name": f"{mode}_seed{seed}", "mode": mode, "seed": seed}
-    return rows
-
-
 def main() -> None:
     sys.path[:0] = [HERE]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,7 +245,7 @@ def main() -> None:
             for mode in MODES:
                 if not os.path.exists(os.path.join(args.runs_dir, f"{mode}_seed{seed}", "study.json")):
                     run_one(args.runs_dir, mode, seed, made_by)
-    rows = collect(args.runs_dir)
+    rows = collect(args.runs_dir, read_run, SEEDS, MODES, key="mode")
     complete = [s for s in SEEDS if all((m, s) in rows for m in MODES)]
     if complete == SEEDS:
         write(NAME, args.runs_dir, rows, analyse, page)

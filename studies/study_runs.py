@@ -159,6 +159,18 @@ def p_floor(seeds: int, family: int) -> str:
     )
 
 
+def collect(runs_dir: str, read_run, seeds, arms, key: str = "arm") -> dict:
+    """{(arm, seed): read_run's figures of runs_dir/<arm>_seed<seed>, with its name, arm (as key) and seed} of the
+    runs read_run finds finished (None: not yet), seed by seed."""
+    rows = {}
+    for seed in seeds:
+        for arm in arms:
+            name = f"{arm}_seed{seed}"
+            if (r := read_run(os.path.join(runs_dir, name))) is not None:
+                rows[arm, seed] = {**r, "name": name, key: arm, "seed": seed}
+    return rows
+
+
 def write(name: str, runs_dir: str, rows: dict, analyse, page) -> dict:
     """analyse(rows)'s result, recorded with the runs of the seeds it used and published as page(record)."""
     result = analyse(rows)
